@@ -1,0 +1,79 @@
+"""Algorithm parameters (DESIGN §1) as a frozen dataclass, validated before anything runs.
+
+Defaults are the paper's at scale (P = H = 24, tau = 2, K = 1, gamma = 0.5, outer SGD lr 0.7 Nesterov 0.9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.errors import ConfigError
+
+MERGE_METHODS = ("rda", "mean")
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """How fragments are cut, scheduled, collected and merged."""
+
+    fragments: int = field(default=24, metadata={"help": "P: number of parameter fragments"})
+    sync_every: int = field(default=24, metadata={"help": "H: inner steps between two syncs of a fragment"})
+    overlap: int = field(
+        default=2, metadata={"help": "tau: steps a merged fragment is expected to take back"}
+    )
+    quorum: int = field(default=1, metadata={"help": "K: minimum learners merged per round"})
+    grace: bool = field(default=True, metadata={"help": "wait an adaptive grace window for stragglers"})
+    grace_gamma: float = field(default=0.5, metadata={"help": "gamma < 1: share of the spare budget to wait"})
+    ema_beta: float = field(default=0.8, metadata={"help": "smoothing of the measured times (xi) EMAs"})
+    outer_lr: float = field(default=0.7, metadata={"help": "outer SGD learning rate"})
+    outer_momentum: float = field(default=0.9, metadata={"help": "outer SGD Nesterov momentum"})
+    alpha: float = field(default=0.0, metadata={"help": "adoption mix: theta <- a*theta + (1-a)*Theta"})
+    merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
+    codec: str = field(default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4"})
+    codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})
+    history: int = field(default=16, metadata={"help": "global rounds kept per fragment to anchor old bases"})
+
+    def __post_init__(self) -> None:
+        from protocol.codecs import CODECS  # local: codecs imports torch, config should stay light
+
+        def bad(name: str, value: object, want: str) -> ConfigError:
+            return ConfigError(f"{name}={value!r} is invalid: {want}")
+
+        if self.fragments < 1:
+            raise bad("fragments", self.fragments, "need at least 1 fragment")
+        if self.sync_every < 1:
+            raise bad("sync_every", self.sync_every, "H must be >= 1")
+        if not 0 <= self.overlap < self.sync_every:
+            raise bad("overlap", self.overlap, f"tau must satisfy 0 <= tau < H (H={self.sync_every})")
+        if self.quorum < 1:
+            raise bad("quorum", self.quorum, "K must be >= 1")
+        if not 0.0 <= self.grace_gamma < 1.0:
+            raise bad("grace_gamma", self.grace_gamma, "gamma must be in [0, 1)")
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise bad("ema_beta", self.ema_beta, "beta must be in [0, 1)")
+        if self.outer_lr <= 0:
+            raise bad("outer_lr", self.outer_lr, "must be > 0")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise bad("outer_momentum", self.outer_momentum, "must be in [0, 1)")
+        if not 0.0 <= self.alpha < 1.0:
+            raise bad("alpha", self.alpha, "must be in [0, 1); 0 means overwrite")
+        if self.merge not in MERGE_METHODS:
+            raise bad("merge", self.merge, f"choose one of {', '.join(MERGE_METHODS)}")
+        if self.codec not in CODECS:
+            raise bad("codec", self.codec, f"unknown codec; choose one of {', '.join(sorted(CODECS))}")
+        if self.codec_block < 1:
+            raise bad("codec_block", self.codec_block, "must be >= 1")
+        if self.history < 2:
+            raise bad("history", self.history, "keep at least 2 rounds")
+
+    def check_swarm(self, learners: int, tensors: int) -> None:
+        """Validate against the run: M learners and a model with ``tensors`` parameter tensors."""
+        if learners < 1:
+            raise ConfigError(f"learners={learners} is invalid: need at least 1")
+        if self.quorum > learners:
+            raise ConfigError(f"quorum={self.quorum} is invalid: K cannot exceed the {learners} learners (M)")
+        if self.fragments > tensors:
+            raise ConfigError(
+                f"fragments={self.fragments} is invalid: the model has only {tensors} parameter tensors and a "
+                f"fragment holds whole tensors; use --fragments {tensors} or fewer"
+            )

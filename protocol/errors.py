@@ -1,0 +1,44 @@
+"""One hierarchy of errors for the whole project, and the one list of wire refusal codes.
+
+``DDiLoCoError`` is the root. ``ConfigError`` means a user asked for something impossible before anything
+ran; ``ProtocolError`` means a message or state broke a rule of the protocol (and carries a ``RejectCode``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class DDiLoCoError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ConfigError(DDiLoCoError, ValueError):
+    """A configuration value is invalid; the message names the value and says what would be valid."""
+
+
+class DataError(DDiLoCoError):
+    """Training data could not be read or is unusable."""
+
+
+class RejectCode(enum.Enum):
+    """Why a message was refused. Sent back to the sender and counted in status."""
+
+    MALFORMED = "malformed"  # could not be decoded at all
+    WRONG_FRAGMENT = "wrong_fragment"  # names a fragment this run does not have
+    WRONG_SHAPE = "wrong_shape"  # a tensor's name, shape or dtype differs from the fragment's
+    NOT_FINITE = "not_finite"  # NaN or inf in a tensor
+    STALE_BASE = "stale_base"  # based on a global round we no longer keep
+    FUTURE_BASE = "future_base"  # based on a round that has not happened yet
+    BAD_COUNTERS = "bad_counters"  # c_steps/c_tokens not positive
+    TOO_LARGE = "too_large"  # payload or norm over the configured bound
+    UNKNOWN_PEER = "unknown_peer"  # sender is not a member of the swarm
+    UNKNOWN_CODEC = "unknown_codec"  # codec name we cannot decode
+
+
+class ProtocolError(DDiLoCoError):
+    """A message broke a protocol rule. ``code`` says which; state is unchanged."""
+
+    def __init__(self, code: RejectCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code

@@ -1,0 +1,96 @@
+"""Goodput from event records, defined once for every system (DESIGN §2).
+
+goodput = useful learner compute time / allocated learner time, summed over learners.
+
+Records are dicts (one JSON line each). The ones read here:
+  run        {t0, t1, learners: [...], shares: [fraction of parameters per fragment]}
+  step       {learner, step, t0, t1}
+  contribute {learner, fragment, step, cid}
+  merge      {fragment, round, cids: [...]}
+  down / up  {learner, t}        block {learner, t0, t1}
+
+A step's work on fragment p reaches the global model through the learner's next contribution of p at or
+after that step; the step counts as useful for p's share of parameters if that contribution was merged.
+Steps whose next contribution had not been sent when the run ended are pending: they are left out of both
+sides of the ratio rather than guessed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Goodput:
+    goodput: float
+    useful_s: float
+    allocated_s: float
+    down_s: float
+    blocked_s: float
+    dropped_s: float
+    pending_s: float
+    steps: int
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in vars(self).items()}
+
+
+def compute_goodput(records: Iterable[dict]) -> Goodput:
+    run = None
+    steps: dict[str, list[tuple[int, float]]] = defaultdict(list)  # learner -> [(step, duration)]
+    contribs: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(
+        list
+    )  # (learner, p) -> [(step, cid)]
+    merged: set[str] = set()
+    down_s = blocked_s = 0.0
+    down_at: dict[str, float] = {}
+    for r in records:
+        kind = r.get("kind")
+        if kind == "run":
+            run = r
+        elif kind == "step":
+            steps[r["learner"]].append((r["step"], r["t1"] - r["t0"]))
+        elif kind == "contribute":
+            contribs[(r["learner"], r["fragment"])].append((r["step"], r["cid"]))
+        elif kind == "merge":
+            merged.update(r["cids"])
+        elif kind == "down":
+            down_at[r["learner"]] = r["t"]
+        elif kind == "up" and r["learner"] in down_at:
+            down_s += r["t"] - down_at.pop(r["learner"])
+        elif kind == "block":
+            blocked_s += r["t1"] - r["t0"]
+    if run is None:
+        raise ValueError("event records have no 'run' record; cannot compute goodput")
+    for t in down_at.values():
+        down_s += run["t1"] - t
+    shares = run["shares"]
+    useful = dropped = pending = 0.0
+    n_steps = 0
+    for learner, lst in steps.items():
+        for p, share in enumerate(shares):
+            cl = sorted(contribs.get((learner, p), []))
+            keys = [s for s, _ in cl]
+            for step, dur in lst:
+                i = bisect.bisect_left(keys, step)
+                if i == len(keys):
+                    pending += dur * share
+                elif cl[i][1] in merged:
+                    useful += dur * share
+                else:
+                    dropped += dur * share
+        n_steps += len(lst)
+    allocated = (run["t1"] - run["t0"]) * len(run["learners"]) - pending
+    return Goodput(
+        goodput=useful / allocated if allocated > 0 else 0.0,
+        useful_s=useful,
+        allocated_s=allocated,
+        down_s=down_s,
+        blocked_s=blocked_s,
+        dropped_s=dropped,
+        pending_s=pending,
+        steps=n_steps,
+    )

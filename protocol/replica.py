@@ -1,0 +1,111 @@
+"""A replica of one global fragment: Theta_p, its outer momentum, and a short history of past rounds.
+
+Every node keeps one per fragment (DESIGN §4, replicated global state). The synchroniser of a round turns
+contributions into a ``MergeRecord`` with ``make_record``; every replica, the synchroniser's included,
+applies that record with ``apply_record`` and checks it lands on the record's hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError, RejectCode
+from protocol.hashing import tensors_hash
+from protocol.merge import anchor, contribution_weight, merge_deltas, outer_step
+from protocol.synchroniser import Contribution
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    fragment: int
+    round: int
+    parent_hash: str
+    new_hash: str
+    contributors: tuple[tuple[str, str, float, int, int], ...]  # (learner, cid, weight, c_steps, c_tokens)
+    grad: Mapping[str, torch.Tensor]  # the merged outer gradient
+
+
+class FragmentReplica:
+    def __init__(self, index: int, theta: Mapping[str, torch.Tensor], is_embedding: bool, history: int = 16):
+        self.index = index
+        self.is_embedding = is_embedding
+        self.theta = {k: v.detach().to(torch.float32).clone() for k, v in theta.items()}
+        self.momentum = {k: torch.zeros_like(v) for k, v in self.theta.items()}
+        self.round = 0
+        self._history_len = history
+        self.history: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict({0: self.theta})
+        self._hash = tensors_hash(self.theta)
+
+    @property
+    def hash(self) -> str:
+        return self._hash
+
+    def base(self, round_: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.history[round_]
+        except KeyError:
+            raise ProtocolError(
+                RejectCode.STALE_BASE,
+                f"fragment {self.index} no longer keeps round {round_} (now at {self.round})",
+            ) from None
+
+    def check_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """Shape, name and finiteness checks of a decoded outer gradient against this fragment."""
+        if set(delta) != set(self.theta):
+            raise ProtocolError(
+                RejectCode.WRONG_SHAPE,
+                f"fragment {self.index} expects tensors {sorted(self.theta)}, got {sorted(delta)}",
+            )
+        for k, d in delta.items():
+            if tuple(d.shape) != tuple(self.theta[k].shape):
+                raise ProtocolError(
+                    RejectCode.WRONG_SHAPE, f"{k}: shape {tuple(d.shape)} != {tuple(self.theta[k].shape)}"
+                )
+            if not torch.isfinite(d).all():
+                raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
+
+    def make_record(
+        self, round_: int, contributions: Sequence[Contribution], cfg: ProtocolConfig
+    ) -> MergeRecord:
+        if round_ != self.round + 1:
+            raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
+        weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
+        deltas = [anchor(self.theta, self.base(c.base_round), c.delta) for c in contributions]
+        method = "mean" if self.is_embedding else cfg.merge
+        grad = merge_deltas(deltas, weights, method)
+        new_theta, _ = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
+        return MergeRecord(
+            fragment=self.index,
+            round=round_,
+            parent_hash=self._hash,
+            new_hash=tensors_hash(new_theta),
+            contributors=tuple(
+                (c.learner, c.cid, w, c.c_steps, c.c_tokens) for c, w in zip(contributions, weights)
+            ),
+            grad=grad,
+        )
+
+    def apply_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
+        if rec.round != self.round + 1 or rec.parent_hash != self._hash:
+            raise ProtocolError(
+                RejectCode.STALE_BASE,
+                f"record for round {rec.round} (parent "
+                f"{rec.parent_hash[:8]}) does not follow round {self.round} ({self._hash[:8]})",
+            )
+        theta, mom = outer_step(self.theta, self.momentum, rec.grad, cfg.outer_lr, cfg.outer_momentum)
+        new_hash = tensors_hash(theta)
+        if new_hash != rec.new_hash:
+            raise ProtocolError(
+                RejectCode.MALFORMED,
+                f"round {rec.round} of fragment {self.index} lands on "
+                f"{new_hash[:8]}, record says {rec.new_hash[:8]}",
+            )
+        self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
+        self.history[rec.round] = theta
+        while len(self.history) > self._history_len:
+            self.history.popitem(last=False)

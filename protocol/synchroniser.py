@@ -1,0 +1,223 @@
+"""The synchroniser of one fragment as a pure state machine (DESIGN §1 steps 1-2 and 7).
+
+``(state, event, now) -> Decision(state, actions, reason)``. Events: a contribution arrives, time passes
+(``on_tick``), the live membership changes, the driver finished a merge (``on_merged``). The driver does
+the I/O and the tensor arithmetic (``protocol.merge``); this module only decides *when* and *with whom*.
+
+Round numbering: the global fragment after g merges is round g (round 0 is the initial model). The open
+round is g + 1. A contribution names the global round it was taken against (its base); a base older than
+``history`` rounds can no longer be re-anchored and is refused.
+
+Grace window, measured from the moment quorum is reached:
+    grace = gamma * (tau * xi_step - xi_quorum - xi_sync), clamped to [0, gamma * tau * xi_step]
+where xi_step is the learners' reported step time, xi_quorum the time from a round's first contribution to
+its quorum, xi_sync the time a merge takes to reach the learners, each an exponential moving average.
+The first contributor expects the merged fragment back tau steps after it sent; grace spends a share
+gamma of whatever that budget leaves after the quorum wait and the merge itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError, RejectCode
+
+
+class Phase(enum.Enum):
+    COLLECTING = "collecting"  # fewer than quorum contributions in the open round
+    GRACE = "grace"  # quorum reached; waiting for stragglers until the deadline
+    MERGING = "merging"  # merge handed to the driver; new arrivals wait for the next round
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's fragment contribution. ``delta`` = base global - learner params (decoded, fp32)."""
+
+    learner: str
+    fragment: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    step_time_s: float
+    delta: Any  # dict[str, Tensor]; typed loosely so the state machine never touches tensors
+    cid: str = ""
+
+
+@dataclass(frozen=True)
+class Ema:
+    value: float | None = None
+
+    def update(self, x: float, beta: float) -> Ema:
+        return Ema(x if self.value is None else beta * self.value + (1 - beta) * x)
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass(frozen=True)
+class SyncState:
+    fragment: int
+    global_round: int = 0
+    phase: Phase = Phase.COLLECTING
+    pending: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    queued: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    live: frozenset[str] = frozenset()
+    first_at: float | None = None
+    quorum_at: float | None = None
+    deadline: float | None = None
+    xi_step: Ema = Ema()
+    xi_quorum: Ema = Ema()
+    xi_sync: Ema = Ema()
+
+    @property
+    def open_round(self) -> int:
+        return self.global_round + 1
+
+
+@dataclass(frozen=True)
+class Merge:
+    """Action: merge these contributions into ``round`` now."""
+
+    round: int
+    contributions: tuple[Contribution, ...]
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    """Action: call ``on_tick`` at this time (the grace deadline)."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: SyncState
+    actions: tuple = ()
+    reason: str = ""
+
+
+def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
+    """K, but never more than the live learners (a dead learner leaves the membership, not the quorum)."""
+    return max(1, min(cfg.quorum, len(state.live))) if state.live else cfg.quorum
+
+
+def grace_window(cfg: ProtocolConfig, state: SyncState) -> float:
+    if not cfg.grace:
+        return 0.0
+    budget = cfg.overlap * state.xi_step.get()
+    spare = budget - state.xi_quorum.get() - state.xi_sync.get()
+    return min(max(0.0, cfg.grace_gamma * spare), cfg.grace_gamma * budget)
+
+
+def _check(cfg: ProtocolConfig, state: SyncState, c: Contribution) -> None:
+    if c.fragment != state.fragment:
+        raise ProtocolError(
+            RejectCode.WRONG_FRAGMENT,
+            f"fragment {c.fragment} sent to synchroniser of fragment {state.fragment}",
+        )
+    if c.c_steps <= 0 or c.c_tokens <= 0:
+        raise ProtocolError(RejectCode.BAD_COUNTERS, f"c_steps={c.c_steps} c_tokens={c.c_tokens} must be > 0")
+    if c.base_round > state.global_round:
+        raise ProtocolError(
+            RejectCode.FUTURE_BASE,
+            f"base round {c.base_round} is ahead of the global round {state.global_round}",
+        )
+    if c.base_round <= state.global_round - cfg.history:
+        raise ProtocolError(
+            RejectCode.STALE_BASE,
+            f"base round {c.base_round} is older than the "
+            f"{cfg.history} rounds kept (global round {state.global_round})",
+        )
+    if not c.step_time_s > 0:
+        raise ProtocolError(RejectCode.BAD_COUNTERS, f"step_time_s={c.step_time_s} must be > 0")
+
+
+def on_contribution(cfg: ProtocolConfig, state: SyncState, c: Contribution, now: float) -> Decision:
+    """A contribution arrived. Raises ProtocolError (state unchanged) when it breaks a rule."""
+    _check(cfg, state, c)
+    if state.phase is Phase.MERGING:
+        queued = dict(state.queued)
+        queued[c.learner] = c
+        return Decision(
+            replace(state, queued=MappingProxyType(queued)),
+            (),
+            f"round {state.open_round} is merging; {c.learner} queued for round {state.open_round + 1}",
+        )
+    pending = dict(state.pending)
+    replaced = c.learner in pending
+    pending[c.learner] = c
+    state = replace(
+        state,
+        pending=MappingProxyType(pending),
+        xi_step=state.xi_step.update(c.step_time_s, cfg.ema_beta),
+        first_at=now if state.first_at is None else state.first_at,
+    )
+    note = f"{c.learner} {'replaced its contribution' if replaced else 'contributed'}"
+    return _evaluate(cfg, state, now, note)
+
+
+def on_tick(cfg: ProtocolConfig, state: SyncState, now: float) -> Decision:
+    return _evaluate(cfg, state, now, "tick")
+
+
+def on_membership(cfg: ProtocolConfig, state: SyncState, live: frozenset[str], now: float) -> Decision:
+    return _evaluate(cfg, replace(state, live=frozenset(live)), now, f"live set now {len(live)}")
+
+
+def on_merged(cfg: ProtocolConfig, state: SyncState, now: float, sync_s: float) -> Decision:
+    """The driver applied the merge of the open round; ``sync_s`` is how long merge + hand-back took."""
+    if state.phase is not Phase.MERGING:
+        raise ProtocolError(RejectCode.MALFORMED, f"no merge in progress for fragment {state.fragment}")
+    queued = state.queued
+    nxt = replace(
+        state,
+        global_round=state.global_round + 1,
+        phase=Phase.COLLECTING,
+        pending=queued,
+        queued=MappingProxyType({}),
+        first_at=now if queued else None,
+        quorum_at=None,
+        deadline=None,
+        xi_sync=state.xi_sync.update(sync_s, cfg.ema_beta),
+    )
+    return _evaluate(cfg, nxt, now, f"round {state.open_round} merged in {sync_s:.3f}s")
+
+
+def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> Decision:
+    if state.phase is Phase.MERGING:
+        return Decision(state, (), f"{note}; merge in progress")
+    k = effective_quorum(cfg, state)
+    n = len(state.pending)
+    if n < k:
+        return Decision(
+            replace(state, phase=Phase.COLLECTING),
+            (),
+            f"{note}; waiting for quorum {n}/{k} in round {state.open_round}",
+        )
+    if state.quorum_at is None:
+        waited = now - (state.first_at if state.first_at is not None else now)
+        state = replace(state, quorum_at=now, xi_quorum=state.xi_quorum.update(waited, cfg.ema_beta))
+        grace = grace_window(cfg, state)
+        state = replace(state, deadline=now + grace, phase=Phase.GRACE)
+        note = (
+            f"{note}; quorum {n}/{k} after {waited:.3f}s, grace {grace:.3f}s = {cfg.grace_gamma}*"
+            f"({cfg.overlap}*{state.xi_step.get():.3f} - {state.xi_quorum.get():.3f} - "
+            f"{state.xi_sync.get():.3f})"
+            if cfg.grace
+            else f"{note}; quorum {n}/{k}, no grace"
+        )
+    everyone = bool(state.live) and state.live <= set(state.pending)
+    deadline = now if state.deadline is None else state.deadline
+    if now >= deadline or everyone:
+        why = "every live learner is in" if everyone and now < deadline else "grace over"
+        merge = Merge(state.open_round, tuple(state.pending[k_] for k_ in sorted(state.pending)))
+        return Decision(
+            replace(state, phase=Phase.MERGING),
+            (merge,),
+            f"{note}; merging round {state.open_round} with {n} contributions ({why})",
+        )
+    return Decision(state, (WakeAt(deadline),), f"{note}; waiting for stragglers until {deadline:.3f}")
