@@ -1,0 +1,84 @@
+"""The default model: a small byte-level causal transformer LM (GPT-style, pre-LayerNorm).
+
+Sized by ``ModelConfig``; the default (dim 128, 4 layers) has about 0.9M parameters and trains at a useful
+pace on two CPU cores. The token embedding is ``tok_emb.weight``; the output head is a separate tensor so
+the embedding can be a fragment of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protocol.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int = field(default=128, metadata={"help": "transformer width"})
+    layers: int = field(default=4, metadata={"help": "transformer blocks"})
+    heads: int = field(default=4, metadata={"help": "attention heads (must divide dim)"})
+    seq_len: int = field(default=128, metadata={"help": "context length in bytes"})
+    vocab: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "layers", "heads", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if self.dim % self.heads:
+            raise ConfigError(f"heads={self.heads} is invalid: it must divide dim={self.dim}")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    embedding_name = "tok_emb.weight"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.seq_len, cfg.dim))
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.apply(self._init)
+        nn.init.normal_(self.pos_emb, std=0.02)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))

@@ -1,0 +1,359 @@
+"""The in-process runner: M real learners, the pure core, and a virtual clock (DESIGN §3, driver 2).
+
+Every learner trains a real model on real batches; what is virtual is time. Each inner step takes
+``step_time_s / speed`` virtual seconds (times a jitter factor); a message takes ``latency + bytes /
+bandwidth``; a merge takes ``merge_s``. A priority queue of timed events drives learners, synchronisers and
+failures, so a run is deterministic for a seed, and stragglers, grace windows and failures behave as they
+would in a swarm of that shape. The same loop runs the fragment-based systems:
+
+  decoupled    the paper: non-blocking learners, quorum K, adaptive grace, RDA, token weights
+  streaming    Streaming DiLoCo: fragments + overlap tau, every live learner, plain mean, learners block
+               at tau steps after contributing until the merged fragment is back
+  sync-diloco  DiLoCo: one fragment, every live learner, plain mean, learners block right after contributing
+
+Data-parallel lives in ``node.dp``. Every system writes the same event records (``node.events``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from node.events import EventLog
+from node.learner import InnerConfig, Learner, plan_for
+from node.task import Task
+from protocol.codecs import decode_tensors, wire_bytes
+from protocol.config import ProtocolConfig
+from protocol.errors import ConfigError, ProtocolError
+from protocol.goodput import compute_goodput
+from protocol.hashing import model_hash
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import (
+    Contribution,
+    Decision,
+    Merge,
+    SyncState,
+    WakeAt,
+    on_contribution,
+    on_membership,
+    on_merged,
+    on_tick,
+)
+
+SYSTEMS = ("decoupled", "streaming", "sync-diloco", "dp")
+
+
+@dataclass(frozen=True)
+class LearnerPlan:
+    """How one learner behaves in virtual time: its speed, jitter and down intervals."""
+
+    speed: float = 1.0  # relative; 0.8 means steps take 25% longer
+    jitter: float = 0.0  # each step's time is scaled by a uniform factor in [1 - jitter, 1 + jitter]
+    down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    latency_s: float = field(default=0.05, metadata={"help": "one-way message latency (virtual s)"})
+    bandwidth_mbps: float = field(default=1000.0, metadata={"help": "per-learner link (Mbit/s)"})
+    merge_s: float = field(default=0.02, metadata={"help": "time a merge takes (virtual s)"})
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes * 8 / (self.bandwidth_mbps * 1e6)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    system: str = "decoupled"
+    learners: int = 4
+    token_budget: int = 4_000_000
+    step_time_s: float = 1.0
+    eval_points: int = 10
+    seed: int = 0
+    net: NetConfig = NetConfig()
+    plans: tuple[LearnerPlan, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ConfigError(f"system={self.system!r} is invalid: choose one of {', '.join(SYSTEMS)}")
+        if self.plans and len(self.plans) != self.learners:
+            raise ConfigError(f"{len(self.plans)} learner plans given for learners={self.learners}")
+        if self.token_budget <= 0:
+            raise ConfigError(f"token_budget={self.token_budget} is invalid: must be > 0")
+
+    def plan(self, m: int) -> LearnerPlan:
+        return self.plans[m] if self.plans else LearnerPlan()
+
+
+@dataclass
+class RunResult:
+    system: str
+    final_loss: float
+    evals: list[tuple[int, float, float]]  # (tokens, virtual t, eval loss)
+    goodput: float
+    virtual_s: float
+    tokens: int
+    merges: int
+    bytes_sent: int
+    steps: int
+    model_hash: str
+    rejected: int = 0
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in vars(self).items() if k != "evals"}
+        d["tokens_per_virtual_s"] = self.tokens / self.virtual_s if self.virtual_s else 0.0
+        return d
+
+
+def run_system(task: Task, run: RunConfig, pcfg: ProtocolConfig, inner: InnerConfig,
+               events: EventLog | None = None, progress=None) -> RunResult:
+    """Run any of ``SYSTEMS`` on ``task`` to ``run.token_budget`` tokens."""
+    if run.system == "dp":
+        from node.dp import run_dp  # node.dp imports this module
+
+        return run_dp(task, run, inner, events, progress)
+    return VirtualSwarm(task, run, pcfg, inner, events, progress).run()
+
+
+def system_protocol(system: str, pcfg: ProtocolConfig, learners: int) -> tuple[ProtocolConfig, bool]:
+    """The protocol settings and blocking mode that make ``system`` out of the one core."""
+    if system == "streaming":
+        return replace(pcfg, quorum=learners, grace=False, merge="mean"), True
+    if system == "sync-diloco":
+        return replace(pcfg, fragments=1, overlap=0, quorum=learners, grace=False, merge="mean"), True
+    return pcfg, False
+
+
+def jittered(rng: random.Random, plan: LearnerPlan, step_time_s: float) -> float:
+    f = 1.0 + (rng.uniform(-plan.jitter, plan.jitter) if plan.jitter else 0.0)
+    return step_time_s / plan.speed * f
+
+
+def evaluate(task: Task, model: torch.nn.Module) -> float:
+    model.eval()
+    with torch.no_grad():
+        losses = [task.loss(model, b).item() for b in task.eval_batches()]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+class _LearnerSlot:
+    def __init__(self, learner: Learner, plan: LearnerPlan, seed: int) -> None:
+        self.learner = learner
+        self.plan = plan
+        self.rng = random.Random(seed)
+        self.down = False
+        self.blocked_since: float | None = None
+        self.awaiting: dict[int, tuple[str, int]] = {}  # fragment -> (cid, step by which it must be back)
+        self.inbox: list[tuple[int, int, dict]] = []
+
+
+class VirtualSwarm:
+    """Runs one fragment-based system to a token budget. See the module docstring."""
+
+    def __init__(self, task: Task, run: RunConfig, pcfg: ProtocolConfig, inner: InnerConfig,
+                 events: EventLog | None = None, progress=None) -> None:
+        self.task, self.run_cfg, self.inner = task, run, inner
+        self.cfg, self.blocking = system_protocol(run.system, pcfg, run.learners)
+        self.events = events or EventLog()
+        self.progress = progress
+        probe = task.new_model()
+        self.cfg.check_swarm(run.learners, len(list(probe.parameters())))
+        self.plan = plan_for(task, probe, self.cfg)
+        speeds = [run.plan(m).speed for m in range(run.learners)]
+        self.slots = []
+        for m in range(run.learners):
+            share = speeds[m] / sum(speeds)
+            steps = max(1, int(run.token_budget * share / task.tokens_per_batch))
+            lrn = Learner(f"L{m}", task, self.cfg, inner, steps, seed=run.seed * 1000 + m + 1, plan=self.plan)
+            self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
+        base = self.slots[0].learner.base
+        self.replicas = [FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history)
+                         for f in self.plan.fragments]
+        self._index = {s.learner.name: m for m, s in enumerate(self.slots)}
+        names = frozenset(self._index)
+        self.syncs = [SyncState(fragment=f.index, live=names) for f in self.plan.fragments]
+        self.eval_model = task.new_model()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.tokens = 0
+        self._last_step_end = 0.0
+        self.bytes_sent = 0
+        self.rejected = 0
+        self.merges = 0
+        self.evals: list[tuple[int, float, float]] = []
+
+    # ---- plumbing
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def _live(self) -> frozenset[str]:
+        return frozenset(s.learner.name for s in self.slots if not s.down)
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        return {n: t for r in self.replicas for n, t in r.theta.items()}
+
+    def global_hash(self) -> str:
+        return model_hash([r.hash for r in self.replicas])
+
+    def eval_global(self) -> float:
+        self.eval_model.load_state_dict(self.global_params(), strict=False)
+        return evaluate(self.task, self.eval_model)
+
+    # ---- the loop
+    def run(self) -> RunResult:
+        run = self.run_cfg
+        for m, s in enumerate(self.slots):
+            self._push(0.0, "step", m)
+            for crash, back in s.plan.down:
+                self._push(crash, "down", m)
+                self._push(back, "up", m)
+        thresholds = [run.token_budget * (k + 1) // run.eval_points for k in range(run.eval_points)]
+        now = 0.0
+        self.evals.append((0, 0.0, self.eval_global()))
+        self.events.emit("eval", t=0.0, tokens=0, loss=self.evals[-1][2])
+        while self.tokens < run.token_budget:
+            if not self._heap:
+                raise RuntimeError("every learner is blocked or down and nothing is in flight; "
+                                   "the schedule cannot make progress")
+            now, _, kind, payload = heapq.heappop(self._heap)
+            getattr(self, f"_on_{kind.replace('-', '_')}")(now, payload)
+            while thresholds and self.tokens >= thresholds[0]:
+                thresholds.pop(0)
+                loss = self.eval_global()
+                self.evals.append((self.tokens, now, loss))
+                self.events.emit("eval", t=now, tokens=self.tokens, loss=loss)
+                if self.progress:
+                    self.progress(self.tokens, run.token_budget, loss)
+        shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
+        now = max(now, self._last_step_end)
+        self.events.emit("run", system=run.system, t0=0.0, t1=now, shares=shares,
+                         learners=[s.learner.name for s in self.slots])
+        g = compute_goodput(self.events.records)
+        return RunResult(run.system, self.evals[-1][2], self.evals, g.goodput, now, self.tokens, self.merges,
+                         self.bytes_sent, g.steps, self.global_hash(), self.rejected)
+
+    def _on_step(self, now: float, m: int) -> None:
+        s = self.slots[m]
+        lrn = s.learner
+        if s.down or s.blocked_since is not None:
+            return
+        for p, round_, theta in s.inbox:
+            if lrn.adopt(p, round_, theta):
+                self.events.emit("adopt", t=now, learner=lrn.name, fragment=p, round=round_)
+        s.inbox.clear()
+        if any(lrn.book.step >= deadline for _, deadline in s.awaiting.values()):
+            s.blocked_since = now
+            return
+        res = lrn.train_step()
+        self.tokens += res.tokens
+        dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
+        self.events.emit("step", learner=lrn.name, step=lrn.book.step, t0=now, t1=now + dur, loss=res.loss)
+        self._last_step_end = max(self._last_step_end, now + dur)
+        for p in res.due:
+            c = lrn.book.counters[p]
+            enc = lrn.contribution(p)
+            nbytes = wire_bytes(enc)
+            self.bytes_sent += nbytes
+            cid = f"{lrn.name}:{p}:{lrn.book.step}"
+            self.events.emit("contribute", t=now + dur, learner=lrn.name, fragment=p, step=lrn.book.step,
+                             cid=cid, bytes=nbytes, c_steps=c.c_steps, c_tokens=c.c_tokens)
+            contrib = (lrn.name, p, c.base_round, c.c_steps, c.c_tokens, dur, enc, cid)
+            self._push(now + dur + self.run_cfg.net.transfer_s(nbytes), "contrib", contrib)
+            if self.blocking:
+                s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)
+        self._push(now + dur, "step", m)
+
+    def _on_contrib(self, now: float, payload) -> None:
+        name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
+        try:
+            delta = decode_tensors(enc)
+            self.replicas[p].check_delta(delta)
+            c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid)
+            self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
+        except ProtocolError as e:
+            self.rejected += 1
+            self.events.emit("reject", t=now, learner=name, fragment=p, cid=cid, code=e.code.value, why=str(e))
+            m = self._index[name]
+            if self.slots[m].awaiting.get(p, ("",))[0] == cid:
+                del self.slots[m].awaiting[p]
+                self._maybe_unblock(m, now)
+
+    def _on_wake(self, now: float, p: int) -> None:
+        self._decide(p, on_tick(self.cfg, self.syncs[p], now), now)
+
+    def _decide(self, p: int, d: Decision, now: float) -> None:
+        self.syncs[p] = d.state
+        for a in d.actions:
+            if isinstance(a, WakeAt):
+                self._push(a.at, "wake", p)
+            elif isinstance(a, Merge):
+                self._merge(p, a, now)
+
+    def _merge(self, p: int, a: Merge, now: float) -> None:
+        rep = self.replicas[p]
+        rec = rep.make_record(a.round, a.contributions, self.cfg)
+        rep.apply_record(rec, self.cfg)
+        self.merges += 1
+        cids = [c.cid for c in a.contributions]
+        self.events.emit("merge", t=now, fragment=p, round=a.round, cids=cids, hash=rec.new_hash,
+                         learners=[c.learner for c in a.contributions], weights=[c[2] for c in rec.contributors])
+        nbytes = sum(t.numel() * 4 for t in rep.theta.values())
+        arrive = now + self.run_cfg.net.merge_s + self.run_cfg.net.transfer_s(nbytes)
+        for m, s in enumerate(self.slots):
+            if not s.down:
+                self._push(arrive, "arrive", (m, p, a.round, rep.theta, frozenset(cids)))
+        self._push(arrive, "merged", (p, arrive - now))
+
+    def _on_merged(self, now: float, payload) -> None:
+        p, sync_s = payload
+        self._decide(p, on_merged(self.cfg, self.syncs[p], now, sync_s), now)
+
+    def _on_arrive(self, now: float, payload) -> None:
+        m, p, round_, theta, cids = payload
+        s = self.slots[m]
+        if s.down:
+            return
+        s.inbox.append((p, round_, theta))
+        if p in s.awaiting and s.awaiting[p][0] in cids:
+            del s.awaiting[p]
+        self._maybe_unblock(m, now)
+
+    def _maybe_unblock(self, m: int, now: float) -> None:
+        s = self.slots[m]
+        step = s.learner.book.step
+        if s.blocked_since is not None and not any(step >= d for _, d in s.awaiting.values()):
+            self.events.emit("block", learner=s.learner.name, t0=s.blocked_since, t1=now)
+            s.blocked_since = None
+            self._push(now, "step", m)
+
+    def _on_down(self, now: float, m: int) -> None:
+        s = self.slots[m]
+        s.down, s.inbox, s.awaiting = True, [], {}
+        if s.blocked_since is not None:
+            self.events.emit("block", learner=s.learner.name, t0=s.blocked_since, t1=now)
+            s.blocked_since = None
+        self.events.emit("down", t=now, learner=s.learner.name)
+        self._membership(now)
+
+    def _on_up(self, now: float, m: int) -> None:
+        """The learner is back: it downloads the global model (which takes time), then trains on."""
+        nbytes = sum(t.numel() * 4 for t in self.global_params().values())
+        self._push(now + self.run_cfg.net.transfer_s(nbytes), "rejoin", m)
+
+    def _on_rejoin(self, now: float, m: int) -> None:
+        s = self.slots[m]
+        s.learner.join([r.round for r in self.replicas], [r.theta for r in self.replicas])
+        s.down = False
+        self.events.emit("up", t=now, learner=s.learner.name)
+        self._membership(now)
+        self._push(now, "step", m)
+
+    def _membership(self, now: float) -> None:
+        live = self._live()
+        for p in range(len(self.syncs)):
+            self._decide(p, on_membership(self.cfg, self.syncs[p], live, now), now)
