@@ -48,7 +48,9 @@ class TextData:
 
     def __init__(self, text: bytes, seq_len: int, eval_fraction: float = 0.05) -> None:
         if len(text) < 4 * (seq_len + 1):
-            raise DataError(f"text has {len(text)} bytes; need at least {4 * (seq_len + 1)} for seq_len={seq_len}")
+            raise DataError(
+                f"text has {len(text)} bytes; need at least {4 * (seq_len + 1)} for seq_len={seq_len}"
+            )
         arr = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         cut = int(len(arr) * (1 - eval_fraction))
         cut = min(cut, len(arr) - 2 * (seq_len + 1))
@@ -61,8 +63,10 @@ class TextData:
             return cls(generated_text(seed=seed), seq_len)
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"data={path!r} is invalid: no such file; give a text file or omit --data to "
-                              "train on generated text")
+            raise ConfigError(
+                f"data={path!r} is invalid: no such file; give a text file or omit --data to "
+                "train on generated text"
+            )
         return cls(p.read_bytes(), seq_len)
 
     def batch(self, gen: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

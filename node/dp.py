@@ -22,8 +22,9 @@ from protocol.goodput import compute_goodput
 from protocol.hashing import tensors_hash
 
 
-def run_dp(task: Task, run: RunConfig, inner: InnerConfig, events: EventLog | None = None,
-           progress=None) -> RunResult:
+def run_dp(
+    task: Task, run: RunConfig, inner: InnerConfig, events: EventLog | None = None, progress=None
+) -> RunResult:
     events = events or EventLog()
     model = task.new_model()
     params = [p for p in model.parameters()]
@@ -72,9 +73,18 @@ def run_dp(task: Task, run: RunConfig, inner: InnerConfig, events: EventLog | No
         for m in live:
             cid = f"{names[m]}:0:{step}"
             cids.append(cid)
-            events.emit("step", learner=names[m], step=step, t0=now, t1=now + durs[m], loss=losses[live.index(m)])
-            events.emit("contribute", t=now + durs[m], learner=names[m], fragment=0, step=step, cid=cid,
-                        bytes=int(ring))
+            events.emit(
+                "step", learner=names[m], step=step, t0=now, t1=now + durs[m], loss=losses[live.index(m)]
+            )
+            events.emit(
+                "contribute",
+                t=now + durs[m],
+                learner=names[m],
+                fragment=0,
+                step=step,
+                cid=cid,
+                bytes=int(ring),
+            )
             if end > now + durs[m]:
                 events.emit("block", learner=names[m], t0=now + durs[m], t1=end)
         events.emit("merge", t=end, fragment=0, round=step, cids=cids)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.task import Task
 from protocol.codecs import Encoded, encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.fragments import FragmentPlan, plan_fragments
 from protocol.learner_book import LearnerBook
 from protocol.merge import adopt
-from node.task import Task
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,9 @@ class Learner:
         self.last_loss = float("nan")
 
     def _new_optimizer(self) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.inner.lr, betas=(0.9, 0.95),
-                                     weight_decay=self.inner.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=self.inner.lr, betas=(0.9, 0.95), weight_decay=self.inner.weight_decay
+        )
 
     def _fragment_fp32(self, p: int) -> dict[str, torch.Tensor]:
         return {n: self.params[n].detach().to(torch.float32).clone() for n in self.plan.fragments[p].names}

@@ -109,8 +109,14 @@ class RunResult:
         return d
 
 
-def run_system(task: Task, run: RunConfig, pcfg: ProtocolConfig, inner: InnerConfig,
-               events: EventLog | None = None, progress=None) -> RunResult:
+def run_system(
+    task: Task,
+    run: RunConfig,
+    pcfg: ProtocolConfig,
+    inner: InnerConfig,
+    events: EventLog | None = None,
+    progress=None,
+) -> RunResult:
     """Run any of ``SYSTEMS`` on ``task`` to ``run.token_budget`` tokens."""
     if run.system == "dp":
         from node.dp import run_dp  # node.dp imports this module
@@ -155,8 +161,15 @@ class _LearnerSlot:
 class VirtualSwarm:
     """Runs one fragment-based system to a token budget. See the module docstring."""
 
-    def __init__(self, task: Task, run: RunConfig, pcfg: ProtocolConfig, inner: InnerConfig,
-                 events: EventLog | None = None, progress=None) -> None:
+    def __init__(
+        self,
+        task: Task,
+        run: RunConfig,
+        pcfg: ProtocolConfig,
+        inner: InnerConfig,
+        events: EventLog | None = None,
+        progress=None,
+    ) -> None:
         self.task, self.run_cfg, self.inner = task, run, inner
         self.cfg, self.blocking = system_protocol(run.system, pcfg, run.learners)
         self.events = events or EventLog()
@@ -172,8 +185,10 @@ class VirtualSwarm:
             lrn = Learner(f"L{m}", task, self.cfg, inner, steps, seed=run.seed * 1000 + m + 1, plan=self.plan)
             self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
         base = self.slots[0].learner.base
-        self.replicas = [FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history)
-                         for f in self.plan.fragments]
+        self.replicas = [
+            FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history)
+            for f in self.plan.fragments
+        ]
         self._index = {s.learner.name: m for m, s in enumerate(self.slots)}
         names = frozenset(self._index)
         self.syncs = [SyncState(fragment=f.index, live=names) for f in self.plan.fragments]
@@ -218,8 +233,10 @@ class VirtualSwarm:
         self.events.emit("eval", t=0.0, tokens=0, loss=self.evals[-1][2])
         while self.tokens < run.token_budget:
             if not self._heap:
-                raise RuntimeError("every learner is blocked or down and nothing is in flight; "
-                                   "the schedule cannot make progress")
+                raise RuntimeError(
+                    "every learner is blocked or down and nothing is in flight; "
+                    "the schedule cannot make progress"
+                )
             now, _, kind, payload = heapq.heappop(self._heap)
             getattr(self, f"_on_{kind.replace('-', '_')}")(now, payload)
             while thresholds and self.tokens >= thresholds[0]:
@@ -229,13 +246,41 @@ class VirtualSwarm:
                 self.events.emit("eval", t=now, tokens=self.tokens, loss=loss)
                 if self.progress:
                     self.progress(self.tokens, run.token_budget, loss)
+        self._drain()
+        final = self.eval_global()
+        if self.evals[-1][0] == self.tokens:
+            self.evals[-1] = (self.tokens, now, final)
         shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
         now = max(now, self._last_step_end)
-        self.events.emit("run", system=run.system, t0=0.0, t1=now, shares=shares,
-                         learners=[s.learner.name for s in self.slots])
+        self.events.emit(
+            "run",
+            system=run.system,
+            t0=0.0,
+            t1=now,
+            shares=shares,
+            learners=[s.learner.name for s in self.slots],
+        )
         g = compute_goodput(self.events.records)
-        return RunResult(run.system, self.evals[-1][2], self.evals, g.goodput, now, self.tokens, self.merges,
-                         self.bytes_sent, g.steps, self.global_hash(), self.rejected)
+        return RunResult(
+            run.system,
+            self.evals[-1][2],
+            self.evals,
+            g.goodput,
+            now,
+            self.tokens,
+            self.merges,
+            self.bytes_sent,
+            g.steps,
+            self.global_hash(),
+            self.rejected,
+        )
+
+    def _drain(self) -> None:
+        """The budget is spent and learners stop; deliver what is in flight and finish due merges."""
+        while self._heap:
+            now, _, kind, payload = heapq.heappop(self._heap)
+            if kind in ("contrib", "wake", "merged"):
+                getattr(self, f"_on_{kind}")(now, payload)
 
     def _on_step(self, now: float, m: int) -> None:
         s = self.slots[m]
@@ -260,8 +305,17 @@ class VirtualSwarm:
             nbytes = wire_bytes(enc)
             self.bytes_sent += nbytes
             cid = f"{lrn.name}:{p}:{lrn.book.step}"
-            self.events.emit("contribute", t=now + dur, learner=lrn.name, fragment=p, step=lrn.book.step,
-                             cid=cid, bytes=nbytes, c_steps=c.c_steps, c_tokens=c.c_tokens)
+            self.events.emit(
+                "contribute",
+                t=now + dur,
+                learner=lrn.name,
+                fragment=p,
+                step=lrn.book.step,
+                cid=cid,
+                bytes=nbytes,
+                c_steps=c.c_steps,
+                c_tokens=c.c_tokens,
+            )
             contrib = (lrn.name, p, c.base_round, c.c_steps, c.c_tokens, dur, enc, cid)
             self._push(now + dur + self.run_cfg.net.transfer_s(nbytes), "contrib", contrib)
             if self.blocking:
@@ -277,7 +331,9 @@ class VirtualSwarm:
             self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
         except ProtocolError as e:
             self.rejected += 1
-            self.events.emit("reject", t=now, learner=name, fragment=p, cid=cid, code=e.code.value, why=str(e))
+            self.events.emit(
+                "reject", t=now, learner=name, fragment=p, cid=cid, code=e.code.value, why=str(e)
+            )
             m = self._index[name]
             if self.slots[m].awaiting.get(p, ("",))[0] == cid:
                 del self.slots[m].awaiting[p]
@@ -300,8 +356,16 @@ class VirtualSwarm:
         rep.apply_record(rec, self.cfg)
         self.merges += 1
         cids = [c.cid for c in a.contributions]
-        self.events.emit("merge", t=now, fragment=p, round=a.round, cids=cids, hash=rec.new_hash,
-                         learners=[c.learner for c in a.contributions], weights=[c[2] for c in rec.contributors])
+        self.events.emit(
+            "merge",
+            t=now,
+            fragment=p,
+            round=a.round,
+            cids=cids,
+            hash=rec.new_hash,
+            learners=[c.learner for c in a.contributions],
+            weights=[c[2] for c in rec.contributors],
+        )
         nbytes = sum(t.numel() * 4 for t in rep.theta.values())
         arrive = now + self.run_cfg.net.merge_s + self.run_cfg.net.transfer_s(nbytes)
         for m, s in enumerate(self.slots):

@@ -23,7 +23,9 @@ Batch = Any
 
 @dataclass(frozen=True)
 class TaskConfig:
-    data: str | None = field(default=None, metadata={"help": "text file to train on (default: generated text)"})
+    data: str | None = field(
+        default=None, metadata={"help": "text file to train on (default: generated text)"}
+    )
     batch_size: int = field(default=16, metadata={"help": "sequences per inner step per learner"})
     eval_batches: int = field(default=8, metadata={"help": "fixed evaluation batches"})
     seed: int = field(default=0, metadata={"help": "model init and data seed"})

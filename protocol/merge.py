@@ -10,6 +10,7 @@ All accumulation is fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,17 +39,24 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return x / n if n > 0 else torch.zeros_like(x)
 
 
+def _normalised(weights: Sequence[float]) -> list[float]:
+    # Normalise first (in float64): equal weights become exact binary fractions, so a weighted mean of
+    # equal-weight inputs rounds exactly like a plain mean, and huge token counts never overflow fp32.
+    total = math.fsum(float(w) for w in weights)
+    return [float(w) / total for w in weights]
+
+
 def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Radial-Directional Averaging: (sum w|D| / sum w) * unit(sum w unit(D) / sum w)."""
-    total = float(sum(weights))
-    radius = sum(w * torch.linalg.vector_norm(d.float()) for w, d in zip(weights, deltas)) / total
-    direction = sum(w * _unit(d.float()) for w, d in zip(weights, deltas)) / total
+    ws = _normalised(weights)
+    radius = sum(w * torch.linalg.vector_norm(d.float()) for w, d in zip(ws, deltas))
+    direction = sum(w * _unit(d.float()) for w, d in zip(ws, deltas))
     return radius * _unit(direction)
 
 
 def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    total = float(sum(weights))
-    return sum(w * d.float() for w, d in zip(weights, deltas)) / total
+    ws = _normalised(weights)
+    return sum(w * d.float() for w, d in zip(ws, deltas))
 
 
 def merge_deltas(deltas: Sequence[Tensors], weights: Sequence[float], method: str) -> dict[str, torch.Tensor]:

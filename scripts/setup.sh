@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs ddiloco and its test tools into ./.venv. Idempotent: a second run takes seconds.
+#
+# PyTorch: if .venv has no torch yet, this installs $DDILOCO_TORCH (default "torch==2.13.0", which on
+# machines that carry the CPU wheel locally takes that wheel and no CUDA packages). GPU users who want a
+# particular CUDA build set e.g. DDILOCO_TORCH="torch --index-url https://download.pytorch.org/whl/cu128"
+# or install torch into .venv themselves before running this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)" >&2
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  echo "setup: installing ${DDILOCO_TORCH:-torch==2.13.0}" >&2
+  # shellcheck disable=SC2086  # DDILOCO_TORCH may carry pip options
+  "$VPY" -m pip install -q --disable-pip-version-check ${DDILOCO_TORCH:-torch==2.13.0}
+fi
+echo "setup: installing ddiloco (editable) with test tools" >&2
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny task that trains in milliseconds, and a reaper for stray child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from node.model import ModelConfig
+from node.task import TaskConfig, load_task
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)
+
+
+def tiny_task_config(**kw) -> TaskConfig:
+    return TaskConfig(batch_size=kw.pop("batch_size", 4), eval_batches=2, model=TINY_MODEL, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_task():
+    return load_task(None, tiny_task_config())
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == pid:
+                    out.append(int(entry))
+                    out.extend(_children(int(entry)))
+    except OSError:
+        pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Whatever a test started, nothing it started outlives it."""
+    before = set(_children(os.getpid()))
+    yield
+    for pid in set(_children(os.getpid())) - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass

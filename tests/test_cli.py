@@ -1,0 +1,141 @@
+"""The CLI as a user runs it: config precedence, clear errors for bad values, a real training run."""
+
+import json
+
+import pytest
+
+from node.cli import main
+
+TINY = [
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--fragments",
+    "4",
+    "--sync-every",
+    "8",
+    "--quiet",
+]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--fragments", "100"], "fragments=100"),
+        (["--quorum", "9"], "quorum=9"),
+        (["--overlap", "24", "--sync-every", "24"], "overlap=24"),
+        (["--codec", "int3"], "codec='int3'"),
+        (["--data", "/no/such/file.txt"], "data='/no/such/file.txt'"),
+        (["--system", "allreduce"], "system='allreduce'"),
+        (["--heads", "3"], "heads=3"),
+        (["--task", "nomodule"], "task='nomodule'"),
+    ],
+)
+def test_bad_configuration_fails_at_start_naming_the_value(argv, needle, capsys):
+    assert main(["train-local", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "ddiloco: error:" in err and needle in err
+    assert "resolved configuration" not in err  # failed before doing anything
+
+
+def test_toml_then_flags_precedence_and_unknown_keys(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[protocol]\nquorum = 3\nfragments = 5\n[run]\nlearners = 2\n")
+    assert main(["train-local", "--config", str(cfg)]) == 2  # K=3 > M=2 from the file
+    assert "quorum=3" in capsys.readouterr().err
+    assert main(["train-local", "--config", str(cfg), "--learners", "3", "--tokens", "1", *TINY]) == 0
+    cfg.write_text("[protocol]\nfragmnts = 5\n")
+    assert main(["train-local", "--config", str(cfg)]) == 2
+    assert "fragmnts" in capsys.readouterr().err
+    cfg.write_text('[protocol]\nfragments = "five"\n')
+    assert main(["train-local", "--config", str(cfg)]) == 2
+    assert "protocol.fragments='five'" in capsys.readouterr().err
+
+
+def test_train_local_learns_and_writes_events(tmp_path, capsys):
+    ev = tmp_path / "ev.jsonl"
+    rc = main(
+        [
+            "train-local",
+            *TINY,
+            "--learners",
+            "2",
+            "--tokens",
+            str(2 * 40 * 128),
+            "--json",
+            "--events",
+            str(ev),
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["final_loss"] < out["initial_loss"] - 0.5
+    assert out["merges"] > 0 and 0 < out["goodput"] <= 1
+    kinds = {json.loads(line)["kind"] for line in ev.read_text().splitlines()}
+    assert {"run", "step", "contribute", "merge", "adopt", "eval"} <= kinds
+
+
+CUSTOM = """
+import torch
+from torch import nn
+
+class Regression:
+    embedding = None
+    tokens_per_batch = 32
+
+    def __init__(self, cfg):
+        self.w = torch.randn(8, generator=torch.Generator().manual_seed(3))
+
+    def new_model(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def batch(self, gen):
+        x = torch.randn(32, 8, generator=gen)
+        return x, (x @ self.w).unsqueeze(1)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def eval_batches(self):
+        g = torch.Generator().manual_seed(99)
+        return [self.batch(g) for _ in range(4)]
+
+def make(cfg):
+    return Regression(cfg)
+"""
+
+
+def test_custom_task_from_module_function(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mytask_mod.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(
+        [
+            "train-local",
+            "--task",
+            "mytask_mod:make",
+            "--fragments",
+            "2",
+            "--sync-every",
+            "8",
+            "--learners",
+            "2",
+            "--tokens",
+            str(2 * 200 * 32),
+            "--json",
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["final_loss"] < 0.5 * out["initial_loss"]
