@@ -15,7 +15,7 @@ import random
 import torch
 
 from node.events import EventLog
-from node.learner import InnerConfig, lr_lambda
+from node.learner import InnerConfig, default_device, lr_lambda
 from node.runner import RunConfig, RunResult, evaluate, jittered
 from node.task import Task
 from protocol.goodput import compute_goodput
@@ -26,7 +26,7 @@ def run_dp(
     task: Task, run: RunConfig, inner: InnerConfig, events: EventLog | None = None, progress=None
 ) -> RunResult:
     events = events or EventLog()
-    model = task.new_model()
+    model = task.new_model().to(default_device())
     params = [p for p in model.parameters()]
     model_bytes = sum(p.numel() * 4 for p in params)
     opt = torch.optim.AdamW(params, lr=inner.lr, betas=(0.9, 0.95), weight_decay=inner.weight_decay)
