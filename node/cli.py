@@ -132,6 +132,11 @@ def cmd_train_local(args: argparse.Namespace) -> int:
         finally:
             events.close()
             bar.done()
+        if r.export:
+            from node.checkpoint import export_model
+
+            out = r.export if len(r.system.split(",")) == 1 else r.export.replace(".", f".{system}.", 1)
+            export_model(out, res.final_params, {"system": system, "model_hash": res.model_hash})
         row = res.summary()
         row.update(
             wall_s=time.monotonic() - t0,

@@ -38,6 +38,9 @@ class LocalRunConfig:
     eval_points: int = field(default=10, metadata={"help": "evaluations of the global model per run"})
     events: str | None = field(default=None, metadata={"help": "write event records (JSON lines) here"})
     task: str | None = field(default=None, metadata={"help": "custom task 'module:function'"})
+    export: str | None = field(
+        default=None, metadata={"help": "write the final global model here (safetensors)"}
+    )
 
     def __post_init__(self) -> None:
         for s in self.system.split(","):

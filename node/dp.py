@@ -99,4 +99,5 @@ def run_dp(
     events.emit("run", system="dp", t0=0.0, t1=now, shares=[1.0], learners=names)
     g = compute_goodput(events.records)
     h = tensors_hash({k: v.detach() for k, v in model.named_parameters()})
-    return RunResult("dp", evals[-1][2], evals, g.goodput, now, tokens, step, sent, g.steps, h)
+    final = {k: v.detach().to("cpu") for k, v in model.named_parameters()}
+    return RunResult("dp", evals[-1][2], evals, g.goodput, now, tokens, step, sent, g.steps, h, 0, final)

@@ -102,9 +102,10 @@ class RunResult:
     steps: int
     model_hash: str
     rejected: int = 0
+    final_params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def summary(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "evals"}
+        d = {k: v for k, v in vars(self).items() if k not in ("evals", "final_params")}
         d["tokens_per_virtual_s"] = self.tokens / self.virtual_s if self.virtual_s else 0.0
         return d
 
@@ -272,7 +273,8 @@ class VirtualSwarm:
             self.bytes_sent,
             g.steps,
             self.global_hash(),
-            self.rejected,
+            rejected=self.rejected,
+            final_params=self.global_params(),
         )
 
     def _drain(self) -> None:

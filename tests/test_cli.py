@@ -63,6 +63,7 @@ def test_toml_then_flags_precedence_and_unknown_keys(tmp_path, capsys):
 
 def test_train_local_learns_and_writes_events(tmp_path, capsys):
     ev = tmp_path / "ev.jsonl"
+    exported = tmp_path / "final.safetensors"
     rc = main(
         [
             "train-local",
@@ -74,6 +75,8 @@ def test_train_local_learns_and_writes_events(tmp_path, capsys):
             "--json",
             "--events",
             str(ev),
+            "--export",
+            str(exported),
         ]
     )
     assert rc == 0
@@ -82,6 +85,17 @@ def test_train_local_learns_and_writes_events(tmp_path, capsys):
     assert out["merges"] > 0 and 0 < out["goodput"] <= 1
     kinds = {json.loads(line)["kind"] for line in ev.read_text().splitlines()}
     assert {"run", "step", "contribute", "merge", "adopt", "eval"} <= kinds
+    # the exported global model is a plain state dict that loads into the model and gives the same loss
+    from safetensors.torch import load_file
+
+    from node.runner import evaluate
+    from node.task import load_task
+    from tests.conftest import tiny_task_config
+
+    task = load_task(None, tiny_task_config())
+    model = task.new_model()
+    model.load_state_dict(load_file(str(exported)))
+    assert evaluate(task, model) == pytest.approx(out["final_loss"], abs=1e-5)
 
 
 CUSTOM = """

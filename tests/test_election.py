@@ -22,7 +22,11 @@ def test_role_rotates_and_spreads_load():
 def test_failover_only_moves_the_dead_peers_rounds():
     before = {(p, r): synchroniser("run", p, r, PEERS) for p in range(4) for r in range(40)}
     dead = "peer3"
-    after = {(p, r): synchroniser("run", p, r, [x for x in PEERS if x != dead]) for p in range(4) for r in range(40)}
+    after = {
+        (p, r): synchroniser("run", p, r, [x for x in PEERS if x != dead])
+        for p in range(4)
+        for r in range(40)
+    }
     for k in before:
         if before[k] != dead:
             assert after[k] == before[k]

@@ -23,8 +23,15 @@ def golden_run(task) -> dict:
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, quorum=1, grace=True)
     plans = (LearnerPlan(), LearnerPlan(jitter=0.1), LearnerPlan(speed=0.8, down=((10.0, 18.0),)))
     ev = EventLog()
-    res = run_system(task, RunConfig(learners=3, token_budget=3 * 40 * task.tokens_per_batch, eval_points=4,
-                                     seed=7, plans=plans), pcfg, InnerConfig(), ev)
+    res = run_system(
+        task,
+        RunConfig(
+            learners=3, token_budget=3 * 40 * task.tokens_per_batch, eval_points=4, seed=7, plans=plans
+        ),
+        pcfg,
+        InnerConfig(),
+        ev,
+    )
     merges = ev.of("merge")
     return {
         "eval_losses": [round(e[2], 5) for e in res.evals],
