@@ -137,9 +137,13 @@ class Learner:
         self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
         return True
 
-    def join(self, rounds: list[int], thetas: list[dict[str, torch.Tensor]]) -> None:
-        """(Re)join: take the whole global model, start fresh counters and a fresh inner optimizer."""
-        self.book = LearnerBook(self.plan)
+    def join(self, rounds: list[int], thetas: list[dict[str, torch.Tensor]], schedule_step: int = 0) -> None:
+        """(Re)join: take the whole global model, start fresh counters and a fresh inner optimizer.
+
+        ``schedule_step`` puts the learner's fragment schedule in phase with the swarm's (a donor's step), so
+        systems whose learners wait for each other's fragments keep contributing the same fragment together.
+        """
+        self.book = LearnerBook(self.plan, step=schedule_step)
         with torch.no_grad():
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
                 for n, g in theta.items():

@@ -299,20 +299,20 @@ class VirtualSwarm:
         res = lrn.train_step()
         self.tokens += res.tokens
         dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
-        self.events.emit("step", learner=lrn.name, step=lrn.book.step, t0=now, t1=now + dur, loss=res.loss)
+        self.events.emit("step", learner=lrn.name, step=lrn.steps, t0=now, t1=now + dur, loss=res.loss)
         self._last_step_end = max(self._last_step_end, now + dur)
         for p in res.due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
             nbytes = wire_bytes(enc)
             self.bytes_sent += nbytes
-            cid = f"{lrn.name}:{p}:{lrn.book.step}"
+            cid = f"{lrn.name}:{p}:{lrn.steps}"
             self.events.emit(
                 "contribute",
                 t=now + dur,
                 learner=lrn.name,
                 fragment=p,
-                step=lrn.book.step,
+                step=lrn.steps,
                 cid=cid,
                 bytes=nbytes,
                 c_steps=c.c_steps,
@@ -413,7 +413,12 @@ class VirtualSwarm:
 
     def _on_rejoin(self, now: float, m: int) -> None:
         s = self.slots[m]
-        s.learner.join([r.round for r in self.replicas], [r.theta for r in self.replicas])
+        donors = [x.learner.book.step for x in self.slots if not x.down and x is not s]
+        s.learner.join(
+            [r.round for r in self.replicas],
+            [r.theta for r in self.replicas],
+            schedule_step=max(donors, default=s.learner.book.step),
+        )
         s.down = False
         self.events.emit("up", t=now, learner=s.learner.name)
         self._membership(now)
