@@ -1,0 +1,95 @@
+"""Signed membership records and the live view derived from them (DESIGN §4, "Discovery and membership").
+
+Each node refreshes its record every few seconds under the swarm's membership key, with a short expiration;
+the live set is whatever has a valid, unexpired record. A record is canonical JSON signed with the node's
+Ed25519 key, bound to the swarm id by a domain tag, and only counts when the signature matches the peer id it
+names — a node cannot speak for another. Pure functions: time is passed in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from dht.identity import Identity, verify
+
+MAX_RECORD_BYTES = 8192
+_DOMAIN = "ddiloco/membership/v1"
+
+
+class RecordError(ValueError):
+    """A record is malformed, unsigned, forged, expired or too large; the message says which."""
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: str
+    addrs: tuple[str, ...]
+    version: str
+    issued_at: float
+    expires_at: float
+    tokens_per_s: float = 0.0
+    client_mode: bool = False  # accepts no inbound connections: never elected synchroniser
+    heads: dict[str, list] = field(default_factory=dict)  # fragment -> [round, hash]
+
+    def head_round(self, fragment: int) -> int:
+        h = self.heads.get(str(fragment))
+        return int(h[0]) if h else -1
+
+
+def _payload(swarm: str, m: Member) -> bytes:
+    body = asdict(m)
+    body["addrs"] = list(m.addrs)
+    return (f"{_DOMAIN}|{swarm}|" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()
+
+
+def sign_member(swarm: str, ident: Identity, m: Member) -> bytes:
+    if m.peer_id != ident.peer_id:
+        raise RecordError(f"record names {m.peer_id}, but the key is {ident.peer_id}")
+    payload = _payload(swarm, m)
+    return json.dumps({"m": json.loads(payload.split(b"|", 2)[2]), "sig": ident.sign(payload).hex()}).encode()
+
+
+def parse_member(swarm: str, raw: bytes, now: float) -> Member:
+    """Decode and verify one record. Raises RecordError with the reason."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordError(f"record of {len(raw)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        doc = json.loads(raw)
+        body, sig = doc["m"], bytes.fromhex(doc["sig"])
+        m = Member(**{**body, "addrs": tuple(body["addrs"])})
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecordError(f"malformed membership record: {e}") from e
+    if not verify(m.peer_id, sig, _payload(swarm, m)):
+        raise RecordError(f"signature does not match peer {m.peer_id} (forged, altered or other swarm)")
+    if m.expires_at <= now:
+        raise RecordError(f"record of {m.peer_id} expired at {m.expires_at:.1f} (now {now:.1f})")
+    return m
+
+
+def live_view(swarm: str, raws: dict[str, bytes], now: float) -> tuple[list[Member], dict[str, str]]:
+    """Valid members (sorted by peer id) from ``subkey -> record`` and the reason each other one was dropped.
+
+    The DHT subkey must be the record's own peer id, so one peer cannot overwrite another's slot.
+    """
+    members, dropped = [], {}
+    for key, raw in raws.items():
+        try:
+            m = parse_member(swarm, raw, now)
+        except RecordError as e:
+            dropped[key] = str(e)
+            continue
+        if m.peer_id != key:
+            dropped[key] = f"stored under {key} but signed by {m.peer_id}"
+            continue
+        members.append(m)
+    return sorted(members, key=lambda m: m.peer_id), dropped
+
+
+def eligible(members: list[Member], fragment: int) -> list[str]:
+    """Peers that may synchronise ``fragment``: reachable (not client mode) and at the newest known round."""
+    reachable = [m for m in members if not m.client_mode]
+    if not reachable:
+        return []
+    newest = max(m.head_round(fragment) for m in reachable)
+    return [m.peer_id for m in reachable if m.head_round(fragment) == newest]
