@@ -51,7 +51,7 @@ class Fp32:
     name = "fp32"
 
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
-        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.float32).contiguous().clone()})
+        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.float32).reshape(-1).clone()})
 
     def decode(self, e: Encoded) -> torch.Tensor:
         return e.parts["v"].to(torch.float32).reshape(e.shape)
@@ -64,7 +64,7 @@ class Bf16(Fp32):
     name = "bf16"
 
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
-        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.bfloat16).contiguous()})
+        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.bfloat16).reshape(-1).clone()})
 
     def error_bound(self, x: torch.Tensor, block: int) -> torch.Tensor:
         return x.detach().abs().to(torch.float32) * 2.0**-8

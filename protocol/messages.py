@@ -1,0 +1,146 @@
+"""Contribution messages on the wire: a JSON header plus the codec's tensors, as one safetensors blob.
+
+``encode_contribution`` packs what a learner sends; ``decode_contribution`` is the only way in, and checks
+everything before a tensor reaches the synchroniser: total size, that the blob parses, header fields and
+types, tensor names against the fragment, declared shapes, each part's dtype and element count for its
+codec and block size, and finiteness after decoding. Any failure raises ``ProtocolError`` with its code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from protocol.codecs import CODECS, Encoded, get_codec
+from protocol.errors import ProtocolError, RejectCode
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_HEADER_FIELDS = {
+    "learner": str,
+    "fragment": int,
+    "base_round": int,
+    "c_steps": int,
+    "c_tokens": int,
+    "step_time_s": float,
+    "codec": str,
+    "block": int,
+    "cid": str,
+}
+_PART_DTYPES = {
+    "fp32": {"v": torch.float32},
+    "bf16": {"v": torch.bfloat16},
+    "int8": {"q": torch.int8, "s": torch.float32},
+    "int4": {"q": torch.uint8, "s": torch.float32},
+}
+
+
+@dataclass(frozen=True)
+class ContributionHeader:
+    learner: str
+    fragment: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    step_time_s: float
+    codec: str
+    block: int
+    cid: str
+
+
+def encode_contribution(h: ContributionHeader, encoded: dict[str, Encoded]) -> bytes:
+    tensors, shapes = {}, {}
+    for name, e in encoded.items():
+        if e.codec != h.codec:
+            raise ValueError(f"tensor {name} encoded with {e.codec}, header says {h.codec}")
+        shapes[name] = list(e.shape)
+        for part, t in e.parts.items():
+            tensors[f"{name}::{part}"] = t.contiguous()
+    meta = {"header": json.dumps(vars(h)), "shapes": json.dumps(shapes)}
+    return st_save(tensors, metadata=meta)
+
+
+def _part_sizes(codec: str, numel: int, block: int) -> dict[str, int]:
+    if codec in ("fp32", "bf16"):
+        return {"v": numel}
+    blocks = math.ceil(numel / block)
+    return {"q": blocks * block // (2 if codec == "int4" else 1), "s": blocks}
+
+
+def _metadata(raw: bytes) -> dict:
+    # safetensors layout: u64 little-endian header length, then the JSON header.
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]).get("__metadata__") or {}
+
+
+def decode_contribution(
+    raw: bytes, spec: dict[str, tuple[int, ...]], max_bytes: int = MAX_MESSAGE_BYTES
+) -> tuple[ContributionHeader, dict[str, torch.Tensor]]:
+    """Validate and decode. ``spec`` maps the fragment's tensor names to their shapes."""
+    if len(raw) > max_bytes:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"message of {len(raw)} bytes exceeds {max_bytes}")
+    try:
+        tensors = st_load(raw)
+        meta = _metadata(raw)
+        hdr = json.loads(meta["header"])
+        shapes = json.loads(meta["shapes"])
+    except Exception as e:  # safetensors raises several types for garbage; all mean the same here
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(hdr, dict) or set(hdr) != set(_HEADER_FIELDS):
+        raise ProtocolError(
+            RejectCode.MALFORMED,
+            f"header fields {sorted(hdr) if isinstance(hdr, dict) else hdr!r} != {sorted(_HEADER_FIELDS)}",
+        )
+    for k, t in _HEADER_FIELDS.items():
+        v = hdr[k]
+        if t is float and isinstance(v, int) and not isinstance(v, bool):
+            hdr[k] = v = float(v)
+        if not isinstance(v, t) or isinstance(v, bool):
+            raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={v!r} is not {t.__name__}")
+    h = ContributionHeader(**hdr)
+    if h.codec not in CODECS:
+        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {h.codec!r}")
+    if not 1 <= h.block <= 1 << 20 or (h.codec == "int4" and h.block % 2):
+        raise ProtocolError(RejectCode.MALFORMED, f"block={h.block} is not valid for {h.codec}")
+    if not isinstance(shapes, dict) or set(shapes) != set(spec):
+        raise ProtocolError(
+            RejectCode.WRONG_SHAPE,
+            f"tensors {sorted(shapes) if isinstance(shapes, dict) else '?'} != fragment's {sorted(spec)}",
+        )
+    want_parts = _PART_DTYPES[h.codec]
+    expected_keys = {f"{n}::{p}" for n in spec for p in want_parts}
+    if set(tensors) != expected_keys:
+        raise ProtocolError(
+            RejectCode.WRONG_SHAPE, f"parts {sorted(tensors)[:6]}... != {sorted(expected_keys)[:6]}..."
+        )
+    out = {}
+    codec = get_codec(h.codec)
+    for name, shape in spec.items():
+        declared = shapes[name]
+        if not (
+            isinstance(declared, list) and all(type(d) is int for d in declared) and declared == list(shape)
+        ):
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {shapes[name]} != {list(shape)}")
+        numel = math.prod(shape)
+        parts = {}
+        for part, dtype in want_parts.items():
+            t = tensors[f"{name}::{part}"]
+            if t.dtype != dtype or t.dim() != 1 or t.numel() != _part_sizes(h.codec, numel, h.block)[part]:
+                raise ProtocolError(
+                    RejectCode.WRONG_SHAPE,
+                    f"{name}::{part}: {t.dtype} x {tuple(t.shape)} does not "
+                    f"fit {h.codec} block {h.block} for shape {list(shape)}",
+                )
+            parts[part] = t
+        d = codec.decode(Encoded(h.codec, tuple(shape), parts))
+        if not torch.isfinite(d).all():
+            raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
+        out[name] = d
+    return h, out
