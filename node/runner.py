@@ -156,6 +156,9 @@ class _LearnerSlot:
         self.down = False
         self.blocked_since: float | None = None
         self.awaiting: dict[int, tuple[str, int]] = {}  # fragment -> (cid, step by which it must be back)
+        # Fragments whose rounds count on this learner. A learner that rejoins is waited for on fragment p
+        # only from its first contribution of p: rounds already under way must not stall for it.
+        self.members_of: set[int] = set()
         self.inbox: list[tuple[int, int, dict]] = []
 
 
@@ -190,6 +193,8 @@ class VirtualSwarm:
             FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history)
             for f in self.plan.fragments
         ]
+        for s in self.slots:
+            s.members_of = {f.index for f in self.plan.fragments}
         self._index = {s.learner.name: m for m, s in enumerate(self.slots)}
         names = frozenset(self._index)
         self.syncs = [SyncState(fragment=f.index, live=names) for f in self.plan.fragments]
@@ -207,8 +212,9 @@ class VirtualSwarm:
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
-    def _live(self) -> frozenset[str]:
-        return frozenset(s.learner.name for s in self.slots if not s.down)
+    def _live(self, p: int) -> frozenset[str]:
+        """Learners that fragment p's synchroniser waits for: up, and (after a rejoin) back in p's rhythm."""
+        return frozenset(s.learner.name for s in self.slots if not s.down and p in s.members_of)
 
     def global_params(self) -> dict[str, torch.Tensor]:
         return {n: t for r in self.replicas for n, t in r.theta.items()}
@@ -331,6 +337,10 @@ class VirtualSwarm:
             self.replicas[p].check_delta(delta)
             c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid)
             self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
+            slot = self.slots[self._index[name]]
+            if p not in slot.members_of and not slot.down:
+                slot.members_of.add(p)
+                self._membership(now, [p])
         except ProtocolError as e:
             self.rejected += 1
             self.events.emit(
@@ -420,11 +430,13 @@ class VirtualSwarm:
             schedule_step=max(donors, default=s.learner.book.step),
         )
         s.down = False
+        s.members_of = set()
         self.events.emit("up", t=now, learner=s.learner.name)
         self._membership(now)
         self._push(now, "step", m)
 
-    def _membership(self, now: float) -> None:
-        live = self._live()
-        for p in range(len(self.syncs)):
-            self._decide(p, on_membership(self.cfg, self.syncs[p], live, now), now)
+    def _membership(self, now: float, fragments: list[int] | None = None) -> None:
+        for p in range(len(self.syncs)) if fragments is None else fragments:
+            live = self._live(p)
+            if live != self.syncs[p].live:
+                self._decide(p, on_membership(self.cfg, self.syncs[p], live, now), now)

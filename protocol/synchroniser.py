@@ -191,7 +191,9 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
     if state.phase is Phase.MERGING:
         return Decision(state, (), f"{note}; merge in progress")
     k = effective_quorum(cfg, state)
-    n = len(state.pending)
+    # Only live learners count toward the quorum; a departed learner's contribution is still merged (its
+    # work is real) but cannot stand in for a live one.
+    n = len(set(state.pending) & state.live) if state.live else len(state.pending)
     if n < k:
         return Decision(
             replace(state, phase=Phase.COLLECTING),

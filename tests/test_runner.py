@@ -133,21 +133,30 @@ def test_baselines_run_and_learn(tiny_task, system):
     assert res.merges > 0 and 0 < res.goodput <= 1.0
 
 
-@pytest.mark.parametrize("system", ["streaming", "sync-diloco"])
-def test_blocking_systems_survive_a_learner_down_and_back(tiny_task, system):
+@pytest.mark.parametrize(
+    "system,p,h,steps,down",
+    [
+        ("streaming", 4, 8, 100, (25.0, 50.0)),
+        ("sync-diloco", 4, 8, 100, (25.0, 50.0)),
+        ("streaming", 8, 24, 120, (30.0, 60.0)),  # deadlocked before rejoiners were waited for per fragment
+    ],
+)
+def test_blocking_systems_survive_a_learner_down_and_back(tiny_task, system, p, h, steps, down):
     # A returning learner must come back in phase with the swarm's fragment schedule; otherwise learners
     # that wait for each other's fragments deadlock (found by bench/quality.py's one-down scenario).
-    plans = (LearnerPlan(),) * 3 + (LearnerPlan(down=((25.0, 50.0),)),)
+    plans = (LearnerPlan(),) * 3 + (LearnerPlan(down=(down,)),)
     ev = EventLog()
-    pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2)
+    pcfg = ProtocolConfig(fragments=p, sync_every=h, overlap=2)
     res = run_system(
         tiny_task,
-        RunConfig(system=system, learners=4, token_budget=4 * 100 * tiny_task.tokens_per_batch, plans=plans),
+        RunConfig(
+            system=system, learners=4, token_budget=4 * steps * tiny_task.tokens_per_batch, plans=plans
+        ),
         pcfg,
         INNER,
         ev,
     )
-    assert res.tokens >= 4 * 100 * tiny_task.tokens_per_batch
-    assert any(any(c.startswith("L3:") for c in r["cids"]) for r in ev.of("merge") if r["t"] > 50.0)
+    assert res.tokens >= 4 * steps * tiny_task.tokens_per_batch
+    assert any(any(c.startswith("L3:") for c in r["cids"]) for r in ev.of("merge") if r["t"] > down[1])
     cids = [r["cid"] for r in ev.of("contribute")]
     assert len(cids) == len(set(cids))  # contribution ids stay unique across the rejoin

@@ -191,3 +191,15 @@ def test_k_larger_than_m_and_p_larger_than_tensors():
         cfg.check_swarm(learners=4, tensors=100)
     with pytest.raises(ConfigError, match="fragments=24"):
         ProtocolConfig().check_swarm(learners=4, tensors=10)
+
+
+def test_a_departed_learners_contribution_does_not_fill_a_live_quorum_slot():
+    cfg = ProtocolConfig(fragments=1, sync_every=8, overlap=2, quorum=3, grace=False)
+    s = live("a", "b", "c")
+    d = on_contribution(cfg, s, contrib("c"), 0.0)
+    d = on_membership(cfg, d.state, frozenset({"a", "b"}), 0.1)  # c went down after sending
+    d = on_contribution(cfg, d.state, contrib("a"), 0.2)
+    assert not d.actions, d.reason  # live quorum is 2 (a, b); only a is in
+    d = on_contribution(cfg, d.state, contrib("b"), 0.3)
+    (m,) = d.actions
+    assert [c.learner for c in m.contributions] == ["a", "b", "c"]  # c's real work is still merged
