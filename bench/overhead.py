@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=24)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     task = load_task(None, TaskConfig(model=ModelConfig(dim=a.dim, layers=a.layers)))
     inner = InnerConfig()

@@ -23,11 +23,13 @@ K=1+grace beats K=1) and plots eval loss against tokens to a PNG.
 
 Run from the repository root (needs the ``bench`` extra for the plot: ``pip install -e '.[bench]'``):
 
-    python bench/quality.py                 # the full benchmark (about half an hour on two CPU cores)
-    python bench/quality.py --quick         # a smoke run in about a minute
+    python bench/quality.py                 # the full benchmark (20-25 min on two CPU cores)
+    python bench/quality.py --quick         # a smoke run (well under a minute)
     python bench/quality.py --json          # results as one JSON object on stdout
+    python bench/quality.py --replot R.json # reprint tables and redraw the plot from saved --json output
 
-Progress goes to stderr, one line per finished run. Data: ``../shared/data/tinyshakespeare.txt`` relative
+Progress goes to stderr, one line per finished run. A run that raises is reported as FAILED and the others
+go on; the exit status is then 1. Missed targets are reported, not turned into a failing status. Data: ``../shared/data/tinyshakespeare.txt`` relative
 to the repository root when it exists, generated text otherwise; ``--data PATH`` overrides.
 """
 
@@ -68,8 +70,12 @@ SYSTEMS = (
     System("streaming", "Streaming DiLoCo", "streaming"),
     System("dec-kM", "Decoupled K=M", "decoupled", (("quorum", "M"), ("grace", False))),
     System("dec-k1", "Decoupled K=1", "decoupled", (("quorum", 1), ("grace", False))),
-    System("dec-k1-grace", "Decoupled K=1+grace", "decoupled",
-           (("quorum", 1), ("grace", True), ("grace_gamma", 0.5))),
+    System(
+        "dec-k1-grace",
+        "Decoupled K=1+grace",
+        "decoupled",
+        (("quorum", 1), ("grace", True), ("grace_gamma", 0.5)),
+    ),
 )
 SCENARIOS = ("homogeneous", "heterogeneous", "one-down")
 
@@ -94,16 +100,32 @@ def protocol_for(system: System, base: ProtocolConfig, learners: int) -> Protoco
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/quality.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model and budget: a smoke run in about a minute")
+    p = argparse.ArgumentParser(
+        prog="bench/quality.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model and budget: a smoke run in about a minute"
+    )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
-    p.add_argument("--data", help=f"text file to train on (default: {DEFAULT_DATA} if present, else generated)")
+    p.add_argument(
+        "--data", help=f"text file to train on (default: {DEFAULT_DATA} if present, else generated)"
+    )
     p.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG of the loss curves ('' to skip)")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="train nothing: reprint the tables and redraw the plot from a saved --json output",
+    )
     p.add_argument("--learners", type=int, default=4, help="M")
-    p.add_argument("--steps", type=int, default=None,
-                   help="inner steps per speed-1 learner; the token budget is learners*steps*batch*seq "
-                        "(default 500, --quick 40)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="inner steps per speed-1 learner; the token budget is learners*steps*batch*seq "
+        "(default 500, --quick 40)",
+    )
     p.add_argument("--dim", type=int, default=None, help="model width (default 128, --quick 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -112,14 +134,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fragments", type=int, default=None, help="P (default 8, --quick 4)")
     p.add_argument("--sync-every", type=int, default=None, help="H (default 24, --quick 8)")
     p.add_argument("--overlap", type=int, default=2, help="tau")
-    p.add_argument("--eval-points", type=int, default=None, help="evaluations per run (default 20, --quick 4)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    p.add_argument(
+        "--eval-points", type=int, default=None, help="evaluations per run (default 20, --quick 4)"
+    )
     p.add_argument("--eval-batches", type=int, default=16, help="fixed evaluation batches")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1 is fastest on a busy two-core machine)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy two-core machine)"
+    )
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of scenarios")
-    p.add_argument("--systems", default=",".join(s.key for s in SYSTEMS),
-                   help="comma-separated subset of: " + ", ".join(s.key for s in SYSTEMS))
+    p.add_argument(
+        "--systems",
+        default=",".join(s.key for s in SYSTEMS),
+        help="comma-separated subset of: " + ", ".join(s.key for s in SYSTEMS),
+    )
     return p
 
 
@@ -154,30 +184,54 @@ def check_targets(results: dict[str, dict[str, dict]]) -> list[dict]:
     for scen in results:
         g, dp, sync, k1 = (loss(scen, k) for k in ("dec-k1-grace", "dp", "sync", "dec-k1"))
         if g is not None and dp is not None:
-            out.append({"scenario": scen, "target": "Decoupled K=1+grace within 2% of DP",
-                        "value": g / dp, "limit": 1.02, "holds": g / dp <= 1.02,
-                        "detail": f"{g:.4f} vs {dp:.4f}"})
+            out.append(
+                {
+                    "scenario": scen,
+                    "target": "Decoupled K=1+grace within 2% of DP",
+                    "value": g / dp,
+                    "limit": 1.02,
+                    "holds": g / dp <= 1.02,
+                    "detail": f"{g:.4f} vs {dp:.4f}",
+                }
+            )
         if g is not None and sync is not None:
-            out.append({"scenario": scen, "target": "Decoupled K=1+grace within 1% of Sync DiLoCo",
-                        "value": g / sync, "limit": 1.01, "holds": g / sync <= 1.01,
-                        "detail": f"{g:.4f} vs {sync:.4f}"})
+            out.append(
+                {
+                    "scenario": scen,
+                    "target": "Decoupled K=1+grace within 1% of Sync DiLoCo",
+                    "value": g / sync,
+                    "limit": 1.01,
+                    "holds": g / sync <= 1.01,
+                    "detail": f"{g:.4f} vs {sync:.4f}",
+                }
+            )
         if scen == "heterogeneous" and g is not None and k1 is not None:
-            out.append({"scenario": scen, "target": "Decoupled K=1+grace beats K=1",
-                        "value": g / k1, "limit": 1.0, "holds": g < k1, "detail": f"{g:.4f} vs {k1:.4f}"})
+            out.append(
+                {
+                    "scenario": scen,
+                    "target": "Decoupled K=1+grace beats K=1",
+                    "value": g / k1,
+                    "limit": 1.0,
+                    "holds": g < k1,
+                    "detail": f"{g:.4f} vs {k1:.4f}",
+                }
+            )
     return out
 
 
 def format_table(scen: str, rows: dict[str, dict]) -> str:
-    head = f"{'system':<22} {'final loss':>10} {'/ DP':>7} {'goodput':>8} {'tok/s (virt)':>13} {'virt s':>8} {'merges':>7}"
+    head = f"{'system':<22} {'final loss':>10} {'vs DP':>7} {'goodput':>8} {'tok/s (virt)':>13} {'virt s':>8} {'merges':>7}"
     lines = [f"== {scen}", head, "-" * len(head)]
     dp = rows.get("dp", {}).get("final_loss")
-    for key, r in rows.items():
+    for r in rows.values():
         if r.get("error"):
             lines.append(f"{r['label']:<22} FAILED: {r['error']}")
             continue
         ratio = f"{r['final_loss'] / dp:7.4f}" if dp else f"{'-':>7}"
-        lines.append(f"{r['label']:<22} {r['final_loss']:10.4f} {ratio} {r['goodput']:8.3f} "
-                     f"{r['tokens_per_virtual_s']:13.1f} {r['virtual_s']:8.1f} {r['merges']:7d}")
+        lines.append(
+            f"{r['label']:<22} {r['final_loss']:10.4f} {ratio} {r['goodput']:8.3f} "
+            f"{r['tokens_per_virtual_s']:13.1f} {r['virtual_s']:8.1f} {r['merges']:7d}"
+        )
     return "\n".join(lines)
 
 
@@ -187,25 +241,44 @@ def plot(results: dict[str, dict[str, dict]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = {s.key: f"C{i}" for i, s in enumerate(SYSTEMS)}  # one colour per system in every panel
     fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
     for ax, (scen, rows) in zip(axes[0], results.items()):
         lo, hi = math.inf, -math.inf
+        failed = []
         for r in rows.values():
             if r.get("error") or not r.get("evals"):
+                failed.append(r["label"])
                 continue
             toks = [e[0] / 1e6 for e in r["evals"]]
             losses = [e[2] for e in r["evals"]]
             style = "-" if r["key"].startswith("dec") else "--"
-            ax.plot(toks, losses, style, marker=".", label=r["label"])
+            ax.plot(toks, losses, style, marker=".", color=colours.get(r["key"]), label=r["label"])
             lo = min(lo, min(losses))
             hi = max(hi, losses[min(2, len(losses) - 1)])  # zoom past the first drop
         if lo < hi:
             ax.set_ylim(lo - 0.02 * (hi - lo), hi)
         ax.set_title(scen)
+        if failed:
+            ax.text(
+                0.98,
+                0.97,
+                "failed: " + ", ".join(failed),
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="crimson",
+            )
         ax.set_xlabel("tokens (M)")
         ax.set_ylabel("eval loss (nats/byte)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    order = [s.label for s in SYSTEMS if s.label in handles]
+    axes[0][0].legend([handles[lab] for lab in order], order, fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +288,11 @@ def plot(results: dict[str, dict[str, dict]], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.replot:
+        payload = json.loads(Path(args.replot).read_text())
+        payload["targets"] = check_targets(payload["results"])
+        report(payload, args)
+        return 1 if any(r.get("error") for rows in payload["results"].values() for r in rows.values()) else 0
     _resolve(args)
     torch.set_num_threads(args.threads)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -233,30 +311,52 @@ def main(argv: list[str] | None = None) -> int:
     else:
         data, data_desc = None, "generated text (node.data.generated_text)"
     model = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
-    task = load_task(None, TaskConfig(data=data, batch_size=args.batch_size, eval_batches=args.eval_batches,
-                                      seed=args.seed, model=model))
+    task = load_task(
+        None,
+        TaskConfig(
+            data=data, batch_size=args.batch_size, eval_batches=args.eval_batches, seed=args.seed, model=model
+        ),
+    )
     n_params = sum(p.numel() for p in task.new_model().parameters())
     n_tensors = len(list(task.new_model().parameters()))
     budget = args.learners * args.steps * task.tokens_per_batch
-    base = ProtocolConfig(fragments=args.fragments, sync_every=args.sync_every, overlap=args.overlap)
+    base = ProtocolConfig(fragments=args.fragments, sync_every=args.sync_every, overlap=args.overlap,
+                          outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     inner = InnerConfig()
     net = NetConfig()
     step_time_s = 1.0
     settings = {
-        "data": data_desc, "learners": args.learners, "token_budget": budget,
-        "steps_per_learner": args.steps, "tokens_per_batch": task.tokens_per_batch,
-        "model": {**asdict(model), "params": n_params, "tensors": n_tensors}, "batch_size": args.batch_size,
-        "fragments": args.fragments, "sync_every": args.sync_every, "overlap": args.overlap,
-        "outer_lr": base.outer_lr, "outer_momentum": base.outer_momentum, "codec": base.codec,
-        "inner": asdict(inner), "net": asdict(net), "step_time_s": step_time_s,
-        "eval_points": args.eval_points, "eval_batches": args.eval_batches, "seed": args.seed,
-        "threads": args.threads, "quick": args.quick,
+        "data": data_desc,
+        "learners": args.learners,
+        "token_budget": budget,
+        "steps_per_learner": args.steps,
+        "tokens_per_batch": task.tokens_per_batch,
+        "model": {**asdict(model), "params": n_params, "tensors": n_tensors},
+        "batch_size": args.batch_size,
+        "fragments": args.fragments,
+        "sync_every": args.sync_every,
+        "overlap": args.overlap,
+        "outer_lr": base.outer_lr,
+        "outer_momentum": base.outer_momentum,
+        "codec": base.codec,
+        "inner": asdict(inner),
+        "net": asdict(net),
+        "step_time_s": step_time_s,
+        "eval_points": args.eval_points,
+        "eval_batches": args.eval_batches,
+        "seed": args.seed,
+        "threads": args.threads,
+        "quick": args.quick,
     }
     _log(f"data: {data_desc}")
-    _log(f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, seq {args.seq_len} "
-         f"({n_params:,} params, {n_tensors} tensors); batch {args.batch_size}")
-    _log(f"budget: {budget:,} tokens = {args.learners} learners x {args.steps} steps x "
-         f"{task.tokens_per_batch} tokens; P={args.fragments} H={args.sync_every} tau={args.overlap}")
+    _log(
+        f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, seq {args.seq_len} "
+        f"({n_params:,} params, {n_tensors} tensors); batch {args.batch_size}"
+    )
+    _log(
+        f"budget: {budget:,} tokens = {args.learners} learners x {args.steps} steps x "
+        f"{task.tokens_per_batch} tokens; P={args.fragments} H={args.sync_every} tau={args.overlap}"
+    )
 
     total = len(scenarios) * len(keys)
     t_start = time.perf_counter()
@@ -269,67 +369,116 @@ def main(argv: list[str] | None = None) -> int:
         for key in keys:
             i += 1
             system = by_key[key]
-            run = RunConfig(system=system.runner, learners=args.learners, token_budget=budget,
-                            step_time_s=step_time_s, eval_points=args.eval_points, seed=args.seed, net=net,
-                            plans=plans)
+            run = RunConfig(
+                system=system.runner,
+                learners=args.learners,
+                token_budget=budget,
+                step_time_s=step_time_s,
+                eval_points=args.eval_points,
+                seed=args.seed,
+                net=net,
+                plans=plans,
+            )
             pcfg = protocol_for(system, base, args.learners)
             t0 = time.perf_counter()
-            row: dict = {"key": key, "label": system.label, "system": system.runner,
-                         "quorum": pcfg.quorum, "grace": pcfg.grace}
+            row: dict = {
+                "key": key,
+                "label": system.label,
+                "system": system.runner,
+                "quorum": pcfg.quorum,
+                "grace": pcfg.grace,
+            }
             try:
                 res = run_system(task, run, pcfg, inner)
             except Exception as e:  # report and go on: one broken row should not sink the benchmark
                 failed += 1
                 row["error"] = f"{type(e).__name__}: {e}"
-                _log(f"[{i:2d}/{total}] {scen:<13} {system.label:<20} FAILED {row['error']} "
-                     f"({_fmt_s(time.perf_counter() - t0)}, total {_fmt_s(time.perf_counter() - t_start)})")
+                _log(
+                    f"[{i:2d}/{total}] {scen:<13} {system.label:<20} FAILED {row['error']} "
+                    f"({_fmt_s(time.perf_counter() - t0)}, total {_fmt_s(time.perf_counter() - t_start)})"
+                )
                 results[scen][key] = row
                 continue
             s = res.summary()
-            row.update({k: s[k] for k in ("final_loss", "goodput", "virtual_s", "tokens", "merges",
-                                          "bytes_sent", "steps", "rejected", "tokens_per_virtual_s")})
+            row.update(
+                {
+                    k: s[k]
+                    for k in (
+                        "final_loss",
+                        "goodput",
+                        "virtual_s",
+                        "tokens",
+                        "merges",
+                        "bytes_sent",
+                        "steps",
+                        "rejected",
+                        "tokens_per_virtual_s",
+                    )
+                }
+            )
             row["evals"] = [list(e) for e in res.evals]
             row["wall_s"] = time.perf_counter() - t0
             results[scen][key] = row
-            _log(f"[{i:2d}/{total}] {scen:<13} {system.label:<20} loss {res.final_loss:.4f}  "
-                 f"goodput {res.goodput:.3f}  ({_fmt_s(row['wall_s'])}, "
-                 f"total {_fmt_s(time.perf_counter() - t_start)})")
+            _log(
+                f"[{i:2d}/{total}] {scen:<13} {system.label:<20} loss {res.final_loss:.4f}  "
+                f"goodput {res.goodput:.3f}  ({_fmt_s(row['wall_s'])}, "
+                f"total {_fmt_s(time.perf_counter() - t_start)})"
+            )
         dp = results[scen].get("dp", {}).get("final_loss")
         for r in results[scen].values():
             if dp and r.get("final_loss") is not None:
                 r["ratio_to_dp"] = r["final_loss"] / dp
 
-    targets = check_targets(results)
-    wall = time.perf_counter() - t_start
+    payload = {
+        "settings": settings,
+        "results": results,
+        "targets": check_targets(results),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    report(payload, args)
+    _log(f"done in {_fmt_s(payload['wall_s'])}")
+    return 1 if failed else 0
+
+
+def report(payload: dict, args: argparse.Namespace) -> None:
+    """Plot, then print the tables and targets (or the JSON object) of a finished or saved benchmark."""
+    st, results, targets = payload["settings"], payload["results"], payload["targets"]
+    m = st["model"]
     if args.plot:
         try:
-            plot(results, args.plot, f"eval loss vs tokens, M={args.learners}, "
-                 f"{n_params / 1e6:.2f}M params, P={args.fragments} H={args.sync_every} tau={args.overlap}")
+            plot(
+                results,
+                args.plot,
+                f"eval loss vs tokens, M={st['learners']}, {m['params'] / 1e6:.2f}M params, "
+                f"P={st['fragments']} H={st['sync_every']} tau={st['overlap']}",
+            )
             _log(f"plot: {args.plot}")
         except ImportError:
             _log("plot skipped: matplotlib is not installed (pip install -e '.[bench]')")
-
     if args.json:
-        print(json.dumps({"settings": settings, "results": results, "targets": targets, "wall_s": wall},
-                         indent=2))
-    else:
-        print(f"data: {data_desc}")
-        print(f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, seq {args.seq_len}, "
-              f"{n_params:,} params; batch {args.batch_size} x {args.seq_len} = {task.tokens_per_batch} tokens")
-        print(f"budget: {budget:,} tokens ({args.steps} steps per speed-1 learner, M = {args.learners}); "
-              f"P={args.fragments} H={args.sync_every} tau={args.overlap}, codec {base.codec}, "
-              f"outer lr {base.outer_lr} momentum {base.outer_momentum}")
-        for scen, rows in results.items():
-            print()
-            print(format_table(scen, rows))
+        print(json.dumps(payload, indent=2))
+        return
+    print(f"data: {st['data']}")
+    print(
+        f"model: dim {m['dim']}, {m['layers']} layers, {m['heads']} heads, seq {m['seq_len']}, "
+        f"{m['params']:,} params; batch {st['batch_size']} x {m['seq_len']} = {st['tokens_per_batch']} tokens"
+    )
+    print(
+        f"budget: {st['token_budget']:,} tokens ({st['steps_per_learner']} steps per speed-1 learner, "
+        f"M = {st['learners']}); P={st['fragments']} H={st['sync_every']} tau={st['overlap']}, "
+        f"codec {st['codec']}, outer lr {st['outer_lr']} momentum {st['outer_momentum']}"
+    )
+    for scen, rows in results.items():
         print()
-        print("targets:")
-        for t in targets:
-            print(f"  [{'HOLDS ' if t['holds'] else 'MISSED'}] {t['scenario']:<13} {t['target']:<46} "
-                  f"ratio {t['value']:.4f} (limit {t['limit']:.2f}; {t['detail']})")
-        print(f"\nwall time: {_fmt_s(wall)}")
-    _log(f"done in {_fmt_s(wall)}")
-    return 1 if failed else 0
+        print(format_table(scen, rows))
+    print()
+    print("targets:")
+    for t in targets:
+        print(
+            f"  [{'HOLDS ' if t['holds'] else 'MISSED'}] {t['scenario']:<13} {t['target']:<46} "
+            f"ratio {t['value']:.4f} (limit {t['limit']:.2f}; {t['detail']})"
+        )
+    print(f"\nwall time: {_fmt_s(payload['wall_s'])}")
 
 
 if __name__ == "__main__":
