@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -21,17 +22,6 @@ from protocol.errors import ProtocolError, RejectCode
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-_HEADER_FIELDS = {
-    "learner": str,
-    "fragment": int,
-    "base_round": int,
-    "c_steps": int,
-    "c_tokens": int,
-    "step_time_s": float,
-    "codec": str,
-    "block": int,
-    "cid": str,
-}
 _PART_DTYPES = {
     "fp32": {"v": torch.float32},
     "bf16": {"v": torch.bfloat16},
@@ -51,6 +41,9 @@ class ContributionHeader:
     codec: str
     block: int
     cid: str
+
+
+_HEADER_FIELDS = typing.get_type_hints(ContributionHeader)
 
 
 def encode_contribution(h: ContributionHeader, encoded: dict[str, Encoded]) -> bytes:
