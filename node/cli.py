@@ -1,6 +1,7 @@
 """The ``ddiloco`` command line (also ``python -m node``). One parser, one subcommand per job.
 
   ddiloco train-local    an in-process swarm of M learners on a virtual clock (this machine, no network)
+  ddiloco keygen         create a node identity and print its peer id
 
 Run ``ddiloco SUBCOMMAND --help`` for the flags. ``main(argv)`` returns an exit code so tests can call it.
 """
@@ -35,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
     tl.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     tl.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(tl)
+    kg = sub.add_parser(
+        "keygen",
+        help="create a node identity (Ed25519 key; prints its libp2p peer id)",
+        description="Write a new Ed25519 node identity in the libp2p key format that the "
+        "node's DHT daemon reads, and print its peer id.",
+    )
+    kg.add_argument("--out", default="identity.key", help="key file to write (default: identity.key)")
+    kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
     return p
 
 
@@ -153,6 +162,23 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dht.identity import Identity
+    from protocol.errors import ConfigError
+
+    if Path(args.out).exists() and not args.force:
+        raise ConfigError(
+            f"out={args.out!r} already exists; it is a node's identity, so it is not replaced "
+            "unless you pass --force"
+        )
+    ident = Identity.generate()
+    ident.save(args.out)
+    print(ident.peer_id)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -162,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train-local":
             return cmd_train_local(args)
+        if args.command == "keygen":
+            return cmd_keygen(args)
     except DDiLoCoError as e:
         print(f"ddiloco: error: {e}", file=sys.stderr)
         return 2

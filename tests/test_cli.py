@@ -153,3 +153,15 @@ def test_custom_task_from_module_function(tmp_path, monkeypatch, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["final_loss"] < 0.5 * out["initial_loss"]
+
+
+def test_keygen_writes_an_identity_and_refuses_to_overwrite(tmp_path, capsys):
+    from dht.identity import Identity
+
+    out = tmp_path / "id.key"
+    assert main(["keygen", "--out", str(out)]) == 0
+    peer = capsys.readouterr().out.strip()
+    assert peer == Identity.load(out).peer_id and peer.startswith("12D3KooW")
+    assert main(["keygen", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert Identity.load(out).peer_id == peer  # unchanged

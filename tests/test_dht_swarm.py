@@ -1,0 +1,198 @@
+"""Membership over real hivemind DHT processes on loopback (DESIGN §4): three nodes, signed records, expiry,
+forged records, and start_dht's errors."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from dht.identity import Identity
+from dht.records import Member, RecordError, sign_member
+from dht.swarm import DHTStartError, Membership, SwarmUnreachable, get_dht_time, start_dht
+from protocol.errors import ConfigError
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _ident(tmp, name: str) -> tuple[Identity, str]:
+    ident = Identity.generate()
+    return ident, str(ident.save(tmp / f"{name}.key"))
+
+
+def _member(ident: Identity, ttl: float = 30.0, **kw) -> Member:
+    now = get_dht_time()
+    return Member(
+        peer_id=ident.peer_id,
+        addrs=("/ip4/127.0.0.1/tcp/1",),
+        version="0.1.0",
+        issued_at=now,
+        expires_at=now + ttl,
+        **kw,
+    )
+
+
+def _eventually(check, timeout_s: float = 15.0, every_s: float = 0.2):
+    """Poll ``check`` until it returns something truthy; return it, or fail with its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            assert got, f"condition not met within {timeout_s} s (last: {got!r})"
+            return got
+        time.sleep(every_s)
+
+
+def _our_sock_dirs() -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"ddiloco-dht-{os.getpid()}-*"))
+
+
+@pytest.fixture(scope="module")
+def swarm3(tmp_path_factory):
+    """Three DHT nodes; the second and third bootstrap from the first. Yields [(identity, dht), ...]."""
+    tmp = tmp_path_factory.mktemp("swarm3")
+    nodes = []
+    try:
+        for i in range(3):
+            ident, path = _ident(tmp, f"n{i}")
+            peers = [str(a) for a in nodes[0][1].get_visible_maddrs()] if nodes else []
+            nodes.append((ident, start_dht(path, LOOPBACK, peers, timeout_s=30)))
+        yield nodes
+    finally:
+        for _, dht in nodes:
+            dht.shutdown()
+
+
+@pytest.fixture
+def swarm_id() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"  # a fresh DHT key per test: tests share the nodes, not the records
+
+
+@pytest.mark.timeout(60)
+def test_dht_peer_id_is_the_identity(swarm3):
+    for ident, dht in swarm3:
+        assert dht.peer_id.to_base58() == ident.peer_id
+        assert all(str(a).endswith(f"/p2p/{ident.peer_id}") for a in dht.get_visible_maddrs())
+
+
+@pytest.mark.timeout(60)
+def test_every_node_sees_all_three(swarm3, swarm_id):
+    views = [Membership(dht, swarm_id, ident, timeout_s=10) for ident, dht in swarm3]
+    for view, (ident, _) in zip(views, swarm3):
+        view.publish(_member(ident, tokens_per_s=100.0, heads={"0": [3, "ab"]}))
+    want = sorted(ident.peer_id for ident, _ in swarm3)
+    for view in views:
+        members, dropped = _eventually(lambda v=view: (lambda r: r if len(r[0]) == 3 else None)(v.live()))
+        assert [m.peer_id for m in members] == want and dropped == {}
+        assert all(m.heads == {"0": [3, "ab"]} and m.tokens_per_s == 100.0 for m in members)
+
+
+@pytest.mark.timeout(60)
+def test_short_expiry_leaves_the_live_view(swarm3, swarm_id):
+    (a, dht_a), (b, dht_b), (_, dht_c) = swarm3
+    short = _member(a, ttl=2.0)
+    Membership(dht_a, swarm_id, a).publish(short)
+    Membership(dht_b, swarm_id, b).publish(_member(b, ttl=30.0))
+    reader = Membership(dht_c, swarm_id, a)
+    assert [m.peer_id for m in reader.live()[0]] == sorted([a.peer_id, b.peer_id])
+    members, dropped = reader.live(now=short.expires_at + 0.1)  # judged at a later time: dropped with reason
+    assert [m.peer_id for m in members] == [b.peer_id] and "expired" in dropped[a.peer_id]
+    members = _eventually(lambda: (lambda ms: ms if len(ms) == 1 else None)(reader.live()[0]))
+    assert members[0].peer_id == b.peer_id  # after real expiry the DHT itself no longer returns it
+
+
+@pytest.mark.timeout(60)
+def test_forged_and_malformed_records_are_dropped(swarm3, swarm_id, tmp_path):
+    (a, dht_a), (b, dht_b), _ = swarm3
+    victim, other = Identity.generate(), Identity.generate()
+    Membership(dht_a, swarm_id, a).publish(_member(a))
+    exp = get_dht_time() + 30
+    key = f"{swarm_id}/members"
+    # B signs its own record but stores it in the victim's slot
+    dht_b.store(key, sign_member(swarm_id, b, _member(b)), exp, subkey=victim.peer_id)
+    # a record with a field altered after signing
+    doc = json.loads(sign_member(swarm_id, other, _member(other)))
+    doc["m"]["tokens_per_s"] = 1e9
+    dht_b.store(key, json.dumps(doc).encode(), exp, subkey=other.peer_id)
+    # a record signed for another swarm, garbage bytes, and a value that is not bytes at all
+    third, fourth, fifth = Identity.generate(), Identity.generate(), Identity.generate()
+    dht_b.store(key, sign_member("other-swarm", third, _member(third)), exp, subkey=third.peer_id)
+    dht_b.store(key, b"\x00not json", exp, subkey=fourth.peer_id)
+    dht_b.store(key, "a string", exp, subkey=fifth.peer_id)
+
+    members, dropped = Membership(dht_a, swarm_id, a).live()
+    assert [m.peer_id for m in members] == [a.peer_id]
+    assert dropped[victim.peer_id] == f"stored under {victim.peer_id} but signed by {b.peer_id}"
+    assert "signature does not match" in dropped[other.peer_id]
+    assert "signature does not match" in dropped[third.peer_id]
+    assert "malformed" in dropped[fourth.peer_id]
+    assert "not a record" in dropped[fifth.peer_id]
+
+
+@pytest.mark.timeout(60)
+def test_publish_refuses_foreign_and_expired_records(swarm3, swarm_id):
+    (a, dht_a), (b, _), _ = swarm3
+    view = Membership(dht_a, swarm_id, a)
+    with pytest.raises(RecordError, match="the key is"):
+        view.publish(_member(b))
+    with pytest.raises(RecordError, match="already expired"):
+        view.publish(_member(a, ttl=-1.0))
+
+
+@pytest.mark.timeout(60)
+def test_start_dht_errors_say_what_was_tried(tmp_path):
+    ident, path = _ident(tmp_path, "me")
+    dirs_before = set(_our_sock_dirs())
+    peer = Identity.generate().peer_id
+    unreachable = f"/ip4/127.0.0.1/tcp/1/p2p/{peer}"
+    with pytest.raises(SwarmUnreachable, match="none of the initial peers") as e:
+        start_dht(path, LOOPBACK, [unreachable], timeout_s=20)
+    assert unreachable in str(e.value)
+    with pytest.raises(
+        ConfigError, match=r"host_maddrs\[0\]='/ip4/127.0.0.1/tcpx/0' is not a valid multiaddr"
+    ):
+        start_dht(path, ["/ip4/127.0.0.1/tcpx/0"], [])
+    with pytest.raises(ConfigError, match=r"initial_peers\[0\].*lacks the peer's /p2p/"):
+        start_dht(path, LOOPBACK, ["/ip4/127.0.0.1/tcp/4001"])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        start_dht(tmp_path / "missing.key", LOOPBACK, [])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DHTStartError, match=f"cannot listen on /ip4/127.0.0.1/tcp/{port}"):
+            start_dht(path, [f"/ip4/127.0.0.1/tcp/{port}"], [])
+    assert set(_our_sock_dirs()) == dirs_before, "a failed start left its socket directory behind"
+
+
+@pytest.mark.timeout(60)
+def test_port_taken_by_another_node_is_refused(swarm3):
+    # p2pd listens with SO_REUSEPORT: without the check, a second daemon would silently share the port
+    (_, dht_a), _, _ = swarm3
+    port = str(dht_a.get_visible_maddrs()[0]).split("/tcp/")[1].split("/")[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        ident = Identity.generate()
+        with pytest.raises(DHTStartError, match="in use"):
+            start_dht(ident.save(os.path.join(tmp, "k")), [f"/ip4/127.0.0.1/tcp/{port}"], [])
+
+
+@pytest.mark.timeout(60)
+def test_reading_through_a_stopped_dht_is_a_clear_error(tmp_path, swarm_id):
+    ident, path = _ident(tmp_path, "solo")
+    dht = start_dht(path, LOOPBACK, [])
+    try:
+        view = Membership(dht, swarm_id, ident)
+        view.publish(_member(ident))
+        assert [m.peer_id for m in view.live()[0]] == [ident.peer_id]  # a lone node stores locally
+        sock_dir = dht.sock_dir
+    finally:
+        dht.shutdown()
+    assert not os.path.exists(sock_dir)
+    with pytest.raises(SwarmUnreachable, match="local DHT process is not running"):
+        view.live()
