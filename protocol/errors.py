@@ -34,6 +34,8 @@ class RejectCode(enum.Enum):
     TOO_LARGE = "too_large"  # payload or norm over the configured bound
     UNKNOWN_PEER = "unknown_peer"  # sender is not a member of the swarm
     UNKNOWN_CODEC = "unknown_codec"  # codec name we cannot decode
+    UNKNOWN_OP = "unknown_op"  # request for an operation this node does not serve
+    INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 
 class ProtocolError(DDiLoCoError):

@@ -1,0 +1,185 @@
+"""Request/response over hivemind P2P streams, for payloads of any size (DESIGN §4, "Transport").
+
+One stream per request. The caller writes a frame header (u32 length + JSON {"op", "nbytes"}) and then the
+payload in chunks of ``CHUNK`` bytes; the server reads it under a size cap and a deadline, calls the handler
+registered for the op, and writes back a header (JSON {"ok", "code", "message", "nbytes"}) and the reply
+body the same way. Unary protobuf messages in hivemind are capped at 4 MiB; raw streams are not, so tensors
+travel here. The caller's peer id comes from the libp2p stream (authenticated by the Noise handshake), never
+from the message.
+
+Errors: every refusal is a ``Reply(ok=False, code, message)`` with a code from ``protocol.errors.RejectCode``
+; transport failures raise ``TransportError`` saying which peer and op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+
+from protocol.errors import DDiLoCoError, ProtocolError, RejectCode
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_NAME = "ddiloco/rpc/1"
+GO, STOP = b"\x01", b"\x00"  # after the request header: send the body / a refusal follows
+CHUNK = 1 << 20
+MAX_HEADER = 64 * 1024
+
+
+class TransportError(DDiLoCoError):
+    """A request could not be carried out over the network (peer unreachable, deadline, broken stream)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    code: str = "ok"
+    message: str = ""
+    body: bytes = b""
+
+
+Handler = Callable[[str, bytes], Awaitable[Reply]]  # (caller peer id, payload) -> reply
+
+
+async def _write_frame(writer: asyncio.StreamWriter, header: dict, body: bytes) -> None:
+    _write_header(writer, header, body)
+    await _write_body(writer, body)
+
+
+def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> None:
+    raw = json.dumps({**header, "nbytes": len(body)}).encode()
+    writer.write(struct.pack("<I", len(raw)) + raw)
+
+
+async def _write_body(writer: asyncio.StreamWriter, body: bytes) -> None:
+    for i in range(0, len(body), CHUNK):
+        writer.write(body[i : i + CHUNK])
+        await writer.drain()
+    await writer.drain()
+
+
+async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
+    (n,) = struct.unpack("<I", await reader.readexactly(4))
+    if n > MAX_HEADER:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"frame header of {n} bytes exceeds {MAX_HEADER}")
+    try:
+        header = json.loads(await reader.readexactly(n))
+        nbytes = int(header["nbytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(RejectCode.MALFORMED, f"bad frame header: {e}") from e
+    if not 0 <= nbytes <= max_bytes:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"payload of {nbytes} bytes exceeds {max_bytes}")
+    return header, nbytes
+
+
+async def _read_body(reader: asyncio.StreamReader, nbytes: int) -> bytes:
+    chunks, left = [], nbytes
+    while left:
+        c = await reader.readexactly(min(CHUNK, left))
+        chunks.append(c)
+        left -= len(c)
+    return b"".join(chunks)
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, bytes]:
+    header, nbytes = await _read_header(reader, max_bytes)
+    return header, await _read_body(reader, nbytes)
+
+
+class Transport:
+    """Serves registered ops and calls other peers' ops over one P2P instance."""
+
+    def __init__(self, p2p: P2P, max_bytes: int = 256 << 20, timeout_s: float = 30.0) -> None:
+        self.p2p = p2p
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.handlers: dict[str, Handler] = {}
+        self.refused: dict[str, int] = {}  # code -> count, for status
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def register(self, op: str, handler: Handler) -> None:
+        self.handlers[op] = handler
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(PROTOCOL_NAME, self._serve)
+
+    async def stop(self) -> None:
+        # p2pd keeps routing the protocol to the first listener it was given: register one Transport per
+        # daemon, for the daemon's whole life.
+        await self.p2p.remove_binary_stream_handler(PROTOCOL_NAME)
+
+    def _count(self, code: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        caller = info.peer_id.to_base58()
+        sent_go = False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                try:
+                    header, nbytes = await _read_header(reader, self.max_bytes)
+                    handler = self.handlers.get(str(header.get("op")))
+                    if handler is None:
+                        raise ProtocolError(RejectCode.UNKNOWN_OP, f"no handler for op {header.get('op')!r}")
+                    writer.write(GO)  # the caller sends the body only now: refusals never race a big upload
+                    sent_go = True
+                    payload = await _read_body(reader, nbytes)
+                    self.bytes_in += len(payload)
+                    reply = await handler(caller, payload)
+                except ProtocolError as e:
+                    reply = Reply(False, e.code.value, str(e))
+                except Exception as e:  # a handler bug must not kill the server; the caller gets told
+                    logger.exception("handler failed for %s", caller)
+                    reply = Reply(False, RejectCode.INTERNAL.value, f"{type(e).__name__}: {e}")
+                if not reply.ok:
+                    self._count(reply.code)
+                    if not sent_go:
+                        writer.write(STOP)
+                    logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
+                await _write_frame(
+                    writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
+                )
+                self.bytes_out += len(reply.body)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            self._count("broken_stream")
+            logger.warning("stream from %s dropped: %s", caller, type(e).__name__)
+        finally:
+            writer.close()
+
+    async def call(
+        self, peer_id: str, op: str, payload: bytes = b"", timeout_s: float | None = None
+    ) -> Reply:
+        """Send ``payload`` to ``op`` on ``peer_id`` and wait for the reply, within the deadline."""
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(
+                    PeerID.from_base58(peer_id), PROTOCOL_NAME
+                )
+                try:
+                    _write_header(writer, {"op": op}, payload)
+                    await writer.drain()
+                    if await reader.readexactly(1) == GO:
+                        await _write_body(writer, payload)
+                    header, body = await _read_frame(reader, self.max_bytes)
+                    self.bytes_out += len(payload)
+                    self.bytes_in += len(body)
+                finally:
+                    writer.close()
+        except TimeoutError as e:
+            raise TransportError(f"{op} to {peer_id}: no reply within {deadline:.1f}s") from e
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
+            raise TransportError(f"{op} to {peer_id}: stream broke ({type(e).__name__}: {e})") from e
+        except Exception as e:  # p2pd control errors arrive as various types
+            raise TransportError(
+                f"{op} to {peer_id}: could not open a stream ({type(e).__name__}: {e}); "
+                "is the peer alive and reachable?"
+            ) from e
+        return Reply(bool(header.get("ok")), str(header.get("code")), str(header.get("message")), body)
