@@ -40,6 +40,8 @@ class FragmentReplica:
         self._history_len = history
         self.history: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict({0: self.theta})
         self._hash = tensors_hash(self.theta)
+        # The outcome of the record this replica made last: applying its own record needs no recompute.
+        self._made: tuple[MergeRecord, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     @property
     def hash(self) -> str:
@@ -78,8 +80,8 @@ class FragmentReplica:
         deltas = [anchor(self.theta, self.base(c.base_round), c.delta) for c in contributions]
         method = "mean" if self.is_embedding else cfg.merge
         grad = merge_deltas(deltas, weights, method)
-        new_theta, _ = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
-        return MergeRecord(
+        new_theta, new_mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
+        rec = MergeRecord(
             fragment=self.index,
             round=round_,
             parent_hash=self._hash,
@@ -89,6 +91,8 @@ class FragmentReplica:
             ),
             grad=grad,
         )
+        self._made = (rec, new_theta, new_mom)
+        return rec
 
     def apply_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
         if rec.round != self.round + 1 or rec.parent_hash != self._hash:
@@ -97,8 +101,12 @@ class FragmentReplica:
                 f"record for round {rec.round} (parent "
                 f"{rec.parent_hash[:8]}) does not follow round {self.round} ({self._hash[:8]})",
             )
-        theta, mom = outer_step(self.theta, self.momentum, rec.grad, cfg.outer_lr, cfg.outer_momentum)
-        new_hash = tensors_hash(theta)
+        if self._made is not None and self._made[0] is rec:
+            _, theta, mom = self._made
+            new_hash = rec.new_hash
+        else:
+            theta, mom = outer_step(self.theta, self.momentum, rec.grad, cfg.outer_lr, cfg.outer_momentum)
+            new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
             raise ProtocolError(
                 RejectCode.MALFORMED,
@@ -106,6 +114,7 @@ class FragmentReplica:
                 f"{new_hash[:8]}, record says {rec.new_hash[:8]}",
             )
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
+        self._made = None
         self.history[rec.round] = theta
         while len(self.history) > self._history_len:
             self.history.popitem(last=False)
