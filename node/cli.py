@@ -96,6 +96,16 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _per_system(path: str | None, system: str, several: bool) -> str | None:
+    """With several systems in one run, each writes its own file: runs/ev.jsonl -> runs/ev.dp.jsonl."""
+    if path is None or not several:
+        return path
+    from pathlib import Path
+
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{system}{p.suffix}"))
+
+
 def cmd_train_local(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -130,9 +140,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
             net=cfg.net,
             plans=plans,
         )
-        path = (
-            r.events if r.events is None or "," not in r.system else r.events.replace(".", f".{system}.", 1)
-        )
+        path = _per_system(r.events, system, "," in r.system)
         events = EventLog(path)
         bar = Progress(system, enabled=not (args.quiet or args.json))
         t0 = time.monotonic()
@@ -144,7 +152,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
         if r.export:
             from node.checkpoint import export_model
 
-            out = r.export if len(r.system.split(",")) == 1 else r.export.replace(".", f".{system}.", 1)
+            out = _per_system(r.export, system, "," in r.system)
             export_model(out, res.final_params, {"system": system, "model_hash": res.model_hash})
         row = res.summary()
         row.update(

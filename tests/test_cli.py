@@ -165,3 +165,11 @@ def test_keygen_writes_an_identity_and_refuses_to_overwrite(tmp_path, capsys):
     assert main(["keygen", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert Identity.load(out).peer_id == peer  # unchanged
+
+
+def test_several_systems_write_one_file_each():
+    from node.cli import _per_system
+
+    assert _per_system("./runs/ev.jsonl", "dp", True) == "runs/ev.dp.jsonl"
+    assert _per_system("./runs/ev.jsonl", "dp", False) == "./runs/ev.jsonl"
+    assert _per_system(None, "dp", True) is None
