@@ -1,6 +1,9 @@
 """The ``ddiloco`` command line (also ``python -m node``). One parser, one subcommand per job.
 
   ddiloco train-local    an in-process swarm of M learners on a virtual clock (this machine, no network)
+  ddiloco node           one node of a real swarm (DHT discovery, elected synchronisers)
+  ddiloco up             a local swarm of N node processes with a live status table
+  ddiloco status         a node's view of the swarm (peers, roles, rounds, loss, bandwidth, goodput)
   ddiloco keygen         create a node identity and print its peer id
 
 Run ``ddiloco SUBCOMMAND --help`` for the flags. ``main(argv)`` returns an exit code so tests can call it.
@@ -36,6 +39,48 @@ def _parser() -> argparse.ArgumentParser:
     tl.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     tl.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(tl)
+    from node.config import NodeConfig
+
+    nd = sub.add_parser(
+        "node",
+        help="run one node of a swarm: a learner plus its network agent",
+        description="Run one swarm node: it joins the DHT through --initial-peers (or starts a swarm), "
+        "trains its learner, sends contributions to the elected synchroniser of each fragment, takes that "
+        "role when elected, and keeps a replica of the global model. Status: GET STATUS_URL/status (the URL "
+        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export.",
+    )
+    nd.add_argument("--config", help="TOML file with [node] [protocol] [task] [model] [inner] tables")
+    add_config_args(nd, root=NodeConfig)
+    upp = sub.add_parser(
+        "up",
+        help="start a local swarm of N node processes (the quick-start)",
+        description="Start N 'ddiloco node' processes on this machine, node 0 as the others' bootstrap "
+        "peer, training the embedded default model; show a live status table. Ctrl+C (or --duration) pauses "
+        "the learners, waits for one model hash, stops every node and prints a summary.",
+    )
+    upp.add_argument("--nodes", type=int, default=3, help="number of nodes (default: 3)")
+    upp.add_argument(
+        "--duration", type=float, default=0.0, help="seconds of training, then stop (0: until Ctrl+C)"
+    )
+    upp.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    upp.add_argument("--quiet", action="store_true", help="no live table")
+    upp.add_argument("--run-dir", help="folder for the nodes' state and logs (default: runs/up-TIMESTAMP)")
+    upp.add_argument("--config", help="TOML file given to every node (its [node] state_dir is overridden)")
+    upp.add_argument(
+        "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
+    )
+    st = sub.add_parser(
+        "status",
+        help="show a node's view of the swarm",
+        description="Read a running node's status endpoint (plain HTTP; no p2p daemon is started) and show "
+        "peers, who synchronises which fragment, rounds, loss, tokens/s, bytes sent and received, refusals "
+        "and goodput.",
+    )
+    st.add_argument(
+        "--url", help="status URL, e.g. http://127.0.0.1:8470 (default: from STATE_DIR/ready.json)"
+    )
+    st.add_argument("--state-dir", default="node-state", help="node state folder holding ready.json")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
     kg = sub.add_parser(
         "keygen",
         help="create a node identity (Ed25519 key; prints its libp2p peer id)",
@@ -170,6 +215,79 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    from node.agent import Node
+    from node.config import NodeConfig, build_config, describe
+
+    cfg = build_config(args, args.config, root=NodeConfig)
+    print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
+    node = Node(cfg)
+    print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
+    return node.run()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from node.launcher import up
+
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+    flags = shlex.split(args.node_flags)
+    if args.config:
+        flags = ["--config", str(Path(args.config).resolve()), *flags]
+    return up(args.nodes, args.duration, run_dir, flags, as_json=args.json, quiet=args.quiet)
+
+
+def _status_table(s: dict) -> str:
+    lr = s["learner"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    lines = [
+        f"node {s['peer_id']}  swarm {s['swarm']}{'  (client mode)' if s['client_mode'] else ''}  "
+        f"up {s['uptime_s']:.0f}s  joined by {s['joined_by']}",
+        f"learner: steps {lr['steps']}  tokens {lr['tokens']:,}  {lr['tokens_per_s']:.0f} tok/s  "
+        f"loss {fmt(lr['loss'], '.3f')}  eval loss {fmt(lr['eval_loss'], '.3f')}"
+        f"{'  PAUSED' if lr['paused'] else ''}",
+        f"global model {s['model_hash'][:16]}  rounds merged {s['rounds_merged']}  "
+        f"tokens merged {s['tokens_merged']:,.0f}  goodput {fmt(s['goodput'], '.1%')}",
+        f"bytes sent {s['bytes_sent'] / 1e6:.2f} MB  received {s['bytes_received'] / 1e6:.2f} MB  "
+        f"refused {s['refused'] or 'none'}",
+        "counters: " + "  ".join(f"{k} {v}" for k, v in s["counters"].items()),
+        "",
+        f"peers ({len(s['peers'])}):",
+    ]
+    for m in s["peers"]:
+        lines.append(
+            f"  {m['peer_id']}  step {m['step']}  {m['tokens_per_s']:.0f} tok/s  rounds {m['rounds']}"
+            f"{'  client' if m['client_mode'] else ''}"
+        )
+    lines.append("")
+    lines.append("fragment  round  hash              synchroniser")
+    for f in s["fragments"]:
+        me = "  (this node)" if f["synchroniser"] == s["peer_id"] else ""
+        lines.append(f"{f['fragment']:>8}  {f['round']:>5}  {f['hash']}  {f['synchroniser'] or '-'}{me}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from node.status import fetch_status
+    from protocol.errors import ConfigError
+
+    url = args.url
+    if not url:
+        ready = Path(args.state_dir) / "ready.json"
+        if not ready.is_file():
+            raise ConfigError(
+                f"no --url given and {ready} does not exist; pass --url http://HOST:PORT or the node's --state-dir"
+            )
+        url = json.loads(ready.read_text())["status_url"]
+    s = fetch_status(url)
+    print(json.dumps(s, indent=2) if args.json else _status_table(s))
+    return 0
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -198,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train_local(args)
         if args.command == "keygen":
             return cmd_keygen(args)
+        if args.command == "node":
+            return cmd_node(args)
+        if args.command == "up":
+            return cmd_up(args)
+        if args.command == "status":
+            return cmd_status(args)
     except DDiLoCoError as e:
         print(f"ddiloco: error: {e}", file=sys.stderr)
         return 2

@@ -89,6 +89,87 @@ class TrainLocalConfig:
         return replace(self.task, model=self.model)
 
 
+@dataclass(frozen=True)
+class NodeSettings:
+    """One node of a real swarm (``ddiloco node``): its network, identity, state and timing."""
+
+    swarm: str = field(
+        default="ddiloco-local", metadata={"help": "swarm id; nodes of other swarms are ignored"}
+    )
+    identity: str = field(default="", metadata={"help": "Ed25519 key file (default: STATE_DIR/identity.key)"})
+    state_dir: str = field(default="node-state", metadata={"help": "checkpoints, events, export, ready file"})
+    host_maddrs: str = field(
+        default="/ip4/127.0.0.1/tcp/0", metadata={"help": "comma-separated multiaddrs to listen on"}
+    )
+    announce_maddrs: str = field(
+        default="", metadata={"help": "comma-separated multiaddrs peers should dial"}
+    )
+    initial_peers: str = field(
+        default="", metadata={"help": "comma-separated multiaddrs (with /p2p/ID) of nodes to bootstrap from"}
+    )
+    client_mode: bool = field(
+        default=False, metadata={"help": "accept no inbound connections (NAT); pull state, never synchronise"}
+    )
+    status_host: str = field(default="127.0.0.1", metadata={"help": "address of the HTTP status endpoint"})
+    status_port: int = field(default=0, metadata={"help": "port of the status endpoint (0: any free port)"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "membership refresh period"})
+    ttl_s: float = field(
+        default=6.0, metadata={"help": "membership record lifetime: a silent node is gone after"}
+    )
+    failover_s: float = field(
+        default=8.0, metadata={"help": "bound on re-routing a contribution after its synchroniser died"}
+    )
+    rpc_timeout_s: float = field(default=10.0, metadata={"help": "deadline of one request to a peer"})
+    checkpoint_every_s: float = field(default=60.0, metadata={"help": "checkpoint period (0: only at exit)"})
+    eval_every_s: float = field(default=30.0, metadata={"help": "evaluate the global model this often"})
+    steps: int = field(
+        default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}
+    )
+    data_seed: int = field(default=-1, metadata={"help": "data order seed (-1: derived from the peer id)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: until stopped)"})
+    step_delay_s: float = field(default=0.0, metadata={"help": "sleep after each inner step (a slower chip)"})
+    export: str = field(
+        default="", metadata={"help": "final global model file (default: STATE_DIR/model.safetensors)"}
+    )
+    test_hooks: bool = field(default=False, metadata={"help": "enable test-only controls (partition)"})
+    exit_with_parent: bool = field(
+        default=False, metadata={"help": "stop when the launching process dies (set by 'ddiloco up')"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "ttl_s", "failover_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be > 0")
+        if self.ttl_s <= 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"ttl_s={self.ttl_s} is invalid: must exceed 2 x heartbeat_s={self.heartbeat_s}, or a live "
+                "node drops out of the view between two refreshes"
+            )
+        if not 0 <= self.status_port < 65536:
+            raise ConfigError(f"status_port={self.status_port} is invalid: must be in [0, 65535]")
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps} is invalid: must be >= 1")
+        if not self.swarm or "/" in self.swarm:
+            raise ConfigError(f"swarm={self.swarm!r} is invalid: a non-empty name without '/'")
+
+    @staticmethod
+    def split(v: str) -> list[str]:
+        return [x.strip() for x in v.split(",") if x.strip()]
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node: NodeSettings = NodeSettings()
+    protocol: ProtocolConfig = ProtocolConfig()
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig()
+    inner: InnerConfig = InnerConfig()
+
+    def task_config(self) -> TaskConfig:
+        return replace(self.task, model=self.model)
+
+
 # Flags whose natural name collides with another section's field.
 RENAMES = {("task", "seed"): "model-seed", ("inner", "lr"): "inner-lr"}
 
@@ -167,6 +248,8 @@ def _coerce(cls, f: dataclasses.Field, v: Any, section: str) -> Any:
     ok = isinstance(v, t) and not (t is not bool and isinstance(v, bool))
     if t is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
+    if t is str and isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return ",".join(v)  # TOML lists of addresses
     if not ok:
         raise ConfigError(f"{section}.{f.name}={v!r} is invalid: expected {t.__name__}")
     return v

@@ -7,6 +7,7 @@ seconds in a node). ``protocol.goodput`` computes goodput from them; nothing els
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -14,18 +15,23 @@ from typing import IO
 class EventLog:
     """Keeps records in memory and, when given a path, appends each as a JSON line."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, flush: bool = False, append: bool = False) -> None:
+        self._flush = flush  # a live node flushes every line, so a kill -9 loses nothing already emitted
         self.records: list[dict] = []
         self._fh: IO[str] | None = None
+        self._lock = threading.Lock()  # a node emits from its learner thread and its event loop
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._fh = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def emit(self, kind: str, **fields) -> None:
         rec = {"kind": kind, **fields}
-        self.records.append(rec)
-        if self._fh is not None:
-            self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        with self._lock:
+            self.records.append(rec)
+            if self._fh is not None:
+                self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                if self._flush:
+                    self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:

@@ -151,3 +151,39 @@ class Learner:
                 self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
                 self.book.counters[p].base_round = r
         self._new_optimizer()
+
+    def resync(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> None:
+        """Take global fragment p of ``round_`` whatever round we hold (the swarm settled on another chain)."""
+        self.book.counters[p].base_round = round_ - 1
+        self.adopt(p, round_, theta)
+
+    # ---- checkpoints: tensors (flat names) and JSON metadata
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {f"learner/{n}": p.detach().to("cpu").clone() for n, p in self.params.items()}
+        for p, base in enumerate(self.base):
+            for n, t in base.items():
+                tensors[f"base/{p}/{n}"] = t.clone()
+        opt = self.opt.state_dict()
+        for i, st in opt["state"].items():
+            for k, v in st.items():
+                tensors[f"opt/{i}/{k}"] = torch.as_tensor(v).detach().to("cpu").clone()
+        tensors["gen"] = self.gen.get_state()
+        meta = {"steps": self.steps, "book": self.book.state_dict(), "param_groups": opt["param_groups"]}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors[f"learner/{n}"].to(self.device))
+        for p, base in enumerate(self.base):
+            self.base[p] = {n: tensors[f"base/{p}/{n}"].clone() for n in base}
+        state: dict[int, dict] = {}
+        for key, v in tensors.items():
+            if key.startswith("opt/"):
+                _, i, k = key.split("/", 2)
+                state.setdefault(int(i), {})[k] = v.to(self.device) if v.dim() else v
+        self._new_optimizer()
+        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.gen.set_state(tensors["gen"])
+        self.steps = int(meta["steps"])
+        self.book.load_state_dict(meta["book"])

@@ -6,7 +6,9 @@ moves from round to round and fragment to fragment (spreading aggregation load),
 only the rounds it held move, to the next candidate on each list.
 
 Fork choice: two merge records for the same (fragment, round) — a split brain — are ordered by one rule
-every node applies alike: more contributors first, then more total weight, then the lower new hash.
+every node applies alike: more contributors first, then more total weight, then the lower new hash. Two
+replicas whose fragment heads differ are ordered by the same rule extended on the left by the round: the
+further head wins (``head_key``), so after a partition heals every side converges on one chain.
 """
 
 from __future__ import annotations
@@ -37,3 +39,8 @@ def fork_key(n_contributors: int, total_weight: float, new_hash: str) -> tuple:
 def fork_winner(a: tuple[int, float, str], b: tuple[int, float, str]) -> int:
     """0 if record a wins, 1 if b wins; each given as (contributors, total weight, new hash)."""
     return 0 if fork_key(*a) <= fork_key(*b) else 1
+
+
+def head_key(round_: int, n_contributors: int, total_weight: float, new_hash: str) -> tuple:
+    """Sort key of a fragment head (its latest record); the *smallest* key is the chain everyone adopts."""
+    return (-round_, *fork_key(n_contributors, total_weight, new_hash))

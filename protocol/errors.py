@@ -35,6 +35,9 @@ class RejectCode(enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # sender is not a member of the swarm
     UNKNOWN_CODEC = "unknown_codec"  # codec name we cannot decode
     UNKNOWN_OP = "unknown_op"  # request for an operation this node does not serve
+    NOT_SYNCHRONISER = "not_synchroniser"  # this node cannot take the fragment's round (behind, client mode)
+    WRONG_PARENT = "wrong_parent"  # a merge record whose parent hash is not the receiver's fragment state
+    BAD_SIGNATURE = "bad_signature"  # signature missing or not made by the peer it names
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

@@ -137,3 +137,17 @@ def decode_contribution(
             raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
         out[name] = d
     return h, out
+
+
+def peek_fragment(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """The fragment a contribution names, read from its header before the full decode (which needs the
+    fragment's tensor spec). Raises ProtocolError(MALFORMED) for anything that is not a contribution."""
+    if len(raw) > max_bytes:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"message of {len(raw)} bytes exceeds {max_bytes}")
+    try:
+        p = json.loads(_metadata(raw)["header"])["fragment"]
+    except Exception as e:  # garbage of any shape
+        raise ProtocolError(RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}") from e
+    if type(p) is not int:
+        raise ProtocolError(RejectCode.MALFORMED, f"header field fragment={p!r} is not int")
+    return p

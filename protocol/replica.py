@@ -47,6 +47,22 @@ class FragmentReplica:
     def hash(self) -> str:
         return self._hash
 
+    def load_state(
+        self, round_: int, theta: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Replace this replica's state by a verified snapshot (join or re-sync); history restarts there."""
+        if set(theta) != set(self.theta) or set(momentum) != set(self.theta):
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot of fragment {self.index} names other tensors")
+        for k, v in self.theta.items():
+            if tuple(theta[k].shape) != tuple(v.shape) or tuple(momentum[k].shape) != tuple(v.shape):
+                raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot tensor {k} has the wrong shape")
+        self.theta = {k: t.detach().to(torch.float32).clone() for k, t in theta.items()}
+        self.momentum = {k: t.detach().to(torch.float32).clone() for k, t in momentum.items()}
+        self.round = round_
+        self._hash = tensors_hash(self.theta)
+        self._made = None
+        self.history = OrderedDict({round_: self.theta})
+
     def base(self, round_: int) -> dict[str, torch.Tensor]:
         try:
             return self.history[round_]

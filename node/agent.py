@@ -1,0 +1,1013 @@
+"""A swarm node: one learner plus its network agent (DESIGN §4, issue 3).
+
+Threads and loops:
+  * the DHT is hivemind's forked process (p2pd inside), created first, before any thread;
+  * the learner trains in its own thread and never waits on the network: what it contributes goes into a
+    queue, merged fragments come back through an inbox it drains between steps;
+  * everything else runs on one asyncio loop (uvloop): membership heartbeats, the transport's ops, the
+    synchroniser state machines, record application, catch-up, checkpoints and the HTTP status endpoint.
+
+Roles: every node keeps a replica of every global fragment. For fragment p the synchroniser of its open
+round is the first of ``protocol.election.candidates`` over the eligible live members (a member that holds a
+lease for the round — published in its membership record once it has begun collecting — keeps it). A learner
+sends its contribution there; if that peer is dead or refuses the role it marks it suspect and tries the
+next candidate, until ``failover_s``. The synchroniser merges with the pure state machine, applies its
+record, and pushes the signed record to every reachable member; each applies it and checks the new hash.
+Client-mode members are never pushed to or elected: like a node that missed a push, they notice from the
+membership heads that a peer is ahead and pull records (or, when no chain of records joins them, a snapshot).
+Two different heads are ordered by ``protocol.election.head_key``; the losing side re-syncs from a winner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dht.identity import Identity
+from dht.records import Member, eligible
+from node.checkpoint import export_model, load_latest, save_checkpoint
+from node.config import NodeConfig, NodeSettings
+from node.events import EventLog
+from node.learner import Learner
+from node.runner import evaluate
+from node.task import load_task
+from node.transport import Reply, Transport, TransportError
+from node.wire import (
+    FragmentState,
+    SignedRecord,
+    decode_record,
+    decode_snapshot,
+    encode_record,
+    encode_snapshot,
+    pack_list,
+    unpack_list,
+)
+from protocol.codecs import wire_bytes
+from protocol.election import candidates, head_key
+from protocol.errors import ProtocolError, RejectCode
+from protocol.hashing import model_hash
+from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import (
+    Contribution,
+    Decision,
+    Merge,
+    SyncState,
+    WakeAt,
+    on_contribution,
+    on_membership,
+    on_merged,
+    on_tick,
+)
+
+logger = logging.getLogger(__name__)
+VERSION = "ddiloco/0.3"
+
+
+# ------------------------------------------------------------------------------------------- learner thread
+class LearnerLoop(threading.Thread):
+    """Trains without pause; hands contributions to the agent and adopts what the agent delivers."""
+
+    def __init__(self, node: Node, learner: Learner) -> None:
+        super().__init__(name="learner", daemon=True)
+        self.node, self.learner = node, learner
+        self.inbox: deque = deque()  # (fragment, round, theta, force)
+        self.requests: deque = deque()  # (kind, concurrent Future)
+        self.stop_flag = threading.Event()
+        self.paused = threading.Event()
+        self.idle = threading.Event()  # set while paused or stopped: no step in progress
+        self.tokens = 0
+        self.step_s: float | None = None
+        self.loss_ema: float | None = None
+        self.eval_loss: float | None = None
+        self.eval_history: list[tuple[float, int, float]] = []
+        self.error: BaseException | None = None
+        self._eval_model = node.task.new_model()
+        self._next_eval = 0.0
+        self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
+
+    def tokens_per_s(self) -> float:
+        if len(self._rate) < 2:
+            return 0.0
+        (t0, k0), (t1, k1) = self._rate[0], self._rate[-1]
+        return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _service(self) -> None:
+        lrn = self.learner
+        while self.inbox:
+            p, round_, theta, force = self.inbox.popleft()
+            if force:
+                lrn.resync(p, round_, theta)
+                self.node.events.emit(
+                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
+                )
+            elif lrn.adopt(p, round_, theta):
+                self.node.events.emit(
+                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
+                )
+        while self.requests:
+            kind, fut = self.requests.popleft()
+            try:
+                fut.set_result(self.learner.state() if kind == "state" else None)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting side
+                fut.set_exception(e)
+        if time.monotonic() >= self._next_eval:
+            self.evaluate()
+
+    def evaluate(self) -> float:
+        """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
+        params = {n: t for base in self.learner.base for n, t in base.items()}
+        self._eval_model.load_state_dict(params, strict=False)
+        loss = evaluate(self.node.task, self._eval_model)
+        self.eval_loss = loss
+        self.eval_history.append((time.time(), self.learner.steps, loss))
+        self.node.events.emit("eval", t=time.time(), tokens=self.tokens, loss=loss, step=self.learner.steps)
+        self._next_eval = time.monotonic() + self.node.settings.eval_every_s
+        return loss
+
+    def run(self) -> None:
+        s = self.node.settings
+        if s.threads > 0:
+            torch.set_num_threads(s.threads)
+        lrn = self.learner
+        try:
+            while not self.stop_flag.is_set():
+                self._service()
+                if self.paused.is_set():
+                    self.idle.set()
+                    self.stop_flag.wait(0.05)
+                    continue
+                self.idle.clear()
+                t0 = time.time()
+                res = lrn.train_step()
+                t1 = time.time()
+                dt = t1 - t0
+                self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+                self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
+                self.tokens += res.tokens
+                self._rate.append((t1, self.tokens))
+                self.node.events.emit(
+                    "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
+                )
+                for p in res.due:
+                    c = lrn.book.counters[p]
+                    enc = lrn.contribution(p)
+                    cid = f"{self.node.peer_id[-10:]}:{p}:{lrn.steps}"
+                    header = ContributionHeader(
+                        learner=self.node.peer_id,
+                        fragment=p,
+                        base_round=c.base_round,
+                        c_steps=c.c_steps,
+                        c_tokens=c.c_tokens,
+                        step_time_s=self.step_s + s.step_delay_s,
+                        codec=lrn.pcfg.codec,
+                        block=lrn.pcfg.codec_block,
+                        cid=cid,
+                    )
+                    self.node.events.emit(
+                        "contribute",
+                        t=t1,
+                        learner=self.node.peer_id,
+                        fragment=p,
+                        step=lrn.steps,
+                        cid=cid,
+                        bytes=wire_bytes(enc),
+                        c_steps=c.c_steps,
+                        c_tokens=c.c_tokens,
+                    )
+                    self.node.post_contribution(header, enc)
+                if s.step_delay_s:
+                    self.stop_flag.wait(s.step_delay_s)
+        except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
+            logger.exception("learner thread failed")
+            self.error = e
+            self.node.request_stop("learner thread failed")
+        finally:
+            self.idle.set()
+
+
+# ------------------------------------------------------------------------------------------- the node
+class Node:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.settings = s = cfg.node
+        self.pcfg = cfg.protocol
+        self.state_dir = Path(s.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        id_path = Path(s.identity) if s.identity else self.state_dir / "identity.key"
+        self.identity = Identity.load_or_create(id_path)
+        self.identity_path = id_path
+        self.peer_id = self.identity.peer_id
+        self.task = load_task(None, cfg.task_config())
+        probe = self.task.new_model()
+        self.cfg.protocol.check_swarm(1, len(list(probe.parameters())))
+        seed = (
+            s.data_seed
+            if s.data_seed >= 0
+            else int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
+        )
+        self.learner = Learner(self.peer_id, self.task, self.pcfg, cfg.inner, s.steps, seed=seed)
+        self.plan = self.learner.plan
+        self.spec = {
+            f.index: {n: tuple(self.learner.params[n].shape) for n in f.names} for f in self.plan.fragments
+        }
+        self.shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
+        base = self.learner.base
+        P = len(self.plan.fragments)
+        self.replicas = [
+            FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history)
+            for f in self.plan.fragments
+        ]
+        self.heads: list[tuple[int, str, int, float]] = [(0, r.hash, 0, 0.0) for r in self.replicas]
+        self.merged_tokens = [0] * P
+        self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
+        self.syncs = [SyncState(fragment=p) for p in range(P)]
+        self.leases: dict[int, int] = {}
+        self.members: dict[str, Member] = {}
+        self.suspect: dict[str, float] = {}
+        self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
+        self.lagging_since: dict[int, float] = {}
+        self._syncing: set[int] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True)
+        self.counters = {
+            "records_applied": 0,
+            "records_made": 0,
+            "contributions_sent": 0,
+            "contributions_accepted": 0,
+            "contributions_dropped": 0,
+            "failovers": 0,
+            "forks": 0,
+            "resyncs": 0,
+            "hash_mismatches": 0,
+            "checkpoints": 0,
+        }
+        self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
+        self._addrs: list[str] = []
+        self.started_at = time.time()
+        self.joined_by = "fresh"
+        self.stop_reason = ""
+        self.dht = None
+        self.transport: Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.learner_loop = LearnerLoop(self, self.learner)
+        self._restored = self._restore()
+
+    # ---------------------------------------------------------------- persistence
+    def _restore(self) -> bool:
+        ck = load_latest(self.state_dir / "checkpoints", self.settings.swarm)
+        if ck is None:
+            return False
+        meta = ck.meta
+        if meta.get("peer_id") != self.peer_id:
+            logger.warning(
+                "checkpoint %s belongs to %s, not %s; ignored", ck.path, meta.get("peer_id"), self.peer_id
+            )
+            return False
+        for p, rep in enumerate(self.replicas):
+            r, h, n, w = meta["heads"][p]
+            theta = {k: ck.tensors[f"theta/{p}/{k}"] for k in rep.theta}
+            mom = {k: ck.tensors[f"mom/{p}/{k}"] for k in rep.theta}
+            rep.load_state(int(r), theta, mom)
+            if rep.hash != h:
+                logger.warning("checkpoint %s: fragment %d does not land on its hash; ignored", ck.path, p)
+                return False
+            self.heads[p] = (int(r), h, int(n), float(w))
+            self.syncs[p] = SyncState(fragment=p, global_round=int(r))
+        self.merged_tokens = [int(x) for x in meta["merged_tokens"]]
+        self.learner.load_state(ck.tensors, meta["learner"])
+        self.learner_loop.tokens = int(meta.get("tokens", 0))
+        self.joined_by = f"checkpoint {ck.path.name}"
+        logger.info("resumed from %s", ck.path)
+        return True
+
+    async def checkpoint(self) -> Path | None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.learner_loop.is_alive():
+            self.learner_loop.requests.append(("state", fut))
+            try:
+                ltensors, lmeta = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
+            except TimeoutError:
+                logger.warning("checkpoint skipped: the learner did not hand over its state within 60 s")
+                return None
+        else:
+            ltensors, lmeta = self.learner.state()
+        tensors = dict(ltensors)
+        for p, rep in enumerate(self.replicas):
+            for k in rep.theta:
+                tensors[f"theta/{p}/{k}"] = rep.theta[k]
+                tensors[f"mom/{p}/{k}"] = rep.momentum[k]
+        meta = {
+            "peer_id": self.peer_id,
+            "heads": [list(h) for h in self.heads],
+            "learner": lmeta,
+            "merged_tokens": self.merged_tokens,
+            "tokens": self.learner_loop.tokens,
+        }
+        path = await asyncio.to_thread(
+            save_checkpoint,
+            self.state_dir / "checkpoints",
+            self.learner.steps,
+            tensors,
+            meta,
+            self.settings.swarm,
+        )
+        self.counters["checkpoints"] += 1
+        self.events.emit("checkpoint", t=time.time(), path=str(path), step=self.learner.steps)
+        return path
+
+    # ---------------------------------------------------------------- derived views
+    def global_hash(self) -> str:
+        return model_hash([r.hash for r in self.replicas])
+
+    def rounds_merged(self) -> int:
+        return sum(r.round for r in self.replicas)
+
+    def tokens_merged(self) -> float:
+        return sum(t * s for t, s in zip(self.merged_tokens, self.shares))
+
+    def self_member(self, now: float) -> Member:
+        return Member(
+            peer_id=self.peer_id,
+            addrs=tuple(self._addrs),
+            version=VERSION,
+            issued_at=now,
+            expires_at=now + self.settings.ttl_s,
+            tokens_per_s=self.learner_loop.tokens_per_s(),
+            client_mode=self.settings.client_mode,
+            heads={str(p): list(h) for p, h in enumerate(self.heads)},
+            step=self.learner.book.step,
+            leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
+        )
+
+    def live_members(self) -> dict[str, Member]:
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        view = {pid: m for pid, m in self.members.items() if m.expires_at > now and pid not in self.blocked}
+        view[self.peer_id] = self.self_member(now)
+        return view
+
+    def _head_key(self, h) -> tuple:
+        return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
+
+    def candidates(self, p: int) -> list[str]:
+        members = self.live_members()
+        open_round = self.replicas[p].round + 1
+        elig = eligible(list(members.values()), p)
+        order = candidates(self.settings.swarm, p, open_round, elig)
+        holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
+        if holders:
+            order = [holders[0]] + [x for x in order if x != holders[0]]
+        now = time.monotonic()
+        return [x for x in order if self.suspect.get(x, 0.0) <= now]
+
+    def i_may_synchronise(self, p: int) -> bool:
+        if self.settings.client_mode:
+            return False
+        mine = self.heads[p][0]
+        others = [
+            m.head_round(p)
+            for pid, m in self.live_members().items()
+            if pid != self.peer_id and not m.client_mode
+        ]
+        return mine >= max(others, default=mine)
+
+    # ---------------------------------------------------------------- lifecycle
+    def request_stop(self, why: str) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.stop_reason = self.stop_reason or why
+            self.loop.call_soon_threadsafe(self._stop.set)
+
+    def run(self) -> int:
+        """Start the DHT (a forked process, so before any thread), then the loop until stopped."""
+        from dht.swarm import start_dht
+
+        s = self.settings
+        if s.client_mode and s.announce_maddrs:
+            logger.warning(
+                "client_mode: announce_maddrs is ignored (the node accepts no inbound connections)"
+            )
+        self.dht = start_dht(
+            self.identity_path,
+            [] if s.client_mode else NodeSettings.split(s.host_maddrs),
+            NodeSettings.split(s.initial_peers),
+            None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
+            client_mode=s.client_mode,
+            timeout_s=max(30.0, s.rpc_timeout_s),
+        )
+        try:
+            import uvloop
+
+            return uvloop.run(self._main())
+        finally:
+            self.dht.shutdown()
+
+    async def _main(self) -> int:
+        from dht.swarm import Membership
+
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests)
+                self.loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        s = self.settings
+        self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
+        self.membership = Membership(self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s)
+        p2p = await self.dht.replicate_p2p()
+        self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s)
+        for op, h in (
+            ("contribute", self._h_contribute),
+            ("record", self._h_record),
+            ("records", self._h_records),
+            ("snapshot", self._h_snapshot),
+        ):
+            self.transport.register(op, h)
+        await self.transport.start()
+        from node.status import StatusServer
+
+        self.status_server = StatusServer(self)
+        await self.status_server.start(s.status_host, s.status_port)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        try:
+            await self._heartbeat_once()
+            if not self._restored:
+                await self._join_if_behind()
+            self.events.emit(
+                "join",
+                t=time.time(),
+                learner=self.peer_id,
+                how=self.joined_by,
+                rounds=[r.round for r in self.replicas],
+            )
+            self.learner_loop.start()
+            self._write_ready()
+            self._spawn(self._heartbeat_loop())
+            self._spawn(self._sender_loop())
+            if s.checkpoint_every_s > 0:
+                self._spawn(self._checkpoint_loop())
+            if s.duration > 0:
+                self.loop.call_later(s.duration, self.request_stop, f"duration {s.duration:g}s reached")
+            await self._stop.wait()
+            logger.info("stopping: %s", self.stop_reason)
+        finally:
+            await self._shutdown()
+        return 1 if self.learner_loop.error is not None else 0
+
+    async def _shutdown(self) -> None:
+        ll = self.learner_loop
+        ll.stop_flag.set()
+        if ll.is_alive():
+            await asyncio.to_thread(ll.join, 120)
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await t
+        try:
+            if ll.ident is not None and ll.error is None:
+                ll._service()  # adopt what arrived, so the exported model is this node's newest view
+                await self.checkpoint()
+                out = (
+                    Path(self.settings.export)
+                    if self.settings.export
+                    else self.state_dir / "model.safetensors"
+                )
+                params = {n: t for r in self.replicas for n, t in r.theta.items()}
+                await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
+            self._write_final()
+        finally:
+            self.events.emit(
+                "run",
+                t0=self.started_at,
+                t1=time.time(),
+                learners=[self.peer_id],
+                shares=self.shares,
+                system="decoupled",
+            )
+            self.events.close()
+            with contextlib.suppress(Exception):
+                await self.status_server.stop()
+            if self.transport is not None:
+                with contextlib.suppress(Exception):
+                    await self.transport.stop()
+                with contextlib.suppress(Exception):
+                    await self.transport.p2p.shutdown()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+
+        def done(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("task failed: %r", task.exception(), exc_info=task.exception())
+
+        t.add_done_callback(done)
+        return t
+
+    def _write_ready(self) -> None:
+        doc = {
+            "peer_id": self.peer_id,
+            "maddrs": [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in a else a for a in self._addrs],
+            "status_url": self.status_server.url,
+            "pid": os.getpid(),
+        }
+        tmp = self.state_dir / ".ready.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.state_dir / "ready.json")
+
+    def _write_final(self) -> None:
+        doc = {
+            "peer_id": self.peer_id,
+            "model_hash": self.global_hash(),
+            "rounds_merged": self.rounds_merged(),
+            "tokens_merged": self.tokens_merged(),
+            "steps": self.learner.steps,
+            "eval_loss": self.learner_loop.eval_loss,
+            "stop_reason": self.stop_reason,
+        }
+        (self.state_dir / "final.json").write_text(json.dumps(doc, indent=1))
+
+    # ---------------------------------------------------------------- membership
+    async def _heartbeat_once(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        try:
+            await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
+            members, dropped = await asyncio.to_thread(self.membership.live)
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("heartbeat failed: %s", e)
+            return
+        self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
+        for pid, why in dropped.items():
+            logger.debug("membership record %s dropped: %s", pid, why)
+        live = frozenset(self.live_members())
+        now = self.loop.time()
+        for p in range(len(self.syncs)):
+            if self.syncs[p].live != live:
+                self._decide(p, on_membership(self.pcfg, self.syncs[p], live, now))
+
+    async def _heartbeat_loop(self) -> None:
+        parent = os.getppid()
+        while True:
+            if self.settings.exit_with_parent and os.getppid() != parent:
+                self.request_stop("the launching process is gone")
+            t0 = self.loop.time()
+            await self._heartbeat_once()
+            self._reconcile()
+            await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
+
+    def _reconcile(self) -> None:
+        """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot)."""
+        now = time.monotonic()
+        members = self.live_members()
+        for p in range(len(self.replicas)):
+            mine = self._head_key(self.heads[p])
+            best = None
+            for pid, m in members.items():
+                h = m.heads.get(str(p))
+                if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
+                    continue
+                k = self._head_key(h)
+                if k < mine and (best is None or k < best[0]):
+                    best = (k, pid, h)
+            if best is None:
+                self.lagging_since.pop(p, None)
+                continue
+            since = self.lagging_since.setdefault(p, now)
+            # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
+            if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
+                self._spawn(self._catch_up(p, best[1], best[2]))
+
+    # ---------------------------------------------------------------- join, catch-up, re-sync
+    async def _join_if_behind(self) -> None:
+        """A node with no state: when the swarm is past round 0, download it (several donors) before training."""
+        deadline = self.loop.time() + 3 * self.settings.heartbeat_s
+        while (
+            not self.members
+            and NodeSettings.split(self.settings.initial_peers)
+            and self.loop.time() < deadline
+        ):
+            await asyncio.sleep(self.settings.heartbeat_s / 2)
+            await self._heartbeat_once()
+        plan: dict[str, list[int]] = {}
+        donors_of: dict[int, list[str]] = {}
+        for p in range(len(self.replicas)):
+            best_key, best = self._head_key(self.heads[p]), []
+            for pid, m in self.members.items():
+                h = m.heads.get(str(p))
+                if m.client_mode or not h or len(h) < 4:
+                    continue
+                k = self._head_key(h)
+                if k < best_key:
+                    best_key, best = k, [pid]
+                elif k == best_key and best:
+                    best.append(pid)
+            if best:
+                donors_of[p] = sorted(best)
+        if not donors_of:
+            return
+        for i, (p, donors) in enumerate(sorted(donors_of.items())):
+            plan.setdefault(donors[i % len(donors)], []).append(p)
+        t0 = time.time()
+        results = await asyncio.gather(
+            *(self._fetch_snapshot(pid, frags) for pid, frags in plan.items()), return_exceptions=True
+        )
+        missing = [
+            p
+            for (pid, frags), res in zip(plan.items(), results)
+            if isinstance(res, BaseException)
+            for p in frags
+        ]
+        for p in missing:  # a donor failed: try the others, one fragment at a time
+            for pid in donors_of[p]:
+                try:
+                    await self._fetch_snapshot(pid, [p])
+                    break
+                except (TransportError, ProtocolError) as e:
+                    logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
+        rounds = [r.round for r in self.replicas]
+        step = max((m.step for m in self.members.values()), default=0)
+        self.learner.join(rounds, [r.theta for r in self.replicas], schedule_step=step)
+        self.joined_by = f"download from {len(plan)} donor(s)"
+        self.events.emit(
+            "download",
+            t=time.time(),
+            donors=sorted(plan),
+            fragments=sorted(donors_of),
+            seconds=time.time() - t0,
+        )
+
+    async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
+        reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
+        if not reply.ok:
+            raise ProtocolError(
+                RejectCode(reply.code)
+                if reply.code in RejectCode._value2member_map_
+                else RejectCode.INTERNAL,
+                reply.message,
+            )
+        states = decode_snapshot(reply.body, self.spec)
+        if sorted(s.fragment for s in states) != sorted(frags):
+            raise ProtocolError(
+                RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
+            )
+        for st in states:
+            self._install_snapshot(st, pid)
+
+    def _install_snapshot(self, st: FragmentState, pid: str) -> None:
+        p = st.fragment
+        if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
+            return  # ours is as good or better by now
+        rep = self.replicas[p]
+        rep.load_state(st.round, st.theta, st.momentum)
+        self.heads[p] = (st.round, st.hash, st.n, st.weight)
+        self.merged_tokens[p] = st.tokens
+        self.logs[p].clear()
+        self.counters["resyncs"] += 1
+        self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
+        self._reset_sync(p)
+        if self.learner_loop.is_alive():
+            self.learner_loop.inbox.append((p, st.round, rep.theta, True))
+
+    async def _catch_up(self, p: int, pid: str, head: list) -> None:
+        if p in self._syncing:
+            return
+        self._syncing.add(p)
+        try:
+            rep = self.replicas[p]
+            if int(head[0]) > rep.round:
+                req = {"fragment": p, "from": rep.round + 1}
+                reply = await self.transport.call(pid, "records", json.dumps(req).encode())
+                if reply.ok:
+                    for raw in unpack_list(reply.body):
+                        sr = decode_record(raw, self.settings.swarm, self.spec)
+                        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+                            break
+                        self._apply(sr)
+            if self._head_key(self.heads[p]) > self._head_key(head):
+                await self._fetch_snapshot(pid, [p])
+            self.lagging_since.pop(p, None)
+        except (TransportError, ProtocolError) as e:
+            logger.warning("catching up fragment %d from %s failed: %s", p, pid, e)
+        finally:
+            self._syncing.discard(p)
+
+    # ---------------------------------------------------------------- records
+    def _apply(self, sr: SignedRecord) -> None:
+        """Apply a record that follows our head (raises ProtocolError otherwise); state and learner follow."""
+        rec = sr.record
+        p = rec.fragment
+        rep = self.replicas[p]
+        own = sr.signer == self.peer_id
+        try:
+            rep.apply_record(rec, self.pcfg)
+        except ProtocolError as e:
+            if "lands on" in str(e):
+                self.counters["hash_mismatches"] += 1
+                self.events.emit(
+                    "hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer
+                )
+            raise
+        self.heads[p] = (rec.round, rec.new_hash, len(rec.contributors), sr.total_weight)
+        self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
+        log = self.logs[p]
+        log[rec.round] = sr
+        while len(log) > self.pcfg.history:
+            log.popitem(last=False)
+        self.counters["records_applied"] += 1
+        self.events.emit(
+            "merge",
+            t=time.time(),
+            fragment=p,
+            round=rec.round,
+            hash=rec.new_hash,
+            cids=[c[1] for c in rec.contributors],
+            learners=[c[0] for c in rec.contributors],
+            weights=[c[2] for c in rec.contributors],
+            signer=sr.signer,
+        )
+        if not own:
+            self._reset_sync(p, merged={c[1] for c in rec.contributors})
+        if self.learner_loop.is_alive():
+            self.learner_loop.inbox.append((p, rec.round, rep.theta, False))
+
+    def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
+        """Our replica moved without our synchroniser: restart its state machine at the new round and carry
+        over contributions that are still usable (not merged, base still anchored)."""
+        old = self.syncs[p]
+        rep = self.replicas[p]
+        st = replace(
+            SyncState(fragment=p, global_round=rep.round, live=old.live),
+            xi_step=old.xi_step,
+            xi_quorum=old.xi_quorum,
+            xi_sync=old.xi_sync,
+        )
+        self.syncs[p] = st
+        self.leases.pop(p, None)
+        now = self.loop.time()
+        for c in list(old.pending.values()) + list(old.queued.values()):
+            if c.cid in merged or c.base_round not in rep.history:
+                continue
+            with contextlib.suppress(ProtocolError):
+                self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
+
+    def _decide(self, p: int, d: Decision) -> None:
+        self.syncs[p] = d.state
+        for a in d.actions:
+            if isinstance(a, WakeAt):
+                delay = max(0.0, a.at - self.loop.time())
+                self.loop.call_later(delay, self._tick, p)
+            elif isinstance(a, Merge):
+                self._merge(p, a)
+
+    def _tick(self, p: int) -> None:
+        self._decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
+
+    def _merge(self, p: int, a: Merge) -> None:
+        rep = self.replicas[p]
+        t0 = self.loop.time()
+        try:
+            rec = rep.make_record(a.round, a.contributions, self.pcfg)
+        except ProtocolError as e:  # the replica moved under us (a record from elsewhere): start over
+            logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, e)
+            self._reset_sync(p)
+            return
+        sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
+        self._apply(sr)
+        self.counters["records_made"] += 1
+        self.leases.pop(p, None)
+        sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
+        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s))
+        self._spawn(self._broadcast(p, sr))
+
+    async def _broadcast(self, p: int, sr: SignedRecord) -> None:
+        t0 = self.loop.time()
+        targets = [pid for pid, m in self.live_members().items() if pid != self.peer_id and not m.client_mode]
+        await asyncio.gather(*(self._push(pid, sr.raw) for pid in targets))
+        self._push_s[p] = self.loop.time() - t0
+
+    async def _push(self, pid: str, raw: bytes) -> None:
+        try:
+            reply = await self.transport.call(pid, "record", raw, timeout_s=self.settings.rpc_timeout_s)
+            if not reply.ok:
+                logger.info("record refused by %s: %s %s", pid, reply.code, reply.message)
+        except TransportError as e:
+            logger.info("record push to %s failed: %s", pid, e)
+
+    # ---------------------------------------------------------------- contributions (learner side)
+    def post_contribution(self, header: ContributionHeader, enc) -> None:
+        """Called from the learner thread; never blocks."""
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
+
+    async def _sender_loop(self) -> None:
+        while True:
+            header, enc = await self.outbox.get()
+            self._spawn(self._send(header, enc))
+
+    async def _send(self, header: ContributionHeader, enc) -> None:
+        raw = encode_contribution(header, enc)
+        p = header.fragment
+        deadline = self.loop.time() + self.settings.failover_s
+        refused: set[str] = set()
+        last = ""
+        while self.loop.time() < deadline:
+            order = [x for x in self.candidates(p) if x not in refused]
+            if not order:
+                await asyncio.sleep(0.2)
+                refused.clear()
+                continue
+            target = order[0]
+            if target == self.peer_id:
+                reply = await self._accept(self.peer_id, raw)
+            else:
+                try:
+                    left = max(0.5, deadline - self.loop.time())
+                    reply = await self.transport.call(
+                        target, "contribute", raw, timeout_s=min(left, self.settings.rpc_timeout_s)
+                    )
+                except TransportError as e:
+                    self.suspect[target] = time.monotonic() + self.settings.ttl_s
+                    self.counters["failovers"] += 1
+                    self.events.emit(
+                        "failover", t=time.time(), fragment=p, dead=target, cid=header.cid, why=str(e)[:200]
+                    )
+                    logger.warning(
+                        "synchroniser %s of fragment %d unreachable; trying the next candidate", target, p
+                    )
+                    continue
+            if reply.ok:
+                self.counters["contributions_sent"] += 1
+                return
+            last = f"{target}: {reply.code} {reply.message}"
+            if reply.code in (
+                RejectCode.NOT_SYNCHRONISER.value,
+                RejectCode.FUTURE_BASE.value,
+                RejectCode.UNKNOWN_PEER.value,
+            ):
+                refused.add(target)
+                continue
+            break  # stale or invalid: the learner moves on with its next contribution
+        self.counters["contributions_dropped"] += 1
+        self.events.emit(
+            "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
+        )
+
+    # ---------------------------------------------------------------- ops (server side)
+    async def _known(self, caller: str) -> bool:
+        if caller in self.blocked:
+            return False
+        if caller in self.members or caller == self.peer_id:
+            return True
+        await self._heartbeat_once()  # a peer that just joined: refresh the view once
+        return caller in self.members
+
+    async def _h_contribute(self, caller: str, raw: bytes) -> Reply:
+        return await self._accept(caller, raw)
+
+    async def _accept(self, caller: str, raw: bytes) -> Reply:
+        try:
+            p = peek_fragment(raw)
+            if p not in self.spec:
+                raise ProtocolError(
+                    RejectCode.WRONG_FRAGMENT, f"fragment {p} does not exist (0..{len(self.spec) - 1})"
+                )
+            if not await self._known(caller):
+                raise ProtocolError(
+                    RejectCode.UNKNOWN_PEER, f"{caller} is not a live member of swarm {self.settings.swarm}"
+                )
+            h, delta = decode_contribution(raw, self.spec[p])
+            if h.learner != caller:
+                raise ProtocolError(
+                    RejectCode.UNKNOWN_PEER, f"contribution claims learner {h.learner}, sent by {caller}"
+                )
+            if not self.i_may_synchronise(p):
+                raise ProtocolError(
+                    RejectCode.NOT_SYNCHRONISER, f"{self.peer_id} cannot synchronise fragment {p} now"
+                )
+            self.replicas[p].check_delta(delta)
+            c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid)
+            d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
+        except ProtocolError as e:
+            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
+            if caller == self.peer_id:
+                self.transport._count(e.code.value)
+            return Reply(False, e.code.value, str(e))
+        self.leases[p] = self.replicas[p].round + 1
+        self.counters["contributions_accepted"] += 1
+        self._decide(p, d)
+        return Reply(True)
+
+    async def _h_record(self, caller: str, raw: bytes) -> Reply:
+        try:
+            if not await self._known(caller):
+                raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
+            sr = decode_record(raw, self.settings.swarm, self.spec)
+            if sr.signer not in self.live_members() and sr.signer not in self.members:
+                raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
+            return self._on_record(sr, caller)
+        except ProtocolError as e:
+            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
+            return Reply(False, e.code.value, str(e))
+
+    def _on_record(self, sr: SignedRecord, caller: str) -> Reply:
+        rec = sr.record
+        p = rec.fragment
+        rep = self.replicas[p]
+        if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
+            try:
+                self._apply(sr)
+            except ProtocolError:
+                self._spawn(
+                    self._catch_up(
+                        p, caller, [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
+                    )
+                )
+                raise
+            return Reply(True)
+        mine = self.logs[p].get(rec.round)
+        if mine is not None and mine.record.new_hash == rec.new_hash:
+            return Reply(True, message="duplicate")
+        theirs = [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
+        if rec.round > rep.round:  # a gap, or a chain that left ours: fetch from the sender
+            self._spawn(self._catch_up(p, caller, theirs))
+            raise ProtocolError(
+                RejectCode.WRONG_PARENT,
+                f"record round {rec.round} (parent {rec.parent_hash[:8]}) "
+                f"does not follow our round {rep.round} ({rep.hash[:8]}); catching up",
+            )
+        if rec.round == rep.round:  # a split brain: same round, other record
+            self.counters["forks"] += 1
+            ours_wins = self._head_key(self.heads[p]) < self._head_key(theirs)
+            self.events.emit(
+                "fork",
+                t=time.time(),
+                fragment=p,
+                round=rec.round,
+                ours=rep.hash,
+                theirs=rec.new_hash,
+                winner="ours" if ours_wins else "theirs",
+                peer=caller,
+            )
+            if not ours_wins:
+                self._spawn(self._catch_up(p, caller, theirs))
+            return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
+        return Reply(True, message=f"ignored: we are at round {rep.round}")
+
+    async def _h_records(self, caller: str, raw: bytes) -> Reply:
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        try:
+            req = json.loads(raw)
+            p, start = int(req["fragment"]), int(req["from"])
+        except (ValueError, KeyError, TypeError) as e:
+            return Reply(False, RejectCode.MALFORMED.value, f"bad records request: {e}")
+        if p not in self.spec:
+            return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
+        items = [sr.raw for r, sr in self.logs[p].items() if r >= start]
+        return Reply(True, body=pack_list(items))
+
+    async def _h_snapshot(self, caller: str, raw: bytes) -> Reply:
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        try:
+            frags = [int(x) for x in json.loads(raw)["fragments"]]
+        except (ValueError, KeyError, TypeError) as e:
+            return Reply(False, RejectCode.MALFORMED.value, f"bad snapshot request: {e}")
+        if not frags or any(p not in self.spec for p in frags):
+            return Reply(
+                False,
+                RejectCode.WRONG_FRAGMENT.value,
+                f"fragments {frags} not all in 0..{len(self.spec) - 1}",
+            )
+        states = []
+        for p in frags:
+            rep = self.replicas[p]
+            r, h, n, w = self.heads[p]
+            states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p]))
+        body = await asyncio.to_thread(encode_snapshot, states)
+        return Reply(True, body=body)
+
+    # ---------------------------------------------------------------- periodic work
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.checkpoint_every_s)
+            try:
+                await self.checkpoint()
+            except OSError as e:
+                logger.error("checkpoint failed: %s", e)

@@ -1,0 +1,268 @@
+"""``ddiloco up``: a swarm of N node processes on this machine, with a live status table (DESIGN §7).
+
+Node 0 starts first and is the others' bootstrap peer; each node is a real ``ddiloco node`` process with its
+own identity, p2p daemon, state folder and status endpoint, and the same topology as the docker-compose file.
+The run ends on Ctrl+C or after ``--duration``: learners are paused, the swarm gets a quiet period for the
+last records to land everywhere, then every node is told to stop (it checkpoints and exports) and the
+summary names each node's global-model hash, rounds merged and tokens merged. Children run in their own
+session, so a Ctrl+C reaches only this launcher, which then stops them in order; they also exit by
+themselves if the launcher dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node.status import StatusError, fetch_status, send_control
+from protocol.errors import ConfigError, DDiLoCoError
+
+
+class LaunchError(DDiLoCoError):
+    """A node of the local swarm did not start or stop; the message points at its log."""
+
+
+@dataclass
+class Child:
+    index: int
+    state_dir: Path
+    proc: subprocess.Popen
+    log: Path
+    url: str = ""
+    peer_id: str = ""
+    maddrs: list[str] = field(default_factory=list)
+    last: dict | None = None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[str]) -> Child:
+    d = run_dir / f"node-{index}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ready.json").unlink(missing_ok=True)
+    log = d / "node.log"
+    cmd = [sys.executable, "-m", "node", "node", "--state-dir", str(d), "--exit-with-parent", *flags]
+    if initial_peers:
+        cmd += ["--initial-peers", ",".join(initial_peers)]
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    return Child(index, d, proc, log)
+
+
+def wait_ready(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        while True:
+            ready = c.state_dir / "ready.json"
+            if ready.exists():
+                doc = json.loads(ready.read_text())
+                c.url, c.peer_id, c.maddrs = doc["status_url"], doc["peer_id"], doc["maddrs"]
+                break
+            if c.proc.poll() is not None:
+                raise LaunchError(
+                    f"node {c.index} exited with code {c.proc.returncode}; its log:\n{c.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(f"node {c.index} not ready within {timeout_s:g} s; its log:\n{c.tail()}")
+            time.sleep(0.2)
+
+
+def poll(children: list[Child]) -> None:
+    for c in children:
+        if c.proc.poll() is not None or not c.url:
+            continue
+        try:
+            c.last = fetch_status(c.url, timeout_s=5)
+        except StatusError:
+            pass
+
+
+def table(children: list[Child]) -> str:
+    rows = [
+        ["node", "peer", "steps", "tok/s", "loss", "eval", "rounds", "MB out", "MB in", "refused", "hash"]
+    ]
+    for c in children:
+        s = c.last
+        if c.proc.poll() is not None:
+            rows.append([str(c.index), c.peer_id[-8:], f"exited {c.proc.returncode}"] + [""] * 8)
+            continue
+        if not s:
+            rows.append([str(c.index), c.peer_id[-8:], "starting"] + [""] * 8)
+            continue
+        lr = s["learner"]
+        rows.append(
+            [
+                str(c.index),
+                s["peer_id"][-8:],
+                str(lr["steps"]),
+                f"{lr['tokens_per_s']:.0f}",
+                f"{lr['loss']:.3f}" if lr["loss"] is not None else "-",
+                f"{lr['eval_loss']:.3f}" if lr["eval_loss"] is not None else "-",
+                str(s["rounds_merged"]),
+                f"{s['bytes_sent'] / 1e6:.1f}",
+                f"{s['bytes_received'] / 1e6:.1f}",
+                str(sum(s["refused"].values())),
+                s["model_hash"][:10],
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows)
+
+
+def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> bool:
+    """Learners are paused; wait until every node is idle and all hold one model hash (twice in a row)."""
+    deadline = time.monotonic() + timeout_s
+    streak = 0
+    while time.monotonic() < deadline:
+        poll(children)
+        alive = [c for c in children if c.proc.poll() is None and c.last]
+        hashes = {c.last["model_hash"] for c in alive}
+        idle = all(c.last["learner"]["idle"] for c in alive)
+        streak = streak + 1 if alive and idle and len(hashes) == 1 else 0
+        if streak >= 2:
+            return True
+        time.sleep(1.0)
+    _log(f"quiet period: hashes still differ after {timeout_s:g} s", quiet)
+    return False
+
+
+def stop_all(children: list[Child], timeout_s: float = 60.0) -> None:
+    for c in children:
+        if c.proc.poll() is None and c.url:
+            try:
+                send_control(c.url, "stop")
+            except StatusError:
+                c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.terminate()
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def up(
+    nodes: int,
+    duration: float,
+    run_dir: Path,
+    node_flags: list[str],
+    as_json: bool = False,
+    quiet: bool = False,
+    refresh_s: float = 2.0,
+    start_timeout_s: float = 180.0,
+) -> int:
+    if nodes < 1:
+        raise ConfigError(f"nodes={nodes} is invalid: need at least 1")
+    if duration < 0:
+        raise ConfigError(f"duration={duration} is invalid: must be >= 0 (0: until Ctrl+C)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // nodes)
+    flags = ["--threads", str(threads), *node_flags]
+    children: list[Child] = []
+    quiet = quiet or as_json
+    t_start = time.monotonic()
+    interrupted = False
+    try:
+        _log(f"starting {nodes} nodes in {run_dir} (logs: node-*/node.log)", quiet)
+        children.append(start_node(0, run_dir, flags, []))
+        wait_ready(children[:1], start_timeout_s)
+        boot = children[0].maddrs
+        for i in range(1, nodes):
+            children.append(start_node(i, run_dir, flags, boot))
+        wait_ready(children, start_timeout_s)
+        _log(f"swarm up: bootstrap {boot[0] if boot else '?'}; status of node 0: {children[0].url}", quiet)
+        t_train = time.monotonic()
+        is_tty = sys.stderr.isatty()
+        while duration <= 0 or time.monotonic() - t_train < duration:
+            time.sleep(refresh_s)
+            poll(children)
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                raise LaunchError(f"node {dead[0].index} exited unexpectedly; its log:\n{dead[0].tail()}")
+            if not quiet:
+                text = table(children)
+                elapsed = time.monotonic() - t_train
+                head = f"t={elapsed:5.0f}s" + (f"/{duration:g}s" if duration > 0 else " (Ctrl+C to stop)")
+                if is_tty:
+                    print("\x1b[2J\x1b[H" + head + "\n" + text, file=sys.stderr, flush=True)
+                else:
+                    print(head + "\n" + text, file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        _log("\nCtrl+C: pausing learners, letting the last merges land, then stopping every node", quiet)
+    finally:
+        try:
+            if children and all(c.url for c in children):
+                for c in children:
+                    if c.proc.poll() is None:
+                        try:
+                            send_control(c.url, "pause")
+                        except StatusError:
+                            pass
+                settled = _quiet_period(children, 10.0 if interrupted else 45.0, quiet)
+            else:
+                settled = False
+        except KeyboardInterrupt:
+            settled = False
+        stop_all(children)
+    finals = []
+    for c in children:
+        f = c.state_dir / "final.json"
+        doc = json.loads(f.read_text()) if f.exists() else {"peer_id": c.peer_id, "error": "no final.json"}
+        doc.update(node=c.index, exit_code=c.proc.returncode, state_dir=str(c.state_dir))
+        finals.append(doc)
+    hashes = {d.get("model_hash") for d in finals}
+    summary = {
+        "nodes": finals,
+        "equal_hashes": len(hashes) == 1 and None not in hashes,
+        "settled": settled,
+        "model_hash": next(iter(hashes)) if len(hashes) == 1 else None,
+        "rounds_merged": min((d.get("rounds_merged", 0) for d in finals), default=0),
+        "tokens_merged": min((d.get("tokens_merged", 0) for d in finals), default=0),
+        "wall_s": time.monotonic() - t_start,
+        "run_dir": str(run_dir),
+    }
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        rows = [["node", "peer", "steps", "rounds", "tokens merged", "eval loss", "model hash"]]
+        for d in finals:
+            loss = d.get("eval_loss")
+            rows.append(
+                [
+                    str(d["node"]),
+                    str(d.get("peer_id", ""))[-8:],
+                    str(d.get("steps", "-")),
+                    str(d.get("rounds_merged", "-")),
+                    f"{d.get('tokens_merged', 0):,.0f}",
+                    f"{loss:.4f}" if isinstance(loss, float) else "-",
+                    str(d.get("model_hash", "-"))[:16],
+                ]
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print("\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows))
+        verdict = "one model hash across all nodes" if summary["equal_hashes"] else "HASHES DIFFER"
+        print(f"{verdict}; rounds merged {summary['rounds_merged']}; run folder {run_dir}")
+    if interrupted:
+        return 130
+    return 0 if summary["equal_hashes"] and summary["rounds_merged"] > 0 else 1

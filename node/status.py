@@ -1,0 +1,212 @@
+"""The node's HTTP status endpoint and the client that reads it (``ddiloco status``), DESIGN §7.
+
+``GET /status`` returns the node's view of the swarm as JSON: peers, who synchronises what, rounds, loss,
+tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}``
+pauses or resumes the learner or stops the node (``ddiloco up`` uses it to end a run cleanly); with
+``test_hooks`` on, ``{"action": "block", "peers": [...]}`` makes the node treat those peers as unreachable,
+which is how the test suite partitions a swarm on one host. Reading needs no second p2p daemon: plain HTTP
+on the node's status port (bind it to loopback, the default, or put it behind your own access control).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+from protocol.errors import DDiLoCoError
+from protocol.goodput import compute_goodput
+
+if TYPE_CHECKING:
+    from node.agent import Node
+
+logger = logging.getLogger(__name__)
+MAX_REQUEST = 64 * 1024
+
+
+class StatusError(DDiLoCoError):
+    """The status endpoint could not be read; the message says which URL and what to check."""
+
+
+def status_doc(node: Node) -> dict:
+    ll = node.learner_loop
+    members = node.live_members()
+    frags = []
+    for p, rep in enumerate(node.replicas):
+        cands = node.candidates(p)
+        frags.append(
+            {
+                "fragment": p,
+                "round": rep.round,
+                "hash": rep.hash[:16],
+                "synchroniser": cands[0] if cands else None,
+                "collecting": node.syncs[p].phase.value if p in node.leases else None,
+            }
+        )
+    now = time.time()
+    records = list(node.events.records)
+    records.append(
+        {"kind": "run", "t0": node.started_at, "t1": now, "learners": [node.peer_id], "shares": node.shares}
+    )
+    try:
+        goodput = compute_goodput(records).goodput
+    except (ValueError, KeyError):
+        goodput = None
+    t = node.transport
+    return {
+        "peer_id": node.peer_id,
+        "swarm": node.settings.swarm,
+        "client_mode": node.settings.client_mode,
+        "uptime_s": now - node.started_at,
+        "joined_by": node.joined_by,
+        "maddrs": node._addrs,
+        "model_hash": node.global_hash(),
+        "rounds_merged": node.rounds_merged(),
+        "tokens_merged": node.tokens_merged(),
+        "learner": {
+            "steps": node.learner.steps,
+            "tokens": ll.tokens,
+            "tokens_per_s": ll.tokens_per_s(),
+            "loss": ll.loss_ema,
+            "eval_loss": ll.eval_loss,
+            "eval_history": ll.eval_history[-20:],
+            "paused": ll.paused.is_set(),
+            "idle": ll.idle.is_set(),
+        },
+        "fragments": frags,
+        "peers": [
+            {
+                "peer_id": pid,
+                "client_mode": m.client_mode,
+                "tokens_per_s": m.tokens_per_s,
+                "step": m.step,
+                "rounds": sum(int(h[0]) for h in m.heads.values()),
+                "expires_in_s": m.expires_at - now,
+            }
+            for pid, m in sorted(members.items())
+        ],
+        "bytes_sent": t.bytes_out if t else 0,
+        "bytes_received": t.bytes_in if t else 0,
+        "refused": dict(t.refused) if t else {},
+        "counters": dict(node.counters),
+        "goodput": goodput,
+        "blocked": sorted(node.blocked),
+    }
+
+
+class StatusServer:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.server: asyncio.AbstractServer | None = None
+        self.url = ""
+
+    async def start(self, host: str, port: int) -> None:
+        try:
+            self.server = await asyncio.start_server(self._serve, host, port)
+        except OSError as e:
+            raise DDiLoCoError(
+                f"cannot serve status on {host}:{port}: {e.strerror} (port in use? use status_port = 0)"
+            ) from e
+        h, p = self.server.sockets[0].getsockname()[:2]
+        self.url = f"http://{h}:{p}"
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                if len(head) > MAX_REQUEST:
+                    raise ValueError("request header too large")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                length = 0
+                for line in lines[1:]:
+                    k, _, v = line.partition(":")
+                    if k.strip().lower() == "content-length":
+                        length = int(v.strip())
+                if not 0 <= length <= MAX_REQUEST:
+                    raise ValueError("request body too large")
+                body = await reader.readexactly(length) if length else b""
+                code, doc = self._route(method, path, body)
+        except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            code, doc = 400, {"error": f"bad request: {type(e).__name__}: {e}"}
+        except Exception as e:  # noqa: BLE001 - a status bug must not take the node down
+            logger.exception("status endpoint failed")
+            code, doc = 500, {"error": f"{type(e).__name__}: {e}"}
+        raw = json.dumps(doc, default=str).encode()
+        reason = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 500: "Error"}[code]
+        writer.write(
+            f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+            f"Connection: close\r\n\r\n".encode()
+            + raw
+        )
+        try:
+            await asyncio.wait_for(writer.drain(), 10)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        node = self.node
+        if method == "GET" and path.split("?")[0] == "/status":
+            return 200, status_doc(node)
+        if method == "POST" and path == "/control":
+            try:
+                req = json.loads(body or b"{}")
+                action = req["action"]
+            except (ValueError, KeyError, TypeError):
+                return 400, {"error": 'expected JSON {"action": "pause" | "resume" | "stop" | "block"}'}
+            ll = node.learner_loop
+            if action == "pause":
+                ll.paused.set()
+            elif action == "resume":
+                ll.paused.clear()
+            elif action == "stop":
+                node.request_stop("stop requested over the status endpoint")
+            elif action == "block":
+                if not node.settings.test_hooks:
+                    return 403, {"error": "block is a test hook; start the node with --test-hooks"}
+                peers = req.get("peers", [])
+                if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
+                    return 400, {"error": "peers must be a list of peer ids"}
+                node.blocked = set(peers)
+                node.events.emit("partition", t=time.time(), blocked=sorted(peers))
+            else:
+                return 400, {"error": f"unknown action {action!r}: pause, resume, stop or block"}
+            return 200, {"ok": True, "action": action}
+        return 404, {"error": f"no route {method} {path}: use GET /status or POST /control"}
+
+
+# ------------------------------------------------------------------------------------------ client side
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+    return _request(url.rstrip("/") + "/status", None, timeout_s)
+
+
+def send_control(url: str, action: str, timeout_s: float = 5.0, **extra) -> dict:
+    return _request(url.rstrip("/") + "/control", json.dumps({"action": action, **extra}).encode(), timeout_s)
+
+
+def _request(url: str, data: bytes | None, timeout_s: float) -> dict:
+    try:
+        with urllib.request.urlopen(url, data=data, timeout=timeout_s) as resp:  # noqa: S310 - our own URL
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error", "")
+        except ValueError:
+            msg = ""
+        raise StatusError(f"{url}: HTTP {e.code} {msg}") from e
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise StatusError(
+            f"{url}: no answer ({getattr(e, 'reason', e)}); is the node running, and is this its status "
+            "address (see STATE_DIR/ready.json)?"
+        ) from e

@@ -1,0 +1,197 @@
+"""Signed merge records and fragment snapshots on the wire (DESIGN §4, "Replicated global state").
+
+A merge record travels as one safetensors blob: the merged outer gradient as tensors, and in the metadata
+the record's fields as JSON, the signer's peer id and an Ed25519 signature over
+``domain | swarm | record JSON | sha256 of the tensors``. The signature binds the record to the swarm, the
+fragment, the round and the parent hash, so a record cannot be replayed into another swarm or altered in
+flight; ``decode_record`` verifies it and checks the gradient against the fragment's tensor names and
+shapes, and that it is finite.
+
+A snapshot carries, per fragment, the global tensors and the outer momentum at a round, plus the head
+(round, hash, contributors, weight); ``decode_snapshot`` recomputes every fragment's hash and refuses a
+snapshot whose tensors do not land on it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dht.identity import Identity, verify
+from protocol.errors import ProtocolError, RejectCode
+from protocol.hashing import tensors_hash
+from protocol.replica import MergeRecord
+
+_DOMAIN = "ddiloco/merge/v1"
+
+
+def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    try:
+        tensors = st_load(raw)
+        n = int.from_bytes(raw[:8], "little")
+        meta = json.loads(raw[8 : 8 + n]).get("__metadata__") or {}
+    except Exception as e:  # safetensors raises several types on garbage
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"not a safetensors message: {type(e).__name__}: {e}"
+        ) from e
+    return tensors, meta
+
+
+def _record_doc(swarm: str, rec: MergeRecord) -> str:
+    return json.dumps(
+        {
+            "swarm": swarm,
+            "fragment": rec.fragment,
+            "round": rec.round,
+            "parent_hash": rec.parent_hash,
+            "new_hash": rec.new_hash,
+            "contributors": [list(c) for c in rec.contributors],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def _signed_bytes(doc: str, grad_hash: str) -> bytes:
+    return f"{_DOMAIN}|{doc}|{grad_hash}".encode()
+
+
+def encode_record(swarm: str, rec: MergeRecord, ident: Identity) -> bytes:
+    grad = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in rec.grad.items()}
+    doc = _record_doc(swarm, rec)
+    sig = ident.sign(_signed_bytes(doc, tensors_hash(grad)))
+    return st_save(grad, metadata={"record": doc, "signer": ident.peer_id, "sig": sig.hex()})
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    record: MergeRecord
+    signer: str
+    raw: bytes
+
+    @property
+    def total_weight(self) -> float:
+        return float(sum(c[2] for c in self.record.contributors))
+
+
+def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, ...]]]) -> SignedRecord:
+    """Verify and decode a record; ``spec`` maps fragment -> tensor name -> shape. Raises ProtocolError."""
+    tensors, meta = _meta(raw)
+    try:
+        doc_s, signer, sig = meta["record"], meta["signer"], bytes.fromhex(meta["sig"])
+        doc = json.loads(doc_s)
+        p, r = doc["fragment"], doc["round"]
+        contributors = tuple(
+            (str(a), str(b), float(w), int(cs), int(ct)) for a, b, w, cs, ct in doc["contributors"]
+        )
+        parent, new = str(doc["parent_hash"]), str(doc["new_hash"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"bad merge record metadata: {type(e).__name__}: {e}"
+        ) from e
+    if type(p) is not int or type(r) is not int or r < 1:
+        raise ProtocolError(RejectCode.MALFORMED, f"bad fragment/round {p!r}/{r!r}")
+    if doc.get("swarm") != swarm:
+        raise ProtocolError(RejectCode.BAD_SIGNATURE, f"record of swarm {doc.get('swarm')!r}, not {swarm!r}")
+    if not verify(str(signer), sig, _signed_bytes(doc_s, tensors_hash(tensors))):
+        raise ProtocolError(
+            RejectCode.BAD_SIGNATURE, f"record for fragment {p} round {r} not signed by {signer}"
+        )
+    if p not in spec:
+        raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {p} does not exist")
+    want = spec[p]
+    if set(tensors) != set(want):
+        raise ProtocolError(RejectCode.WRONG_SHAPE, f"record tensors {sorted(tensors)} != {sorted(want)}")
+    for k, t in tensors.items():
+        if t.dtype != torch.float32 or tuple(t.shape) != tuple(want[k]):
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"{k}: {t.dtype} {tuple(t.shape)} != fp32 {want[k]}")
+        if not torch.isfinite(t).all():
+            raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
+    rec = MergeRecord(p, r, parent, new, contributors, tensors)
+    return SignedRecord(rec, str(signer), raw)
+
+
+def pack_list(items: list[bytes]) -> bytes:
+    return struct.pack("<I", len(items)) + b"".join(struct.pack("<I", len(x)) + x for x in items)
+
+
+def unpack_list(raw: bytes, max_items: int = 1024) -> list[bytes]:
+    try:
+        (n,) = struct.unpack_from("<I", raw, 0)
+        if n > max_items:
+            raise ValueError(f"{n} items exceed {max_items}")
+        out, off = [], 4
+        for _ in range(n):
+            (k,) = struct.unpack_from("<I", raw, off)
+            off += 4
+            if off + k > len(raw):
+                raise ValueError("truncated")
+            out.append(raw[off : off + k])
+            off += k
+    except (struct.error, ValueError) as e:
+        raise ProtocolError(RejectCode.MALFORMED, f"bad list frame: {e}") from e
+    return out
+
+
+@dataclass(frozen=True)
+class FragmentState:
+    fragment: int
+    round: int
+    hash: str
+    n: int
+    weight: float
+    theta: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    tokens: int = 0  # tokens merged into this fragment so far (for status)
+
+
+def encode_snapshot(states: list[FragmentState]) -> bytes:
+    tensors, heads = {}, {}
+    for s in states:
+        for k, v in s.theta.items():
+            tensors[f"{s.fragment}/theta/{k}"] = v.contiguous()
+        for k, v in s.momentum.items():
+            tensors[f"{s.fragment}/mom/{k}"] = v.contiguous()
+        heads[str(s.fragment)] = [s.round, s.hash, s.n, s.weight, s.tokens]
+    return st_save(tensors, metadata={"heads": json.dumps(heads)})
+
+
+def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> list[FragmentState]:
+    """Decode and verify: every fragment's tensors must match the spec and land on the hash it claims."""
+    tensors, meta = _meta(raw)
+    try:
+        heads = json.loads(meta["heads"])
+        items = [(int(p), int(h[0]), str(h[1]), int(h[2]), float(h[3]), int(h[4])) for p, h in heads.items()]
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise ProtocolError(RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {e}") from e
+    out = []
+    for p, r, h, n, w, tok in items:
+        if p not in spec:
+            raise ProtocolError(
+                RejectCode.WRONG_FRAGMENT, f"snapshot names fragment {p}, which does not exist"
+            )
+        theta, mom = {}, {}
+        for k, shape in spec[p].items():
+            try:
+                theta[k], mom[k] = tensors[f"{p}/theta/{k}"], tensors[f"{p}/mom/{k}"]
+            except KeyError:
+                raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot of fragment {p} lacks {k}") from None
+            for t in (theta[k], mom[k]):
+                if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
+                    raise ProtocolError(
+                        RejectCode.WRONG_SHAPE, f"snapshot {p}/{k}: {t.dtype} {tuple(t.shape)}"
+                    )
+                if not torch.isfinite(t).all():
+                    raise ProtocolError(RejectCode.NOT_FINITE, f"snapshot {p}/{k} contains NaN or inf")
+        got = tensors_hash(theta)
+        if got != h:
+            raise ProtocolError(
+                RejectCode.MALFORMED, f"snapshot of fragment {p} lands on {got[:12]}, it claims {h[:12]}"
+            )
+        out.append(FragmentState(p, r, h, n, w, theta, mom, tok))
+    return out
