@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     learner = Learner("bench", task, pcfg, inner, total, seed=1, device=torch.device("cpu"))
 
     model = task.new_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(0.9, 0.95), weight_decay=inner.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=inner.lr, betas=(0.9, 0.95), weight_decay=inner.weight_decay
+    )
     sched = lr_lambda(total, inner)
     gen = torch.Generator().manual_seed(1)
     plain_step = 0
@@ -93,19 +95,31 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             fn()
             sink.append(time.perf_counter() - t0)
-        print(f"block {b + 1}/{a.blocks}: plain {plain_t[-1]:.3f}s learner {learner_t[-1]:.3f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"block {b + 1}/{a.blocks}: plain {plain_t[-1]:.3f}s learner {learner_t[-1]:.3f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     plain, lrn = statistics.median(plain_t), statistics.median(learner_t)
     ratio = lrn / plain
-    out = {"plain_step_ms": 1e3 * plain / a.steps, "learner_step_ms": 1e3 * lrn / a.steps, "ratio": ratio,
-           "overhead_pct": 100 * (ratio - 1), "codec": a.codec, "fragments": a.fragments,
-           "sync_every": a.sync_every, "target_pct": 3.0}
+    out = {
+        "plain_step_ms": 1e3 * plain / a.steps,
+        "learner_step_ms": 1e3 * lrn / a.steps,
+        "ratio": ratio,
+        "overhead_pct": 100 * (ratio - 1),
+        "codec": a.codec,
+        "fragments": a.fragments,
+        "sync_every": a.sync_every,
+        "target_pct": 3.0,
+    }
     if a.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"plain torch loop : {out['plain_step_ms']:.2f} ms/step")
-        print(f"ddiloco Learner  : {out['learner_step_ms']:.2f} ms/step  (P={a.fragments}, H={a.sync_every}, "
-              f"codec {a.codec})")
+        print(
+            f"ddiloco Learner  : {out['learner_step_ms']:.2f} ms/step  (P={a.fragments}, H={a.sync_every}, "
+            f"codec {a.codec})"
+        )
         print(f"ratio {ratio:.4f}  -> overhead {out['overhead_pct']:+.2f}% (target <= 3%)")
     return 0
 

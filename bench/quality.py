@@ -320,8 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in task.new_model().parameters())
     n_tensors = len(list(task.new_model().parameters()))
     budget = args.learners * args.steps * task.tokens_per_batch
-    base = ProtocolConfig(fragments=args.fragments, sync_every=args.sync_every, overlap=args.overlap,
-                          outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    base = ProtocolConfig(
+        fragments=args.fragments,
+        sync_every=args.sync_every,
+        overlap=args.overlap,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
     inner = InnerConfig()
     net = NetConfig()
     step_time_s = 1.0

@@ -151,6 +151,7 @@ def start_dht(
         host_maddrs=[str(m) for m in hosts],
         announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
         client_mode=client_mode,
+        no_listen=client_mode,  # client mode: p2pd opens no listening socket; the node only dials out
     )
     try:
         dht.run_in_background(await_ready=True, timeout=timeout_s)

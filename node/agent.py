@@ -31,6 +31,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -376,16 +377,10 @@ class Node:
         now = time.monotonic()
         return [x for x in order if self.suspect.get(x, 0.0) <= now]
 
-    def i_may_synchronise(self, p: int) -> bool:
-        if self.settings.client_mode:
-            return False
-        mine = self.heads[p][0]
-        others = [
-            m.head_round(p)
-            for pid, m in self.live_members().items()
-            if pid != self.peer_id and not m.client_mode
-        ]
-        return mine >= max(others, default=mine)
+    def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
+        """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
+        order = [x for x in self.candidates(p) if x not in dead]
+        return order[0] if order else None
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
@@ -481,6 +476,7 @@ class Node:
         try:
             if ll.ident is not None and ll.error is None:
                 ll._service()  # adopt what arrived, so the exported model is this node's newest view
+                await asyncio.to_thread(ll.evaluate)
                 await self.checkpoint()
                 out = (
                     Path(self.settings.export)
@@ -821,27 +817,40 @@ class Node:
             self._spawn(self._send(header, enc))
 
     async def _send(self, header: ContributionHeader, enc) -> None:
+        """Route one contribution to fragment p's synchroniser, failing over within ``failover_s``.
+
+        The request carries the peers this sender found dead, so the next candidate knows it may take the
+        round before their membership records expire. A peer that refuses the role names who it thinks
+        should have it; we try that one next, else the next candidate.
+        """
         raw = encode_contribution(header, enc)
         p = header.fragment
         deadline = self.loop.time() + self.settings.failover_s
+        dead: set[str] = set()
         refused: set[str] = set()
+        hint: str | None = None
         last = ""
         while self.loop.time() < deadline:
-            order = [x for x in self.candidates(p) if x not in refused]
+            order = [x for x in self.candidates(p) if x not in dead and x not in refused]
+            if hint is not None and hint not in dead and hint not in refused:
+                order.insert(0, hint)
+            hint = None
             if not order:
                 await asyncio.sleep(0.2)
                 refused.clear()
                 continue
             target = order[0]
+            payload = pack_list([json.dumps({"dead": sorted(dead)}).encode(), raw])
             if target == self.peer_id:
-                reply = await self._accept(self.peer_id, raw)
+                reply = await self._accept(self.peer_id, payload)
             else:
                 try:
                     left = max(0.5, deadline - self.loop.time())
                     reply = await self.transport.call(
-                        target, "contribute", raw, timeout_s=min(left, self.settings.rpc_timeout_s)
+                        target, "contribute", payload, timeout_s=min(left, self.settings.rpc_timeout_s)
                     )
                 except TransportError as e:
+                    dead.add(target)
                     self.suspect[target] = time.monotonic() + self.settings.ttl_s
                     self.counters["failovers"] += 1
                     self.events.emit(
@@ -855,11 +864,12 @@ class Node:
                 self.counters["contributions_sent"] += 1
                 return
             last = f"{target}: {reply.code} {reply.message}"
-            if reply.code in (
-                RejectCode.NOT_SYNCHRONISER.value,
-                RejectCode.FUTURE_BASE.value,
-                RejectCode.UNKNOWN_PEER.value,
-            ):
+            if reply.code == RejectCode.NOT_SYNCHRONISER.value:
+                refused.add(target)
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    hint = json.loads(reply.body or b"{}").get("try")
+                continue
+            if reply.code in (RejectCode.FUTURE_BASE.value, RejectCode.UNKNOWN_PEER.value):
                 refused.add(target)
                 continue
             break  # stale or invalid: the learner moves on with its next contribution
@@ -880,8 +890,13 @@ class Node:
     async def _h_contribute(self, caller: str, raw: bytes) -> Reply:
         return await self._accept(caller, raw)
 
-    async def _accept(self, caller: str, raw: bytes) -> Reply:
+    async def _accept(self, caller: str, payload: bytes) -> Reply:
         try:
+            route_raw, raw = unpack_list(payload, max_items=2)
+            try:
+                dead = set(json.loads(route_raw)["dead"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ProtocolError(RejectCode.MALFORMED, f"bad routing header: {e}") from e
             p = peek_fragment(raw)
             if p not in self.spec:
                 raise ProtocolError(
@@ -896,10 +911,9 @@ class Node:
                 raise ProtocolError(
                     RejectCode.UNKNOWN_PEER, f"contribution claims learner {h.learner}, sent by {caller}"
                 )
-            if not self.i_may_synchronise(p):
-                raise ProtocolError(
-                    RejectCode.NOT_SYNCHRONISER, f"{self.peer_id} cannot synchronise fragment {p} now"
-                )
+            who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
+            if who != self.peer_id:
+                return self._refuse_role(caller, p, who)
             self.replicas[p].check_delta(delta)
             c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid)
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
@@ -912,6 +926,11 @@ class Node:
         self.counters["contributions_accepted"] += 1
         self._decide(p, d)
         return Reply(True)
+
+    def _refuse_role(self, caller: str, p: int, who: str | None) -> Reply:
+        """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""
+        msg = f"{self.peer_id} does not hold fragment {p}'s round {self.replicas[p].round + 1}; try {who}"
+        return Reply(False, RejectCode.NOT_SYNCHRONISER.value, msg, json.dumps({"try": who}).encode())
 
     async def _h_record(self, caller: str, raw: bytes) -> Reply:
         try:

@@ -135,19 +135,23 @@ class Transport:
                     reply = await handler(caller, payload)
                 except ProtocolError as e:
                     reply = Reply(False, e.code.value, str(e))
+                except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+                    raise  # the stream broke: nobody to answer
                 except Exception as e:  # a handler bug must not kill the server; the caller gets told
                     logger.exception("handler failed for %s", caller)
                     reply = Reply(False, RejectCode.INTERNAL.value, f"{type(e).__name__}: {e}")
                 if not reply.ok:
-                    self._count(reply.code)
                     if not sent_go:
                         writer.write(STOP)
-                    logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
+                    if reply.code != RejectCode.NOT_SYNCHRONISER.value:  # a routing redirect, not abuse
+                        self._count(reply.code)
+                        logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
                 await _write_frame(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
                 )
                 self.bytes_out += len(reply.body)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
+            # RuntimeError: asyncio refuses to write to a transport the peer already closed
             self._count("broken_stream")
             logger.warning("stream from %s dropped: %s", caller, type(e).__name__)
         finally:

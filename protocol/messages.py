@@ -147,7 +147,9 @@ def peek_fragment(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
     try:
         p = json.loads(_metadata(raw)["header"])["fragment"]
     except Exception as e:  # garbage of any shape
-        raise ProtocolError(RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}") from e
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}"
+        ) from e
     if type(p) is not int:
         raise ProtocolError(RejectCode.MALFORMED, f"header field fragment={p!r} is not int")
     return p

@@ -52,7 +52,9 @@ class FragmentReplica:
     ) -> None:
         """Replace this replica's state by a verified snapshot (join or re-sync); history restarts there."""
         if set(theta) != set(self.theta) or set(momentum) != set(self.theta):
-            raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot of fragment {self.index} names other tensors")
+            raise ProtocolError(
+                RejectCode.WRONG_SHAPE, f"snapshot of fragment {self.index} names other tensors"
+            )
         for k, v in self.theta.items():
             if tuple(theta[k].shape) != tuple(v.shape) or tuple(momentum[k].shape) != tuple(v.shape):
                 raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot tensor {k} has the wrong shape")
