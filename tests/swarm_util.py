@@ -1,0 +1,112 @@
+"""Helpers for tests that run real node processes on loopback (``python -m node node``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from node.launcher import Child, poll, start_node, stop_all, wait_ready
+from node.status import StatusError, send_control
+
+# A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, a slight step delay
+# so rounds come at a pace a 2-core machine running several nodes keeps up with.
+TINY = [
+    "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "8",
+    "--eval-batches", "4", "--fragments", "4", "--sync-every", "8", "--eval-every-s", "4",
+    "--heartbeat-s", "0.5", "--ttl-s", "3", "--failover-s", "6", "--rpc-timeout-s", "5",
+    "--threads", "1", "--step-delay-s", "0.05", "--checkpoint-every-s", "3", "--test-hooks",
+]  # fmt: skip
+
+
+class Swarm:
+    def __init__(self, run_dir: Path, flags: list[str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.flags = list(TINY if flags is None else flags)
+        self.children: dict[int, Child] = {}
+
+    def start(self, index: int, extra: list[str] = (), peers_from: int | None = 0) -> Child:
+        peers = []
+        if peers_from is not None and peers_from in self.children and peers_from != index:
+            peers = self.children[peers_from].maddrs
+        c = start_node(index, self.run_dir, self.flags + list(extra), peers)
+        self.children[index] = c
+        return c
+
+    def start_many(self, n: int, extra: dict[int, list[str]] | None = None) -> None:
+        extra = extra or {}
+        self.start(0, extra.get(0, []), peers_from=None)
+        wait_ready([self.children[0]], 120)
+        for i in range(1, n):
+            self.start(i, extra.get(i, []))
+        wait_ready(list(self.children.values()), 120)
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children.values() if c.proc.poll() is None]
+
+    def status(self) -> dict[int, dict]:
+        live = self.alive()
+        for c in live:
+            c.last = None
+        poll(live)
+        return {c.index: c.last for c in live if c.last is not None}
+
+    def control(self, index: int, action: str, **extra) -> dict:
+        return send_control(self.children[index].url, action, **extra)
+
+    def kill9(self, index: int) -> None:
+        c = self.children[index]
+        os.kill(c.proc.pid, signal.SIGKILL)
+        c.proc.wait(timeout=30)
+
+    def events(self, index: int) -> list[dict]:
+        path = self.children[index].state_dir / "events.jsonl"
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut by kill -9
+                pass
+        return out
+
+    def merged_contributors(self, index: int, since: float = 0.0) -> set[str]:
+        return {
+            p for e in self.events(index) if e["kind"] == "merge" and e["t"] >= since for p in e["learners"]
+        }
+
+    def settle(self, timeout_s: float = 45.0) -> dict[int, dict]:
+        """Pause every learner and wait until every live node holds one model hash (twice in a row)."""
+        for c in self.alive():
+            try:
+                send_control(c.url, "pause")
+            except StatusError:
+                pass
+        streak, last = 0, {}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            last = self.status()
+            hashes = {s["model_hash"] for s in last.values()}
+            idle = all(s["learner"]["idle"] for s in last.values())
+            streak = streak + 1 if len(last) == len(self.alive()) and idle and len(hashes) == 1 else 0
+            if streak >= 2:
+                return last
+            time.sleep(1.0)
+        raise AssertionError(
+            "hashes did not converge: " + json.dumps({i: s["model_hash"][:12] for i, s in last.items()})
+        )
+
+    def stop(self) -> None:
+        stop_all(list(self.children.values()), timeout_s=60)
+
+
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
