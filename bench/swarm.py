@@ -1,0 +1,479 @@
+"""Swarm benchmark (issue 3): bytes on the wire per node per inner step, and a learner's throughput in a swarm.
+
+Three parts, printed side by side:
+
+1. Analytic bytes per node per inner step against data-parallel's fp32 ring all-reduce of the same model,
+   for this repository's defaults and for paper-scale settings. In steady state every learner sends each
+   fragment's int4 outer gradient once per H steps to that fragment's synchroniser, and the synchroniser
+   pushes its signed merge record (the fp32 merged outer gradient) to every other node. Averaged over the
+   N nodes (each synchronises 1/N of the rounds, and 1/N of its own contributions stay local):
+       ours = params * (N-1)/N * (b_codec + 4 * R) / H      bytes sent per node per inner step
+       DP   = params * (N-1)/N * 2 * 4                      (reduce-scatter + all-gather, fp32)
+   with b_codec the codec's bytes per parameter and R the merges per fragment per H steps (1 when every
+   round merges all N learners, up to N when each contribution is merged alone). The ratio 8H / (b + 4R)
+   depends on neither the model size nor N.
+2. Measured: a real 2-node swarm (``python -m node node``, node 1 bootstrapping from node 0's addresses,
+   ``--threads 1``) trains for ``--duration`` seconds after a warm-up; bytes sent and received (transport
+   payloads, from each node's status) and inner steps are differenced over that window.
+3. Throughput: the same learner configuration alone, as N standalone processes running a plain
+   ``Learner.train_step`` loop with one torch thread and no network, side by side (so they share the CPU as
+   the swarm's nodes do), half before and half after the swarm run; tokens/s inside the swarm / alone.
+
+    python bench/swarm.py              # ~3 min on two CPU cores
+    python bench/swarm.py --quick      # smoke run, ~1 min
+    python bench/swarm.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from node.config import NodeSettings
+from node.launcher import Child, poll, start_node, stop_all, wait_ready
+from node.learner import InnerConfig, plan_for
+from node.task import TaskConfig, load_task
+from protocol.config import ProtocolConfig
+
+DP_BYTES_PER_PARAM = 4  # fp32 gradients
+TARGET_BYTES_RATIO = 100.0
+TARGET_THROUGHPUT = 0.9
+# Paper-scale model: DESIGN §1 quotes the paper's 12B model trained across 4 regions, M = 8 learners, and
+# gives P = H = 24, tau = 2, K = 1 with int4 outer gradients as the defaults at paper scale.
+PAPER_PARAMS = 12e9
+PAPER_LEARNERS = 8
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- analytic part
+def codec_bytes(numel: int, codec: str, block: int) -> float:
+    """Payload bytes of one tensor of ``numel`` elements under the wire codec (``protocol.codecs``)."""
+    if codec == "fp32":
+        return 4.0 * numel
+    if codec == "bf16":
+        return 2.0 * numel
+    blocks = math.ceil(numel / block)
+    return blocks * block * (0.5 if codec == "int4" else 1.0) + 4.0 * blocks  # codes + one fp32 scale/block
+
+
+def analytic(
+    name: str, params: float, learners: int, sync_every: int, b_codec: float, merges: float = 1.0
+) -> dict:
+    share = (learners - 1) / learners
+    contrib = params * share * b_codec / sync_every
+    records = params * share * 4.0 * merges / sync_every
+    dp = params * share * 2 * DP_BYTES_PER_PARAM
+    return {
+        "setting": name,
+        "params": params,
+        "learners": learners,
+        "sync_every": sync_every,
+        "codec_bytes_per_param": b_codec,
+        "merges_per_sync": merges,
+        "contributions_B": contrib,
+        "records_B": records,
+        "ours_B": contrib + records,
+        "dp_B": dp,
+        "ratio": dp / (contrib + records),
+    }
+
+
+def analytic_rows(params: int, exact_b: float, nodes: int, pcfg: ProtocolConfig) -> list[dict]:
+    b4 = 0.5 + 4.0 / pcfg.codec_block  # int4 bytes per parameter for large tensors
+    H = pcfg.sync_every
+    return [
+        analytic(
+            f"defaults: this model, N={nodes}, P={pcfg.fragments} H={H}, {pcfg.codec}",
+            params,
+            nodes,
+            H,
+            exact_b,
+        ),
+        analytic("  same, every contribution merged alone (R=N)", params, nodes, H, exact_b, merges=nodes),
+        analytic(f"paper scale: 12B, M={PAPER_LEARNERS}, P=H=24, int4", PAPER_PARAMS, PAPER_LEARNERS, 24, b4),
+        analytic(
+            f"  same, every contribution merged alone (R=M={PAPER_LEARNERS})",
+            PAPER_PARAMS,
+            PAPER_LEARNERS,
+            24,
+            b4,
+            merges=PAPER_LEARNERS,
+        ),
+        analytic("  same, H=100", PAPER_PARAMS, PAPER_LEARNERS, 100, b4),
+        analytic("  same, H=500 (DiLoCo paper's H)", PAPER_PARAMS, PAPER_LEARNERS, 500, b4),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ alone learners
+def alone_worker(seconds: float, warm_s: float, seed: int) -> int:
+    """Child process: a plain train_step loop of the node's default learner, one torch thread, no network."""
+    import torch
+
+    from node.learner import Learner
+
+    torch.set_num_threads(1)
+    task = load_task(None, TaskConfig())
+    lrn = Learner(
+        "alone", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, seed, torch.device("cpu")
+    )
+    t_end_warm = time.perf_counter() + warm_s
+    while time.perf_counter() < t_end_warm:
+        lrn.train_step()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        lrn.train_step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    tokens = steps * task.tokens_per_batch
+    print(
+        json.dumps({"steps": steps, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+    )
+    return 0
+
+
+def run_alone(n: int, seconds: float, warm_s: float, label: str) -> list[dict]:
+    log(f"[alone {label}] {n} standalone learners side by side for {warm_s:g} s warm-up + {seconds:g} s")
+    cmd = [sys.executable, os.path.abspath(__file__), "--alone-worker", str(seconds), "--warm", str(warm_s)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [*cmd, "--seed", str(i + 1)], stdout=subprocess.PIPE, text=True, start_new_session=True
+                )
+            )
+        out = []
+        deadline = time.monotonic() + seconds + warm_s + 120
+        for p in procs:
+            stdout, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"alone learner exited with code {p.returncode}")
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+        log(f"[alone {label}] tokens/s: " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in out))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+# --------------------------------------------------------------------------------------------- the swarm
+def _snapshot(children: list[Child]) -> list[dict]:
+    poll(children)
+    snaps = []
+    for c in children:
+        if c.proc.poll() is not None:
+            raise RuntimeError(f"node {c.index} exited with code {c.proc.returncode}; its log:\n{c.tail()}")
+        if c.last is None:
+            raise RuntimeError(f"node {c.index} did not answer its status endpoint ({c.url})")
+        snaps.append(c.last)
+    return snaps
+
+
+def _contributions(state_dir: Path, peer: str, t_a: float, t_b: float) -> list[int]:
+    out = []
+    with open(state_dir / "events.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            if '"contribute"' not in line:
+                continue
+            r = json.loads(line)
+            if r["kind"] == "contribute" and r.get("learner") == peer and t_a <= r["t"] < t_b:
+                out.append(int(r["bytes"]))
+    return out
+
+
+def run_swarm(nodes: int, seconds: float, warm_s: float, run_dir: Path) -> dict:
+    flags = ["--threads", "1", "--swarm", f"bench-{os.getpid()}"]
+    children: list[Child] = []
+    try:
+        log(f"[swarm] starting {nodes} nodes in {run_dir}")
+        children.append(start_node(0, run_dir, flags, []))
+        wait_ready(children, 180)
+        for i in range(1, nodes):
+            children.append(start_node(i, run_dir, flags, children[0].maddrs))
+        wait_ready(children, 180)
+        log(f"[swarm] up; warming up {warm_s:g} s")
+        t_warm = time.monotonic() + warm_s
+        while time.monotonic() < t_warm:
+            time.sleep(min(1.0, max(0.0, t_warm - time.monotonic())))
+        a, t_a = _snapshot(children), time.time()
+        for s in a:
+            if len(s["peers"]) != nodes:
+                log(f"[swarm] warning: {s['peer_id'][-8:]} sees {len(s['peers'])} of {nodes} members")
+        log(f"[swarm] measuring {seconds:g} s")
+        t_end = time.monotonic() + seconds
+        while (left := t_end - time.monotonic()) > 0:
+            time.sleep(min(10.0, left))
+            if time.monotonic() < t_end - 1:
+                s = _snapshot(children)
+                log(
+                    f"[swarm] t={seconds - (t_end - time.monotonic()):4.0f}s  steps "
+                    + " ".join(str(x["learner"]["steps"]) for x in s)
+                    + "  MB out "
+                    + " ".join(f"{x['bytes_sent'] / 1e6:.1f}" for x in s)
+                )
+        b, t_b = _snapshot(children), time.time()
+        per_node = []
+        for c, sa, sb in zip(children, a, b):
+            steps = sb["learner"]["steps"] - sa["learner"]["steps"]
+            contribs = _contributions(c.state_dir, sb["peer_id"], t_a, t_b)
+            per_node.append(
+                {
+                    "node": c.index,
+                    "peer": sb["peer_id"],
+                    "steps": steps,
+                    "seconds": sb["uptime_s"] - sa["uptime_s"],
+                    "tokens_per_s": (sb["learner"]["tokens"] - sa["learner"]["tokens"])
+                    / (sb["uptime_s"] - sa["uptime_s"]),
+                    "sent_B": sb["bytes_sent"] - sa["bytes_sent"],
+                    "received_B": sb["bytes_received"] - sa["bytes_received"],
+                    "join_sent_B": sa["bytes_sent"],
+                    "join_received_B": sa["bytes_received"],
+                    "records_made": sb["counters"]["records_made"] - sa["counters"]["records_made"],
+                    "contributions": len(contribs),
+                    "contribution_B": sum(contribs),
+                    "peers_seen": len(sb["peers"]),
+                    "rounds_merged": sb["rounds_merged"],
+                    "model_hash": sb["model_hash"],
+                    "refused": sum(sb["refused"].values()),
+                    "counters": sb["counters"],
+                }
+            )
+        return {"nodes": per_node, "run_dir": str(run_dir), "t_a": t_a, "t_b": t_b}
+    finally:
+        log("[swarm] stopping nodes")
+        stop_all(children, timeout_s=30)
+        for c in children:  # stop_all waits and kills; make sure
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def heartbeat_estimate(nodes: int, fragments: int) -> int:
+    """Bytes of one signed membership record as a node of this swarm publishes it (DHT traffic estimate)."""
+    from dht.identity import Identity
+    from dht.records import Member, sign_member
+
+    ident = Identity.generate()
+    now = time.time()
+    m = Member(
+        peer_id=ident.peer_id,
+        addrs=(f"/ip4/127.0.0.1/tcp/40000/p2p/{ident.peer_id}",),
+        version="ddiloco/0.3",
+        issued_at=now,
+        expires_at=now + 6.0,
+        tokens_per_s=12345.678,
+        heads={str(p): [120, "f" * 64, nodes, 123456.0] for p in range(fragments)},
+        step=2880,
+        leases={"3": 121},
+    )
+    return len(sign_member("ddiloco-local", ident, m))
+
+
+# ------------------------------------------------------------------------------------------------ report
+def fmt_b(x: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if x >= k:
+            return f"{x / k:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def report(res: dict) -> str:
+    lines = []
+    st = res["settings"]
+    lines.append(
+        f"model: dim {st['dim']}, {st['layers']} layers, {st['params']:,} params; batch {st['tokens_per_step']} "
+        f"tokens/step; P={st['fragments']} H={st['sync_every']} tau={st['overlap']} K={st['quorum']}, codec "
+        f"{st['codec']} (block {st['codec_block']}: {st['codec_bytes_per_param']:.4f} B/param)"
+    )
+    lines.append("")
+    lines.append("== bytes sent per node per inner step, analytic (payload tensors only)")
+    hdr = f"{'setting':52s} {'contrib':>10s} {'records':>10s} {'ours':>10s} {'DP fp32':>10s} {'DP/ours':>8s}"
+    lines += [hdr, "-" * len(hdr)]
+    for r in res["analytic"]:
+        lines.append(
+            f"{r['setting']:52s} {fmt_b(r['contributions_B']):>10s} {fmt_b(r['records_B']):>10s} "
+            f"{fmt_b(r['ours_B']):>10s} {fmt_b(r['dp_B']):>10s} {r['ratio']:7.1f}x"
+        )
+    b = res["analytic"][0]["codec_bytes_per_param"]
+    lines.append(
+        f"(DP/ours = 8H/(b + 4R); with fp32 merge records at R=1 it reaches {TARGET_BYTES_RATIO:.0f}x only for "
+        f"H >= {math.ceil(TARGET_BYTES_RATIO * (b + 4) / 8)})"
+    )
+    m = res["measured"]
+    n = len(m["nodes"])
+    lines.append("")
+    lines.append(
+        f"== measured: {n}-node swarm on loopback, {m['seconds']:.0f} s after {m['warm_s']:g} s warm-up"
+    )
+    hdr = (
+        f"{'node':>4s} {'steps':>6s} {'tok/s':>7s} {'sent/step':>10s} {'recv/step':>10s} {'contrib/step':>12s} "
+        f"{'merges':>6s} {'recv before':>11s}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for x in m["nodes"]:
+        lines.append(
+            f"{x['node']:4d} {x['steps']:6d} {x['tokens_per_s']:7.0f} {fmt_b(x['sent_B'] / x['steps']):>10s} "
+            f"{fmt_b(x['received_B'] / x['steps']):>10s} {fmt_b(x['contribution_B'] / x['steps']):>12s} "
+            f"{x['records_made']:6d} {fmt_b(x['join_received_B']):>11s}"
+        )
+    lines.append(
+        f"mean per node per inner step: sent {fmt_b(m['sent_per_step_B'])}, received "
+        f"{fmt_b(m['received_per_step_B'])}; DP fp32 ring all-reduce of the same model sends "
+        f"{fmt_b(m['dp_B'])} (and receives as much)"
+    )
+    lines.append(
+        f"contributions per merge {m['contributions_per_merge']:.2f} (R = {m['merges_per_sync']:.2f} merges per "
+        f"fragment per H steps); analytic at this R: {fmt_b(m['analytic_at_R_B'])} per node per step"
+    )
+    lines.append(
+        f"DHT heartbeats (not counted by the transport): one signed membership record is "
+        f"{m['member_record_B']} B; a heartbeat stores it on the other node and reads the key back (~{n} "
+        f"records) every {m['heartbeat_s']:g} s, ~{fmt_b(m['heartbeat_per_step_B'])} per node per step, "
+        f"before Kademlia/libp2p framing"
+    )
+    t = res["throughput"]
+    lines.append("")
+    lines.append("== learner throughput (tokens/s), one torch thread per learner")
+    lines.append("alone, before swarm : " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in t["alone_before"]))
+    lines.append("alone, after swarm  : " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in t["alone_after"]))
+    lines.append(f"alone, mean         : {t['alone_mean']:.0f}")
+    lines.append("in the swarm        : " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in m["nodes"]))
+    lines.append(f"load average at start/end: {res['loadavg_start']:.2f} / {res['loadavg_end']:.2f}")
+    lines.append("")
+    lines.append("targets:")
+    ok = m["ratio"] >= TARGET_BYTES_RATIO
+    lines.append(
+        f"  [{'HOLDS ' if ok else 'MISSED'}] bytes on the wire: DP / ours per node per inner step "
+        f"{m['ratio']:.1f}x measured, {res['analytic'][0]['ratio']:.1f}x analytic (target >= "
+        f"{TARGET_BYTES_RATIO:.0f}x)"
+    )
+    for x, r in zip(m["nodes"], t["ratios"]):
+        ok = r >= TARGET_THROUGHPUT
+        lines.append(
+            f"  [{'HOLDS ' if ok else 'MISSED'}] node {x['node']} throughput swarm / alone {r:.3f} "
+            f"(target >= {TARGET_THROUGHPUT})"
+        )
+    lines.append("")
+    lines.append(f"wall time: {res['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=60.0, help="measured seconds in the swarm")
+    ap.add_argument("--warm", type=float, default=10.0, help="warm-up seconds before measuring")
+    ap.add_argument("--nodes", type=int, default=2, help="swarm nodes (and standalone learners)")
+    ap.add_argument("--quick", action="store_true", help="short run: 16 s measured, 5 s warm-up")
+    ap.add_argument("--keep", action="store_true", help="keep the nodes' state folders")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--alone-worker", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.alone_worker is not None:
+        return alone_worker(a.alone_worker, a.warm, a.seed)
+    if a.quick:
+        a.duration, a.warm = 16.0, 5.0
+    if a.nodes < 2:
+        ap.error("--nodes must be >= 2")
+
+    t_start = time.monotonic()
+    load_start = os.getloadavg()[0]
+    pcfg = ProtocolConfig()
+    tcfg = TaskConfig()
+    task = load_task(None, tcfg)
+    model = task.new_model()
+    plan = plan_for(task, model, pcfg)
+    shapes = {n: p.numel() for n, p in model.named_parameters()}
+    params = plan.total_numel
+    exact_b = sum(codec_bytes(k, pcfg.codec, pcfg.codec_block) for k in shapes.values()) / params
+    rows = analytic_rows(params, exact_b, a.nodes, pcfg)
+
+    half, alone_warm = a.duration / 2, min(5.0, a.warm)
+    before = run_alone(a.nodes, half, alone_warm, "before")
+    run_dir = Path(tempfile.mkdtemp(prefix="ddiloco-bench-swarm-"))
+    try:
+        sw = run_swarm(a.nodes, a.duration, a.warm, run_dir)
+    finally:
+        if not a.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    after = run_alone(a.nodes, half, alone_warm, "after")
+
+    nodes = sw["nodes"]
+    steps = sum(x["steps"] for x in nodes)
+    merges = sum(x["records_made"] for x in nodes)
+    contribs = sum(x["contributions"] for x in nodes)
+    per_learner_syncs = contribs / a.nodes  # fragment-syncs per learner in the window
+    r_meas = merges / per_learner_syncs if per_learner_syncs else float("nan")
+    dp = analytic("", params, a.nodes, pcfg.sync_every, exact_b)["dp_B"]
+    sent = sum(x["sent_B"] for x in nodes) / steps
+    settings = NodeSettings()
+    rec_b = heartbeat_estimate(a.nodes, pcfg.fragments)
+    steps_per_s = steps / sum(x["seconds"] for x in nodes)
+    measured = {
+        **sw,
+        "seconds": a.duration,
+        "warm_s": a.warm,
+        "sent_per_step_B": sent,
+        "received_per_step_B": sum(x["received_B"] for x in nodes) / steps,
+        "dp_B": dp,
+        "ratio": dp / sent,
+        "contributions_per_merge": contribs / merges if merges else float("nan"),
+        "merges_per_sync": r_meas,
+        "analytic_at_R_B": analytic("", params, a.nodes, pcfg.sync_every, exact_b, r_meas)["ours_B"],
+        "member_record_B": rec_b,
+        "heartbeat_s": settings.heartbeat_s,
+        "heartbeat_per_step_B": (2 * a.nodes - 1) * rec_b / settings.heartbeat_s / steps_per_s,
+    }
+    alone_tps = [(b["tokens"] + f["tokens"]) / (b["seconds"] + f["seconds"]) for b, f in zip(before, after)]
+    alone_mean = sum(alone_tps) / len(alone_tps)
+    throughput = {
+        "alone_before": before,
+        "alone_after": after,
+        "alone_per_learner": alone_tps,
+        "alone_mean": alone_mean,
+        "ratios": [x["tokens_per_s"] / alone_mean for x in nodes],
+    }
+    res = {
+        "settings": {
+            "dim": tcfg.model.dim,
+            "layers": tcfg.model.layers,
+            "params": params,
+            "tokens_per_step": task.tokens_per_batch,
+            "fragments": pcfg.fragments,
+            "sync_every": pcfg.sync_every,
+            "overlap": pcfg.overlap,
+            "quorum": pcfg.quorum,
+            "codec": pcfg.codec,
+            "codec_block": pcfg.codec_block,
+            "codec_bytes_per_param": exact_b,
+            "nodes": a.nodes,
+        },
+        "analytic": rows,
+        "measured": measured,
+        "throughput": throughput,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg()[0],
+        "wall_s": time.monotonic() - t_start,
+    }
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
