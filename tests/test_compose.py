@@ -18,7 +18,6 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -155,8 +154,7 @@ def test_mounts_exist_and_state_is_private():
 
 def test_deploy_configs_are_valid_and_agree():
     cfgs = {name: _node_config(name) for name in NODES}
-    with torch.device("meta"):
-        tensors = len(list(TinyGPT(cfgs["bootstrap"].model).parameters()))
+    tensors = len(list(TinyGPT(cfgs["bootstrap"].model).parameters()))  # 0.9M parameters: milliseconds
     for name, cfg in cfgs.items():
         cfg.protocol.check_swarm(1, tensors)  # what Node() checks at start-up
         assert cfg.node.swarm == cfgs["bootstrap"].node.swarm, f"{name} is in another swarm"
