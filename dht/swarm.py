@@ -9,12 +9,16 @@ failure says what was tried and what to check.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -56,6 +60,7 @@ class NodeDHT(hivemind.DHT):
 
     def run(self) -> None:  # runs in the forked DHT process
         P2P._UNIX_SOCKET_PREFIX = f"/unix{self.sock_dir}/hivemind-"
+        threading.Thread(target=_orphan_watchdog, args=(os.getppid(),), daemon=True).start()
         super().run()
 
     def shutdown(self) -> None:
@@ -63,6 +68,33 @@ class NodeDHT(hivemind.DHT):
             super().shutdown()
         finally:
             self._cleanup()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _orphan_watchdog(parent: int) -> None:
+    """In the DHT process: if the node that forked us dies (kill -9), take our p2pd down and exit, so a killed
+    node leaves nothing running (hivemind's DHT process and its daemon would otherwise live on)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            if os.path.isdir("/proc"):
+                for child in _children(os.getpid()):
+                    with contextlib.suppress(OSError):
+                        os.kill(child, signal.SIGKILL)
+            os._exit(1)
 
 
 def _parse_maddrs(what: str, addrs: Sequence[str], need_peer_id: bool = False) -> list[Multiaddr]:

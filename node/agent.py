@@ -214,7 +214,8 @@ class Node:
         self.peer_id = self.identity.peer_id
         self.task = load_task(None, cfg.task_config())
         probe = self.task.new_model()
-        self.cfg.protocol.check_swarm(1, len(list(probe.parameters())))
+        # The swarm's size is not known up front: a quorum K above the live learners waits for min(K, live).
+        self.cfg.protocol.check_swarm(max(1, self.pcfg.quorum), len(list(probe.parameters())))
         seed = (
             s.data_seed
             if s.data_seed >= 0

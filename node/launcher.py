@@ -11,6 +11,7 @@ themselves if the launcher dies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -159,6 +160,13 @@ def stop_all(children: list[Child], timeout_s: float = 60.0) -> None:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        kill_group(c)
+
+
+def kill_group(c: Child) -> None:
+    """A node runs in its own process group (its DHT process and p2pd with it): take down what is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(c.proc.pid, signal.SIGKILL)
 
 
 def up(

@@ -57,8 +57,9 @@ class Swarm:
         return send_control(self.children[index].url, action, **extra)
 
     def kill9(self, index: int) -> None:
+        """kill -9 the node's whole process group: the node, its DHT process and its p2pd, as a crash would."""
         c = self.children[index]
-        os.kill(c.proc.pid, signal.SIGKILL)
+        os.killpg(c.proc.pid, signal.SIGKILL)
         c.proc.wait(timeout=30)
 
     def events(self, index: int) -> list[dict]:

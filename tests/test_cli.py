@@ -173,3 +173,36 @@ def test_several_systems_write_one_file_each():
     assert _per_system("./runs/ev.jsonl", "dp", True) == "runs/ev.dp.jsonl"
     assert _per_system("./runs/ev.jsonl", "dp", False) == "./runs/ev.jsonl"
     assert _per_system(None, "dp", True) is None
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/9"], "lacks the peer's /p2p/<peer id>"),
+        (["--host-maddrs", "not-a-multiaddr"], "is not a valid multiaddr"),
+        (["--ttl-s", "1", "--heartbeat-s", "1"], "ttl_s=1.0 is invalid"),
+        (["--swarm", "a/b"], "swarm='a/b' is invalid"),
+    ],
+)
+def test_node_refuses_bad_network_settings_with_a_clear_error(tmp_path, capsys, flags, needle):
+    rc = main(["node", "--state-dir", str(tmp_path / "s"), *flags])
+    assert rc == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_node_with_unreachable_initial_peers_says_what_it_tried(tmp_path, capsys):
+    from dht.identity import Identity
+
+    ghost = Identity.generate().peer_id
+    peer = f"/ip4/127.0.0.1/tcp/9/p2p/{ghost}"  # the discard port: nothing of ours answers there
+    rc = main(["node", "--state-dir", str(tmp_path / "s"), "--initial-peers", peer, "--dim", "32"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "none of the initial peers" in err and ghost in err
+
+
+def test_status_without_a_running_node_says_where_it_looked(tmp_path, capsys):
+    assert main(["status", "--state-dir", str(tmp_path)]) == 2
+    assert "ready.json does not exist" in capsys.readouterr().err
+    assert main(["status", "--url", "http://127.0.0.1:9"]) == 2
+    assert "is the node running" in capsys.readouterr().err
