@@ -196,3 +196,46 @@ def test_reading_through_a_stopped_dht_is_a_clear_error(tmp_path, swarm_id):
     assert not os.path.exists(sock_dir)
     with pytest.raises(SwarmUnreachable, match="local DHT process is not running"):
         view.live()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dht.swarm import _children
+
+    key = Identity.generate().save(tmp_path / "id.key")
+    code = (
+        "import sys, time\nfrom dht.swarm import start_dht\n"
+        f"d = start_dht({str(key)!r}, ['/ip4/127.0.0.1/tcp/0'])\nprint('up', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        dht_procs = _children(proc.pid)
+        daemons = [c for d in dht_procs for c in _children(d)]
+        assert dht_procs and daemons  # the DHT process, and p2pd under it
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        left = dht_procs + daemons
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = [p for p in left if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+        assert not left, f"still running after the node was killed: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
