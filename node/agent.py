@@ -121,6 +121,8 @@ class LearnerLoop(threading.Thread):
                 )
         while self.requests:
             kind, fut = self.requests.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue  # the asking side gave up (e.g. its task was cancelled at shutdown)
             try:
                 fut.set_result(self.learner.state() if kind == "state" else None)
             except Exception as e:  # noqa: BLE001 - handed to the waiting side
@@ -476,16 +478,20 @@ class Node:
                 await t
         try:
             if ll.ident is not None and ll.error is None:
-                ll._service()  # adopt what arrived, so the exported model is this node's newest view
-                await asyncio.to_thread(ll.evaluate)
-                await self.checkpoint()
-                out = (
-                    Path(self.settings.export)
-                    if self.settings.export
-                    else self.state_dir / "model.safetensors"
-                )
-                params = {n: t for r in self.replicas for n, t in r.theta.items()}
-                await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
+                try:
+                    ll._service()  # adopt what arrived, so the exported model is this node's newest view
+                    await asyncio.to_thread(ll.evaluate)
+                    await self.checkpoint()
+                    out = (
+                        Path(self.settings.export)
+                        if self.settings.export
+                        else self.state_dir / "model.safetensors"
+                    )
+                    params = {n: t for r in self.replicas for n, t in r.theta.items()}
+                    await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
+                except Exception:  # noqa: BLE001 - the summary below must still be written
+                    logger.exception("final checkpoint or export failed")
+                    self.stop_reason += " (final checkpoint or export failed; see the log)"
             self._write_final()
         finally:
             self.events.emit(
