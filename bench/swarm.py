@@ -19,8 +19,8 @@ Three parts, printed side by side:
    ``Learner.train_step`` loop with one torch thread and no network, side by side (so they share the CPU as
    the swarm's nodes do), half before and half after the swarm run; tokens/s inside the swarm / alone.
 
-    python bench/swarm.py              # ~3 min on two CPU cores
-    python bench/swarm.py --quick      # smoke run, ~1 min
+    python bench/swarm.py              # ~2.5 min on two CPU cores (50 s measured after 10 s warm-up)
+    python bench/swarm.py --quick      # smoke run, ~1.5 min (16 s measured)
     python bench/swarm.py --json
 """
 
@@ -46,14 +46,48 @@ from protocol.config import ProtocolConfig
 DP_BYTES_PER_PARAM = 4  # fp32 gradients
 TARGET_BYTES_RATIO = 100.0
 TARGET_THROUGHPUT = 0.9
-# Paper-scale model: DESIGN §1 quotes the paper's 12B model trained across 4 regions, M = 8 learners, and
-# gives P = H = 24, tau = 2, K = 1 with int4 outer gradients as the defaults at paper scale.
+# Paper scale: DESIGN §1 quotes the paper's 12B model (trained across 4 US regions) and M = 8 learners (its
+# 8-datacenter bandwidth result), and gives P = H = 24, tau = 2, K = 1, int4 outer gradients at that scale.
 PAPER_PARAMS = 12e9
 PAPER_LEARNERS = 8
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _stat(path: str) -> list[str] | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()  # fields from 3 (state) on; comm may hold spaces
+
+
+def cpu_seconds(pid: int) -> tuple[float, float, dict[str, float]]:
+    """CPU seconds of the process tree rooted at ``pid``, of the process itself, and of each of its threads.
+
+    Linux /proc only; elsewhere zeros.
+    """
+    if not os.path.isdir(f"/proc/{pid}/task"):
+        return 0.0, 0.0, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    procs = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (f := _stat(f"/proc/{d}/stat")) is not None:
+            procs[int(d)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)
+    tree, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        if p in procs:
+            tree += procs[p][1]
+            todo += [c for c, (pp, _) in procs.items() if pp == p]
+    threads = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        if (f := _stat(f"/proc/{pid}/task/{t}/stat")) is not None:
+            threads[t] = (int(f[11]) + int(f[12])) / tick
+    return tree, procs.get(pid, (0, 0.0))[1], threads
 
 
 # ------------------------------------------------------------------------------------------- analytic part
@@ -130,15 +164,15 @@ def alone_worker(seconds: float, warm_s: float, seed: int) -> int:
     t_end_warm = time.perf_counter() + warm_s
     while time.perf_counter() < t_end_warm:
         lrn.train_step()
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         lrn.train_step()
         steps += 1
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     tokens = steps * task.tokens_per_batch
-    print(
-        json.dumps({"steps": steps, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
-    )
+    doc = {"steps": steps, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    print(json.dumps({**doc, "cpu_cores": cpu / elapsed}))
     return 0
 
 
@@ -178,7 +212,8 @@ def _snapshot(children: list[Child]) -> list[dict]:
             raise RuntimeError(f"node {c.index} exited with code {c.proc.returncode}; its log:\n{c.tail()}")
         if c.last is None:
             raise RuntimeError(f"node {c.index} did not answer its status endpoint ({c.url})")
-        snaps.append(c.last)
+        tree, own, threads = cpu_seconds(c.proc.pid)
+        snaps.append({**c.last, "cpu_tree_s": tree, "cpu_own_s": own, "cpu_threads_s": threads})
     return snaps
 
 
@@ -248,6 +283,16 @@ def run_swarm(nodes: int, seconds: float, warm_s: float, run_dir: Path) -> dict:
                     "rounds_merged": sb["rounds_merged"],
                     "model_hash": sb["model_hash"],
                     "refused": sum(sb["refused"].values()),
+                    # CPU in cores over the window: the node's process tree (node, DHT process, p2pd), the node
+                    # process alone, and its busiest thread (the learner)
+                    "cpu_cores": (sb["cpu_tree_s"] - sa["cpu_tree_s"]) / (sb["uptime_s"] - sa["uptime_s"]),
+                    "node_process_cores": (sb["cpu_own_s"] - sa["cpu_own_s"])
+                    / (sb["uptime_s"] - sa["uptime_s"]),
+                    "learner_cores": max(
+                        (v - sa["cpu_threads_s"].get(t, 0.0) for t, v in sb["cpu_threads_s"].items()),
+                        default=0.0,
+                    )
+                    / (sb["uptime_s"] - sa["uptime_s"]),
                     "counters": sb["counters"],
                 }
             )
@@ -351,6 +396,24 @@ def report(res: dict) -> str:
     lines.append("alone, after swarm  : " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in t["alone_after"]))
     lines.append(f"alone, mean         : {t['alone_mean']:.0f}")
     lines.append("in the swarm        : " + ", ".join(f"{x['tokens_per_s']:.0f}" for x in m["nodes"]))
+    lines.append(
+        "CPU cores, alone    : "
+        + ", ".join(f"{x['cpu_cores']:.2f}" for x in t["alone_before"] + t["alone_after"])
+    )
+    for x in m["nodes"]:
+        lines.append(
+            f"CPU cores, node {x['node']}   : {x['cpu_cores']:.2f} = learner thread {x['learner_cores']:.2f} + "
+            f"other threads {x['node_process_cores'] - x['learner_cores']:.2f} + DHT process and p2pd "
+            f"{x['cpu_cores'] - x['node_process_cores']:.2f}; tokens/s per learner core "
+            f"{x['tokens_per_s'] / x['learner_cores']:.0f}"
+            if x["learner_cores"]
+            else ""
+        )
+    alone_eff = [
+        x["tokens_per_s"] / x["cpu_cores"] for x in t["alone_before"] + t["alone_after"] if x["cpu_cores"]
+    ]
+    if alone_eff:
+        lines.append(f"tokens/s per core, alone: {sum(alone_eff) / len(alone_eff):.0f}")
     lines.append(f"load average at start/end: {res['loadavg_start']:.2f} / {res['loadavg_end']:.2f}")
     lines.append("")
     lines.append("targets:")
@@ -373,7 +436,7 @@ def report(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=60.0, help="measured seconds in the swarm")
+    ap.add_argument("--duration", type=float, default=50.0, help="measured seconds in the swarm")
     ap.add_argument("--warm", type=float, default=10.0, help="warm-up seconds before measuring")
     ap.add_argument("--nodes", type=int, default=2, help="swarm nodes (and standalone learners)")
     ap.add_argument("--quick", action="store_true", help="short run: 16 s measured, 5 s warm-up")
@@ -401,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     exact_b = sum(codec_bytes(k, pcfg.codec, pcfg.codec_block) for k in shapes.values()) / params
     rows = analytic_rows(params, exact_b, a.nodes, pcfg)
 
-    half, alone_warm = a.duration / 2, min(5.0, a.warm)
+    half, alone_warm = a.duration / 2, min(3.0, a.warm)
     before = run_alone(a.nodes, half, alone_warm, "before")
     run_dir = Path(tempfile.mkdtemp(prefix="ddiloco-bench-swarm-"))
     try:
