@@ -214,6 +214,10 @@ class Node:
         self.identity = Identity.load_or_create(id_path)
         self.identity_path = id_path
         self.peer_id = self.identity.peer_id
+        if s.threads > 0:
+            # Before any torch work on this thread: the merges and hashes on the event loop must not run
+            # (and leave spinning) a second OpenMP pool next to the learner's.
+            torch.set_num_threads(s.threads)
         self.task = load_task(None, cfg.task_config())
         probe = self.task.new_model()
         # The swarm's size is not known up front: a quorum K above the live learners waits for min(K, live).

@@ -61,7 +61,10 @@ def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[
     if initial_peers:
         cmd += ["--initial-peers", ",".join(initial_peers)]
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        env = dict(os.environ)
+        if "--threads" in flags:  # OpenMP reads this at start-up, before any torch call
+            env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return Child(index, d, proc, log)
 
 
