@@ -28,11 +28,9 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,20 +41,15 @@ from node.checkpoint import export_model, load_latest, save_checkpoint
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.learner import Learner
-from node.runner import evaluate
+from node.learner_loop import LearnerLoop
+from node.replication import Replication
 from node.task import load_task
 from node.transport import Reply, Transport, TransportError
 from node.wire import (
-    FragmentState,
     SignedRecord,
-    decode_record,
-    decode_snapshot,
-    encode_record,
-    encode_snapshot,
     pack_list,
     unpack_list,
 )
-from protocol.codecs import wire_bytes
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
@@ -64,146 +57,17 @@ from protocol.messages import ContributionHeader, decode_contribution, encode_co
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import (
     Contribution,
-    Decision,
-    Merge,
     SyncState,
-    WakeAt,
     on_contribution,
     on_membership,
-    on_merged,
-    on_tick,
 )
 
 logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
 
 
-# ------------------------------------------------------------------------------------------- learner thread
-class LearnerLoop(threading.Thread):
-    """Trains without pause; hands contributions to the agent and adopts what the agent delivers."""
-
-    def __init__(self, node: Node, learner: Learner) -> None:
-        super().__init__(name="learner", daemon=True)
-        self.node, self.learner = node, learner
-        self.inbox: deque = deque()  # (fragment, round, theta, force)
-        self.requests: deque = deque()  # (kind, concurrent Future)
-        self.stop_flag = threading.Event()
-        self.paused = threading.Event()
-        self.idle = threading.Event()  # set while paused or stopped: no step in progress
-        self.tokens = 0
-        self.step_s: float | None = None
-        self.loss_ema: float | None = None
-        self.eval_loss: float | None = None
-        self.eval_history: list[tuple[float, int, float]] = []
-        self.error: BaseException | None = None
-        self._eval_model = node.task.new_model()
-        self._next_eval = 0.0
-        self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
-
-    def tokens_per_s(self) -> float:
-        if len(self._rate) < 2:
-            return 0.0
-        (t0, k0), (t1, k1) = self._rate[0], self._rate[-1]
-        return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
-
-    def _service(self) -> None:
-        lrn = self.learner
-        while self.inbox:
-            p, round_, theta, force = self.inbox.popleft()
-            if force:
-                lrn.resync(p, round_, theta)
-                self.node.events.emit(
-                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
-                )
-            elif lrn.adopt(p, round_, theta):
-                self.node.events.emit(
-                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
-                )
-        while self.requests:
-            kind, fut = self.requests.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue  # the asking side gave up (e.g. its task was cancelled at shutdown)
-            try:
-                fut.set_result(self.learner.state() if kind == "state" else None)
-            except Exception as e:  # noqa: BLE001 - handed to the waiting side
-                fut.set_exception(e)
-        if time.monotonic() >= self._next_eval:
-            self.evaluate()
-
-    def evaluate(self) -> float:
-        """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
-        params = {n: t for base in self.learner.base for n, t in base.items()}
-        self._eval_model.load_state_dict(params, strict=False)
-        loss = evaluate(self.node.task, self._eval_model)
-        self.eval_loss = loss
-        self.eval_history.append((time.time(), self.learner.steps, loss))
-        self.node.events.emit("eval", t=time.time(), tokens=self.tokens, loss=loss, step=self.learner.steps)
-        self._next_eval = time.monotonic() + self.node.settings.eval_every_s
-        return loss
-
-    def run(self) -> None:
-        s = self.node.settings
-        if s.threads > 0:
-            torch.set_num_threads(s.threads)
-        lrn = self.learner
-        try:
-            while not self.stop_flag.is_set():
-                self._service()
-                if self.paused.is_set():
-                    self.idle.set()
-                    self.stop_flag.wait(0.05)
-                    continue
-                self.idle.clear()
-                t0 = time.time()
-                res = lrn.train_step()
-                t1 = time.time()
-                dt = t1 - t0
-                self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
-                self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
-                self.tokens += res.tokens
-                self._rate.append((t1, self.tokens))
-                self.node.events.emit(
-                    "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
-                )
-                for p in res.due:
-                    c = lrn.book.counters[p]
-                    enc = lrn.contribution(p)
-                    cid = f"{self.node.peer_id[-10:]}:{p}:{lrn.steps}"
-                    header = ContributionHeader(
-                        learner=self.node.peer_id,
-                        fragment=p,
-                        base_round=c.base_round,
-                        c_steps=c.c_steps,
-                        c_tokens=c.c_tokens,
-                        step_time_s=self.step_s + s.step_delay_s,
-                        codec=lrn.pcfg.codec,
-                        block=lrn.pcfg.codec_block,
-                        cid=cid,
-                    )
-                    self.node.events.emit(
-                        "contribute",
-                        t=t1,
-                        learner=self.node.peer_id,
-                        fragment=p,
-                        step=lrn.steps,
-                        cid=cid,
-                        bytes=wire_bytes(enc),
-                        c_steps=c.c_steps,
-                        c_tokens=c.c_tokens,
-                    )
-                    self.node.post_contribution(header, enc)
-                if s.step_delay_s:
-                    self.stop_flag.wait(s.step_delay_s)
-        except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
-            logger.exception("learner thread failed")
-            self.error = e
-            self.node.request_stop("learner thread failed")
-        finally:
-            self.idle.set()
-
-
 # ------------------------------------------------------------------------------------------- the node
-class Node:
+class Node(Replication):
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.settings = s = cfg.node
@@ -601,222 +465,6 @@ class Node:
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
                 self._spawn(self._catch_up(p, best[1], best[2]))
 
-    # ---------------------------------------------------------------- join, catch-up, re-sync
-    async def _join_if_behind(self) -> None:
-        """A node with no state: when the swarm is past round 0, download it (several donors) before training."""
-        deadline = self.loop.time() + 3 * self.settings.heartbeat_s
-        while (
-            not self.members
-            and NodeSettings.split(self.settings.initial_peers)
-            and self.loop.time() < deadline
-        ):
-            await asyncio.sleep(self.settings.heartbeat_s / 2)
-            await self._heartbeat_once()
-        plan: dict[str, list[int]] = {}
-        donors_of: dict[int, list[str]] = {}
-        for p in range(len(self.replicas)):
-            best_key, best = self._head_key(self.heads[p]), []
-            for pid, m in self.members.items():
-                h = m.heads.get(str(p))
-                if m.client_mode or not h or len(h) < 4:
-                    continue
-                k = self._head_key(h)
-                if k < best_key:
-                    best_key, best = k, [pid]
-                elif k == best_key and best:
-                    best.append(pid)
-            if best:
-                donors_of[p] = sorted(best)
-        if not donors_of:
-            return
-        for i, (p, donors) in enumerate(sorted(donors_of.items())):
-            plan.setdefault(donors[i % len(donors)], []).append(p)
-        t0 = time.time()
-        results = await asyncio.gather(
-            *(self._fetch_snapshot(pid, frags) for pid, frags in plan.items()), return_exceptions=True
-        )
-        missing = [
-            p
-            for (pid, frags), res in zip(plan.items(), results)
-            if isinstance(res, BaseException)
-            for p in frags
-        ]
-        for p in missing:  # a donor failed: try the others, one fragment at a time
-            for pid in donors_of[p]:
-                try:
-                    await self._fetch_snapshot(pid, [p])
-                    break
-                except (TransportError, ProtocolError) as e:
-                    logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
-        rounds = [r.round for r in self.replicas]
-        step = max((m.step for m in self.members.values()), default=0)
-        self.learner.join(rounds, [r.theta for r in self.replicas], schedule_step=step)
-        self.joined_by = f"download from {len(plan)} donor(s)"
-        self.events.emit(
-            "download",
-            t=time.time(),
-            donors=sorted(plan),
-            fragments=sorted(donors_of),
-            seconds=time.time() - t0,
-        )
-
-    async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
-        reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
-        if not reply.ok:
-            raise ProtocolError(
-                RejectCode(reply.code)
-                if reply.code in RejectCode._value2member_map_
-                else RejectCode.INTERNAL,
-                reply.message,
-            )
-        states = decode_snapshot(reply.body, self.spec)
-        if sorted(s.fragment for s in states) != sorted(frags):
-            raise ProtocolError(
-                RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
-            )
-        for st in states:
-            self._install_snapshot(st, pid)
-
-    def _install_snapshot(self, st: FragmentState, pid: str) -> None:
-        p = st.fragment
-        if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
-            return  # ours is as good or better by now
-        rep = self.replicas[p]
-        rep.load_state(st.round, st.theta, st.momentum)
-        self.heads[p] = (st.round, st.hash, st.n, st.weight)
-        self.merged_tokens[p] = st.tokens
-        self.logs[p].clear()
-        self.counters["resyncs"] += 1
-        self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
-        self._reset_sync(p)
-        if self.learner_loop.is_alive():
-            self.learner_loop.inbox.append((p, st.round, rep.theta, True))
-
-    async def _catch_up(self, p: int, pid: str, head: list) -> None:
-        if p in self._syncing:
-            return
-        self._syncing.add(p)
-        try:
-            rep = self.replicas[p]
-            if int(head[0]) > rep.round:
-                req = {"fragment": p, "from": rep.round + 1}
-                reply = await self.transport.call(pid, "records", json.dumps(req).encode())
-                if reply.ok:
-                    for raw in unpack_list(reply.body):
-                        sr = decode_record(raw, self.settings.swarm, self.spec)
-                        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
-                            break
-                        self._apply(sr)
-            if self._head_key(self.heads[p]) > self._head_key(head):
-                await self._fetch_snapshot(pid, [p])
-            self.lagging_since.pop(p, None)
-        except (TransportError, ProtocolError) as e:
-            logger.warning("catching up fragment %d from %s failed: %s", p, pid, e)
-        finally:
-            self._syncing.discard(p)
-
-    # ---------------------------------------------------------------- records
-    def _apply(self, sr: SignedRecord) -> None:
-        """Apply a record that follows our head (raises ProtocolError otherwise); state and learner follow."""
-        rec = sr.record
-        p = rec.fragment
-        rep = self.replicas[p]
-        own = sr.signer == self.peer_id
-        try:
-            rep.apply_record(rec, self.pcfg)
-        except ProtocolError as e:
-            if "lands on" in str(e):
-                self.counters["hash_mismatches"] += 1
-                self.events.emit(
-                    "hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer
-                )
-            raise
-        self.heads[p] = (rec.round, rec.new_hash, len(rec.contributors), sr.total_weight)
-        self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
-        log = self.logs[p]
-        log[rec.round] = sr
-        while len(log) > self.pcfg.history:
-            log.popitem(last=False)
-        self.counters["records_applied"] += 1
-        self.events.emit(
-            "merge",
-            t=time.time(),
-            fragment=p,
-            round=rec.round,
-            hash=rec.new_hash,
-            cids=[c[1] for c in rec.contributors],
-            learners=[c[0] for c in rec.contributors],
-            weights=[c[2] for c in rec.contributors],
-            signer=sr.signer,
-        )
-        if not own:
-            self._reset_sync(p, merged={c[1] for c in rec.contributors})
-        if self.learner_loop.is_alive():
-            self.learner_loop.inbox.append((p, rec.round, rep.theta, False))
-
-    def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
-        """Our replica moved without our synchroniser: restart its state machine at the new round and carry
-        over contributions that are still usable (not merged, base still anchored)."""
-        old = self.syncs[p]
-        rep = self.replicas[p]
-        st = replace(
-            SyncState(fragment=p, global_round=rep.round, live=old.live),
-            xi_step=old.xi_step,
-            xi_quorum=old.xi_quorum,
-            xi_sync=old.xi_sync,
-        )
-        self.syncs[p] = st
-        self.leases.pop(p, None)
-        now = self.loop.time()
-        for c in list(old.pending.values()) + list(old.queued.values()):
-            if c.cid in merged or c.base_round not in rep.history:
-                continue
-            with contextlib.suppress(ProtocolError):
-                self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
-
-    def _decide(self, p: int, d: Decision) -> None:
-        self.syncs[p] = d.state
-        for a in d.actions:
-            if isinstance(a, WakeAt):
-                delay = max(0.0, a.at - self.loop.time())
-                self.loop.call_later(delay, self._tick, p)
-            elif isinstance(a, Merge):
-                self._merge(p, a)
-
-    def _tick(self, p: int) -> None:
-        self._decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
-
-    def _merge(self, p: int, a: Merge) -> None:
-        rep = self.replicas[p]
-        t0 = self.loop.time()
-        try:
-            rec = rep.make_record(a.round, a.contributions, self.pcfg)
-        except ProtocolError as e:  # the replica moved under us (a record from elsewhere): start over
-            logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, e)
-            self._reset_sync(p)
-            return
-        sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
-        self._apply(sr)
-        self.counters["records_made"] += 1
-        self.leases.pop(p, None)
-        sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
-        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s))
-        self._spawn(self._broadcast(p, sr))
-
-    async def _broadcast(self, p: int, sr: SignedRecord) -> None:
-        t0 = self.loop.time()
-        targets = [pid for pid, m in self.live_members().items() if pid != self.peer_id and not m.client_mode]
-        await asyncio.gather(*(self._push(pid, sr.raw) for pid in targets))
-        self._push_s[p] = self.loop.time() - t0
-
-    async def _push(self, pid: str, raw: bytes) -> None:
-        try:
-            reply = await self.transport.call(pid, "record", raw, timeout_s=self.settings.rpc_timeout_s)
-            if not reply.ok:
-                logger.info("record refused by %s: %s %s", pid, reply.code, reply.message)
-        except TransportError as e:
-            logger.info("record push to %s failed: %s", pid, e)
-
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
         """Called from the learner thread; never blocks."""
@@ -942,96 +590,6 @@ class Node:
         """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""
         msg = f"{self.peer_id} does not hold fragment {p}'s round {self.replicas[p].round + 1}; try {who}"
         return Reply(False, RejectCode.NOT_SYNCHRONISER.value, msg, json.dumps({"try": who}).encode())
-
-    async def _h_record(self, caller: str, raw: bytes) -> Reply:
-        try:
-            if not await self._known(caller):
-                raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
-            sr = decode_record(raw, self.settings.swarm, self.spec)
-            if sr.signer not in self.live_members() and sr.signer not in self.members:
-                raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
-            return self._on_record(sr, caller)
-        except ProtocolError as e:
-            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            return Reply(False, e.code.value, str(e))
-
-    def _on_record(self, sr: SignedRecord, caller: str) -> Reply:
-        rec = sr.record
-        p = rec.fragment
-        rep = self.replicas[p]
-        if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
-            try:
-                self._apply(sr)
-            except ProtocolError:
-                self._spawn(
-                    self._catch_up(
-                        p, caller, [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
-                    )
-                )
-                raise
-            return Reply(True)
-        mine = self.logs[p].get(rec.round)
-        if mine is not None and mine.record.new_hash == rec.new_hash:
-            return Reply(True, message="duplicate")
-        theirs = [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
-        if rec.round > rep.round:  # a gap, or a chain that left ours: fetch from the sender
-            self._spawn(self._catch_up(p, caller, theirs))
-            raise ProtocolError(
-                RejectCode.WRONG_PARENT,
-                f"record round {rec.round} (parent {rec.parent_hash[:8]}) "
-                f"does not follow our round {rep.round} ({rep.hash[:8]}); catching up",
-            )
-        if rec.round == rep.round:  # a split brain: same round, other record
-            self.counters["forks"] += 1
-            ours_wins = self._head_key(self.heads[p]) < self._head_key(theirs)
-            self.events.emit(
-                "fork",
-                t=time.time(),
-                fragment=p,
-                round=rec.round,
-                ours=rep.hash,
-                theirs=rec.new_hash,
-                winner="ours" if ours_wins else "theirs",
-                peer=caller,
-            )
-            if not ours_wins:
-                self._spawn(self._catch_up(p, caller, theirs))
-            return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
-        return Reply(True, message=f"ignored: we are at round {rep.round}")
-
-    async def _h_records(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            req = json.loads(raw)
-            p, start = int(req["fragment"]), int(req["from"])
-        except (ValueError, KeyError, TypeError) as e:
-            return Reply(False, RejectCode.MALFORMED.value, f"bad records request: {e}")
-        if p not in self.spec:
-            return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
-        items = [sr.raw for r, sr in self.logs[p].items() if r >= start]
-        return Reply(True, body=pack_list(items))
-
-    async def _h_snapshot(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            frags = [int(x) for x in json.loads(raw)["fragments"]]
-        except (ValueError, KeyError, TypeError) as e:
-            return Reply(False, RejectCode.MALFORMED.value, f"bad snapshot request: {e}")
-        if not frags or any(p not in self.spec for p in frags):
-            return Reply(
-                False,
-                RejectCode.WRONG_FRAGMENT.value,
-                f"fragments {frags} not all in 0..{len(self.spec) - 1}",
-            )
-        states = []
-        for p in frags:
-            rep = self.replicas[p]
-            r, h, n, w = self.heads[p]
-            states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p]))
-        body = await asyncio.to_thread(encode_snapshot, states)
-        return Reply(True, body=body)
 
     # ---------------------------------------------------------------- periodic work
     async def _checkpoint_loop(self) -> None:

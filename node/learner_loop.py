@@ -1,0 +1,142 @@
+"""The learner thread of a node: trains without pause, hands contributions to the agent, adopts what the
+agent delivers between steps (it never waits on the network)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from node.learner import Learner
+from node.runner import evaluate
+from protocol.codecs import wire_bytes
+from protocol.messages import ContributionHeader
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------- learner thread
+class LearnerLoop(threading.Thread):
+    """Trains without pause; hands contributions to the agent and adopts what the agent delivers."""
+
+    def __init__(self, node, learner: Learner) -> None:
+        super().__init__(name="learner", daemon=True)
+        self.node, self.learner = node, learner
+        self.inbox: deque = deque()  # (fragment, round, theta, force)
+        self.requests: deque = deque()  # (kind, concurrent Future)
+        self.stop_flag = threading.Event()
+        self.paused = threading.Event()
+        self.idle = threading.Event()  # set while paused or stopped: no step in progress
+        self.tokens = 0
+        self.step_s: float | None = None
+        self.loss_ema: float | None = None
+        self.eval_loss: float | None = None
+        self.eval_history: list[tuple[float, int, float]] = []
+        self.error: BaseException | None = None
+        self._eval_model = node.task.new_model()
+        self._next_eval = 0.0
+        self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
+
+    def tokens_per_s(self) -> float:
+        if len(self._rate) < 2:
+            return 0.0
+        (t0, k0), (t1, k1) = self._rate[0], self._rate[-1]
+        return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _service(self) -> None:
+        lrn = self.learner
+        while self.inbox:
+            p, round_, theta, force = self.inbox.popleft()
+            if force:
+                lrn.resync(p, round_, theta)
+                self.node.events.emit(
+                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
+                )
+            elif lrn.adopt(p, round_, theta):
+                self.node.events.emit(
+                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
+                )
+        while self.requests:
+            kind, fut = self.requests.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue  # the asking side gave up (e.g. its task was cancelled at shutdown)
+            try:
+                fut.set_result(self.learner.state() if kind == "state" else None)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting side
+                fut.set_exception(e)
+        if time.monotonic() >= self._next_eval:
+            self.evaluate()
+
+    def evaluate(self) -> float:
+        """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
+        params = {n: t for base in self.learner.base for n, t in base.items()}
+        self._eval_model.load_state_dict(params, strict=False)
+        loss = evaluate(self.node.task, self._eval_model)
+        self.eval_loss = loss
+        self.eval_history.append((time.time(), self.learner.steps, loss))
+        self.node.events.emit("eval", t=time.time(), tokens=self.tokens, loss=loss, step=self.learner.steps)
+        self._next_eval = time.monotonic() + self.node.settings.eval_every_s
+        return loss
+
+    def run(self) -> None:
+        s = self.node.settings
+        if s.threads > 0:
+            torch.set_num_threads(s.threads)
+        lrn = self.learner
+        try:
+            while not self.stop_flag.is_set():
+                self._service()
+                if self.paused.is_set():
+                    self.idle.set()
+                    self.stop_flag.wait(0.05)
+                    continue
+                self.idle.clear()
+                t0 = time.time()
+                res = lrn.train_step()
+                t1 = time.time()
+                dt = t1 - t0
+                self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+                self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
+                self.tokens += res.tokens
+                self._rate.append((t1, self.tokens))
+                self.node.events.emit(
+                    "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
+                )
+                for p in res.due:
+                    c = lrn.book.counters[p]
+                    enc = lrn.contribution(p)
+                    cid = f"{self.node.peer_id[-10:]}:{p}:{lrn.steps}"
+                    header = ContributionHeader(
+                        learner=self.node.peer_id,
+                        fragment=p,
+                        base_round=c.base_round,
+                        c_steps=c.c_steps,
+                        c_tokens=c.c_tokens,
+                        step_time_s=self.step_s + s.step_delay_s,
+                        codec=lrn.pcfg.codec,
+                        block=lrn.pcfg.codec_block,
+                        cid=cid,
+                    )
+                    self.node.events.emit(
+                        "contribute",
+                        t=t1,
+                        learner=self.node.peer_id,
+                        fragment=p,
+                        step=lrn.steps,
+                        cid=cid,
+                        bytes=wire_bytes(enc),
+                        c_steps=c.c_steps,
+                        c_tokens=c.c_tokens,
+                    )
+                    self.node.post_contribution(header, enc)
+                if s.step_delay_s:
+                    self.stop_flag.wait(s.step_delay_s)
+        except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
+            logger.exception("learner thread failed")
+            self.error = e
+            self.node.request_stop("learner thread failed")
+        finally:
+            self.idle.set()
