@@ -37,6 +37,7 @@ import torch
 
 from dht.identity import Identity
 from dht.records import Member, eligible
+from dht.swarm import get_dht_time
 from node.checkpoint import export_model, load_latest, save_checkpoint
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
@@ -129,6 +130,7 @@ class Node(Replication):
         }
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
+        self._view_at = float("-inf")  # loop time of the last membership read
         self.started_at = time.time()
         self.joined_by = "fresh"
         self.stop_reason = ""
@@ -227,8 +229,6 @@ class Node(Replication):
         )
 
     def live_members(self) -> dict[str, Member]:
-        from hivemind.utils import get_dht_time
-
         now = get_dht_time()
         view = {pid: m for pid, m in self.members.items() if m.expires_at > now and pid not in self.blocked}
         view[self.peer_id] = self.self_member(now)
@@ -236,6 +236,21 @@ class Node(Replication):
 
     def _head_key(self, h) -> tuple:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
+
+    def winning_heads(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
+        """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats ours;
+        else (None, [])."""
+        best_key, best_head, holders = self._head_key(self.heads[p]), None, []
+        for pid, m in sorted(members.items()):
+            h = m.heads.get(str(p))
+            if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
+                continue
+            k = self._head_key(h)
+            if k < best_key:
+                best_key, best_head, holders = k, h, [pid]
+            elif k == best_key and holders:
+                holders.append(pid)
+        return best_head, holders
 
     def candidates(self, p: int) -> list[str]:
         members = self.live_members()
@@ -416,14 +431,21 @@ class Node(Replication):
 
     # ---------------------------------------------------------------- membership
     async def _heartbeat_once(self) -> None:
-        from hivemind.utils import get_dht_time
-
         try:
             await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
-            members, dropped = await asyncio.to_thread(self.membership.live)
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("heartbeat failed: %s", e)
             return
+        await self._refresh_view()
+
+    async def _refresh_view(self) -> None:
+        """Re-read the membership key: the live view, and the live set each synchroniser counts."""
+        try:
+            members, dropped = await asyncio.to_thread(self.membership.live)
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("reading the membership failed: %s", e)
+            return
+        self._view_at = self.loop.time()
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
@@ -448,22 +470,14 @@ class Node(Replication):
         now = time.monotonic()
         members = self.live_members()
         for p in range(len(self.replicas)):
-            mine = self._head_key(self.heads[p])
-            best = None
-            for pid, m in members.items():
-                h = m.heads.get(str(p))
-                if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
-                    continue
-                k = self._head_key(h)
-                if k < mine and (best is None or k < best[0]):
-                    best = (k, pid, h)
-            if best is None:
+            head, holders = self.winning_heads(p, members)
+            if not holders:
                 self.lagging_since.pop(p, None)
                 continue
             since = self.lagging_since.setdefault(p, now)
             # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
-                self._spawn(self._catch_up(p, best[1], best[2]))
+                self._spawn(self._catch_up(p, holders[0], head))
 
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
@@ -543,7 +557,10 @@ class Node(Replication):
             return False
         if caller in self.members or caller == self.peer_id:
             return True
-        await self._heartbeat_once()  # a peer that just joined: refresh the view once
+        # A peer that just joined: re-read the view, at most once a heartbeat, so callers we do not know
+        # cannot make us hammer the DHT.
+        if self.loop.time() - self._view_at >= self.settings.heartbeat_s:
+            await self._refresh_view()
         return caller in self.members
 
     async def _h_contribute(self, caller: str, raw: bytes) -> Reply:

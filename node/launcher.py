@@ -124,6 +124,11 @@ def table(children: list[Child]) -> str:
                 s["model_hash"][:10],
             ]
         )
+    return columns(rows)
+
+
+def columns(rows: list[list[str]]) -> str:
+    """Rows of cells as left-aligned columns, two spaces apart."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows)
 
@@ -270,8 +275,7 @@ def up(
                     str(d.get("model_hash", "-"))[:16],
                 ]
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        print("\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows))
+        print(columns(rows))
         verdict = "one model hash across all nodes" if summary["equal_hashes"] else "HASHES DIFFER"
         print(f"{verdict}; rounds merged {summary['rounds_merged']}; run folder {run_dir}")
     if interrupted:

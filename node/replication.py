@@ -54,18 +54,9 @@ class Replication:
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}
         for p in range(len(self.replicas)):
-            best_key, best = self._head_key(self.heads[p]), []
-            for pid, m in self.members.items():
-                h = m.heads.get(str(p))
-                if m.client_mode or not h or len(h) < 4:
-                    continue
-                k = self._head_key(h)
-                if k < best_key:
-                    best_key, best = k, [pid]
-                elif k == best_key and best:
-                    best.append(pid)
-            if best:
-                donors_of[p] = sorted(best)
+            _, holders = self.winning_heads(p, self.members)
+            if holders:
+                donors_of[p] = holders
         if not donors_of:
             return
         for i, (p, donors) in enumerate(sorted(donors_of.items())):
@@ -102,11 +93,8 @@ class Replication:
     async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
         reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
         if not reply.ok:
-            raise ProtocolError(
-                RejectCode(reply.code)
-                if reply.code in RejectCode._value2member_map_
-                else RejectCode.INTERNAL,
-                reply.message,
+            raise TransportError(
+                f"snapshot of fragments {frags} refused by {pid}: {reply.code} {reply.message}"
             )
         states = decode_snapshot(reply.body, self.spec)
         if sorted(s.fragment for s in states) != sorted(frags):
@@ -170,7 +158,7 @@ class Replication:
                     "hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer
                 )
             raise
-        self.heads[p] = (rec.round, rec.new_hash, len(rec.contributors), sr.total_weight)
+        self.heads[p] = tuple(sr.head)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         log = self.logs[p]
         log[rec.round] = sr
@@ -261,7 +249,7 @@ class Replication:
             if not await self._known(caller):
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
             sr = decode_record(raw, self.settings.swarm, self.spec)
-            if sr.signer not in self.live_members() and sr.signer not in self.members:
+            if sr.signer != self.peer_id and sr.signer not in self.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
             return self._on_record(sr, caller)
         except ProtocolError as e:
@@ -276,17 +264,13 @@ class Replication:
             try:
                 self._apply(sr)
             except ProtocolError:
-                self._spawn(
-                    self._catch_up(
-                        p, caller, [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
-                    )
-                )
+                self._spawn(self._catch_up(p, caller, sr.head))
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)
         if mine is not None and mine.record.new_hash == rec.new_hash:
             return Reply(True, message="duplicate")
-        theirs = [rec.round, rec.new_hash, len(rec.contributors), sr.total_weight]
+        theirs = sr.head
         if rec.round > rep.round:  # a gap, or a chain that left ours: fetch from the sender
             self._spawn(self._catch_up(p, caller, theirs))
             raise ProtocolError(

@@ -78,6 +78,12 @@ class SignedRecord:
     def total_weight(self) -> float:
         return float(sum(c[2] for c in self.record.contributors))
 
+    @property
+    def head(self) -> list:
+        """The fragment head this record makes: [round, hash, contributors, total weight]."""
+        r = self.record
+        return [r.round, r.new_hash, len(r.contributors), self.total_weight]
+
 
 def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, ...]]]) -> SignedRecord:
     """Verify and decode a record; ``spec`` maps fragment -> tensor name -> shape. Raises ProtocolError."""
