@@ -130,7 +130,7 @@ class Node(Replication):
         }
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
-        self._view_at = float("-inf")  # loop time of the last membership read
+        self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
         self.started_at = time.time()
         self.joined_by = "fresh"
         self.stop_reason = ""
@@ -445,7 +445,6 @@ class Node(Replication):
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("reading the membership failed: %s", e)
             return
-        self._view_at = self.loop.time()
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
@@ -557,9 +556,13 @@ class Node(Replication):
             return False
         if caller in self.members or caller == self.peer_id:
             return True
-        # A peer that just joined: re-read the view, at most once a heartbeat, so callers we do not know
-        # cannot make us hammer the DHT.
-        if self.loop.time() - self._view_at >= self.settings.heartbeat_s:
+        # A peer that just joined: re-read the view (no DHT write), at most once a heartbeat per caller, so a
+        # caller we do not know cannot make us hammer the DHT.
+        now = self.loop.time()
+        if now - self._unknown_asked.get(caller, float("-inf")) >= self.settings.heartbeat_s:
+            self._unknown_asked[caller] = now
+            if len(self._unknown_asked) > 1024:
+                self._unknown_asked = {caller: now}
             await self._refresh_view()
         return caller in self.members
 
