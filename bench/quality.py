@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
     p.add_argument(
+        "--record-codec",
+        default=ProtocolConfig.record_codec,
+        help="codec of the merged outer gradient in merge records (fp32|bf16|int8|int4)",
+    )
+    p.add_argument(
         "--eval-points", type=int, default=None, help="evaluations per run (default 20, --quick 4)"
     )
     p.add_argument("--eval-batches", type=int, default=16, help="fixed evaluation batches")
@@ -326,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap=args.overlap,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        record_codec=args.record_codec,
     )
     inner = InnerConfig()
     net = NetConfig()
@@ -344,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "outer_lr": base.outer_lr,
         "outer_momentum": base.outer_momentum,
         "codec": base.codec,
+        "record_codec": base.record_codec,
         "inner": asdict(inner),
         "net": asdict(net),
         "step_time_s": step_time_s,

@@ -5,13 +5,14 @@ Three parts, printed side by side:
 1. Analytic bytes per node per inner step against data-parallel's fp32 ring all-reduce of the same model,
    for this repository's defaults and for paper-scale settings. In steady state every learner sends each
    fragment's int4 outer gradient once per H steps to that fragment's synchroniser, and the synchroniser
-   pushes its signed merge record (the fp32 merged outer gradient) to every other node. Averaged over the
-   N nodes (each synchronises 1/N of the rounds, and 1/N of its own contributions stay local):
-       ours = params * (N-1)/N * (b_codec + 4 * R) / H      bytes sent per node per inner step
+   pushes its signed merge record (the merged outer gradient in the record codec, int4 by default) to every
+   other node. Averaged over the N nodes (each synchronises 1/N of the rounds, and 1/N of its own
+   contributions stay local):
+       ours = params * (N-1)/N * (b_c + b_r * R) / H        bytes sent per node per inner step
        DP   = params * (N-1)/N * 2 * 4                      (reduce-scatter + all-gather, fp32)
-   with b_codec the codec's bytes per parameter and R the merges per fragment per H steps (1 when every
-   round merges all N learners, up to N when each contribution is merged alone). The ratio 8H / (b + 4R)
-   depends on neither the model size nor N.
+   with b_c and b_r the contribution and record codecs' bytes per parameter and R the merges per fragment
+   per H steps (1 when every round merges all N learners, up to N when each contribution is merged alone).
+   The ratio 8H / (b_c + b_r R) depends on neither the model size nor N.
 2. Measured: a real 2-node swarm (``python -m node node``, node 1 bootstrapping from node 0's addresses,
    ``--threads 1``) trains for ``--duration`` seconds after a warm-up; bytes sent and received (transport
    payloads, from each node's status) and inner steps are differenced over that window.
@@ -102,11 +103,19 @@ def codec_bytes(numel: int, codec: str, block: int) -> float:
 
 
 def analytic(
-    name: str, params: float, learners: int, sync_every: int, b_codec: float, merges: float = 1.0
+    name: str,
+    params: float,
+    learners: int,
+    sync_every: int,
+    b_codec: float,
+    merges: float = 1.0,
+    b_record: float | None = None,
 ) -> dict:
+    """``b_codec``/``b_record``: bytes per parameter of contributions and of merge records (default: same)."""
+    b_record = b_codec if b_record is None else b_record
     share = (learners - 1) / learners
     contrib = params * share * b_codec / sync_every
-    records = params * share * 4.0 * merges / sync_every
+    records = params * share * b_record * merges / sync_every
     dp = params * share * 2 * DP_BYTES_PER_PARAM
     return {
         "setting": name,
@@ -114,6 +123,7 @@ def analytic(
         "learners": learners,
         "sync_every": sync_every,
         "codec_bytes_per_param": b_codec,
+        "record_bytes_per_param": b_record,
         "merges_per_sync": merges,
         "contributions_B": contrib,
         "records_B": records,
@@ -123,29 +133,31 @@ def analytic(
     }
 
 
-def analytic_rows(params: int, exact_b: float, nodes: int, pcfg: ProtocolConfig) -> list[dict]:
+def analytic_rows(
+    params: int, exact_b: float, exact_r: float, nodes: int, pcfg: ProtocolConfig
+) -> list[dict]:
+    """``exact_b``/``exact_r``: this model's contribution and record bytes per parameter."""
     b4 = 0.5 + 4.0 / pcfg.codec_block  # int4 bytes per parameter for large tensors
-    H = pcfg.sync_every
+    H, rc = pcfg.sync_every, pcfg.record_codec
+    paper = (PAPER_PARAMS, PAPER_LEARNERS)
     return [
         analytic(
-            f"defaults: this model, N={nodes}, P={pcfg.fragments} H={H}, {pcfg.codec}",
+            f"defaults: this model, N={nodes}, P={pcfg.fragments} H={H}, {pcfg.codec}/{rc}",
             params,
             nodes,
             H,
             exact_b,
+            b_record=exact_r,
         ),
-        analytic("  same, every contribution merged alone (R=N)", params, nodes, H, exact_b, merges=nodes),
-        analytic(f"paper scale: 12B, M={PAPER_LEARNERS}, P=H=24, int4", PAPER_PARAMS, PAPER_LEARNERS, 24, b4),
+        analytic("  same, every contribution merged alone (R=N)", params, nodes, H, exact_b, nodes, exact_r),
+        analytic("  same, fp32 records", params, nodes, H, exact_b, b_record=4.0),
+        analytic(f"paper scale: 12B, M={PAPER_LEARNERS}, P=H=24, int4/int4", *paper, 24, b4),
         analytic(
-            f"  same, every contribution merged alone (R=M={PAPER_LEARNERS})",
-            PAPER_PARAMS,
-            PAPER_LEARNERS,
-            24,
-            b4,
-            merges=PAPER_LEARNERS,
+            f"  same, every contribution merged alone (R=M={PAPER_LEARNERS})", *paper, 24, b4, PAPER_LEARNERS
         ),
-        analytic("  same, H=100", PAPER_PARAMS, PAPER_LEARNERS, 100, b4),
-        analytic("  same, H=500 (DiLoCo paper's H)", PAPER_PARAMS, PAPER_LEARNERS, 500, b4),
+        analytic("  same, fp32 records", *paper, 24, b4, b_record=4.0),
+        analytic("  same, H=100", *paper, 100, b4),
+        analytic("  same, H=500 (DiLoCo paper's H)", *paper, 500, b4),
     ]
 
 
@@ -341,7 +353,8 @@ def report(res: dict) -> str:
     lines.append(
         f"model: dim {st['dim']}, {st['layers']} layers, {st['params']:,} params; batch {st['tokens_per_step']} "
         f"tokens/step; P={st['fragments']} H={st['sync_every']} tau={st['overlap']} K={st['quorum']}, codec "
-        f"{st['codec']} (block {st['codec_block']}: {st['codec_bytes_per_param']:.4f} B/param)"
+        f"{st['codec']} (block {st['codec_block']}: {st['codec_bytes_per_param']:.4f} B/param), records "
+        f"{st['record_codec']} ({st['record_bytes_per_param']:.4f} B/param)"
     )
     lines.append("")
     lines.append("== bytes sent per node per inner step, analytic (payload tensors only)")
@@ -354,7 +367,8 @@ def report(res: dict) -> str:
         )
     b = res["analytic"][0]["codec_bytes_per_param"]
     lines.append(
-        f"(DP/ours = 8H/(b + 4R); with fp32 merge records at R=1 it reaches {TARGET_BYTES_RATIO:.0f}x only for "
+        f"(DP/ours = 8H/(b_c + b_r R), b_c and b_r the contribution and record codecs' bytes per parameter; "
+        f"with fp32 records at R=1 it reaches {TARGET_BYTES_RATIO:.0f}x only for "
         f"H >= {math.ceil(TARGET_BYTES_RATIO * (b + 4) / 8)})"
     )
     m = res["measured"]
@@ -462,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {n: p.numel() for n, p in model.named_parameters()}
     params = plan.total_numel
     exact_b = sum(codec_bytes(k, pcfg.codec, pcfg.codec_block) for k in shapes.values()) / params
-    rows = analytic_rows(params, exact_b, a.nodes, pcfg)
+    exact_r = sum(codec_bytes(k, pcfg.record_codec, pcfg.codec_block) for k in shapes.values()) / params
+    rows = analytic_rows(params, exact_b, exact_r, a.nodes, pcfg)
 
     half, alone_warm = a.duration / 2, min(3.0, a.warm)
     before = run_alone(a.nodes, half, alone_warm, "before")
@@ -480,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     contribs = sum(x["contributions"] for x in nodes)
     per_learner_syncs = contribs / a.nodes  # fragment-syncs per learner in the window
     r_meas = merges / per_learner_syncs if per_learner_syncs else float("nan")
-    dp = analytic("", params, a.nodes, pcfg.sync_every, exact_b)["dp_B"]
+    dp = analytic("", params, a.nodes, pcfg.sync_every, exact_b, b_record=exact_r)["dp_B"]
     sent = sum(x["sent_B"] for x in nodes) / steps
     settings = NodeSettings()
     rec_b = heartbeat_estimate(a.nodes, pcfg.fragments)
@@ -495,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": dp / sent,
         "contributions_per_merge": contribs / merges if merges else float("nan"),
         "merges_per_sync": r_meas,
-        "analytic_at_R_B": analytic("", params, a.nodes, pcfg.sync_every, exact_b, r_meas)["ours_B"],
+        "analytic_at_R_B": analytic("", params, a.nodes, pcfg.sync_every, exact_b, r_meas, exact_r)["ours_B"],
         "member_record_B": rec_b,
         "heartbeat_s": settings.heartbeat_s,
         "heartbeat_per_step_B": (2 * a.nodes - 1) * rec_b / settings.heartbeat_s / steps_per_s,
@@ -522,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             "codec": pcfg.codec,
             "codec_block": pcfg.codec_block,
             "codec_bytes_per_param": exact_b,
+            "record_codec": pcfg.record_codec,
+            "record_bytes_per_param": exact_r,
             "nodes": a.nodes,
         },
         "analytic": rows,

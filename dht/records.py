@@ -32,6 +32,7 @@ class Member:
     client_mode: bool = False  # accepts no inbound connections: never elected synchroniser
     heads: dict[str, list] = field(default_factory=dict)  # fragment -> [round, hash, contributors, weight]
     step: int = 0  # the learner's inner step: a joining node starts its fragment schedule in phase with it
+    steps_per_s: float = 0.0  # the learner's recent rate, to extrapolate ``step`` from ``issued_at``
     leases: dict[str, int] = field(default_factory=dict)  # fragment -> round this node is collecting
 
     def head_round(self, fragment: int) -> int:

@@ -225,6 +225,7 @@ class Node(Replication):
             client_mode=self.settings.client_mode,
             heads={str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
+            steps_per_s=self.learner_loop.steps_per_s(),
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
         )
 

@@ -46,6 +46,25 @@ class LearnerLoop(threading.Thread):
         (t0, k0), (t1, k1) = self._rate[0], self._rate[-1]
         return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
 
+    def steps_per_s(self) -> float:
+        return self.tokens_per_s() / self.node.task.tokens_per_batch
+
+    def _align_schedule(self) -> None:
+        """Put the fragment schedule in phase with the swarm's, once, after this run's first step (which
+        carries the warm-up: aligning before it would leave the learner that many steps behind).
+
+        Learners in phase contribute a fragment at about the same time, so one round merges them together:
+        one merge record per fragment per H steps rather than one per learner."""
+        step = self.node.swarm_step()
+        lrn = self.learner
+        if step is None or step == lrn.book.step:
+            return
+        logger.info("fragment schedule moved from step %d to the swarm's %d", lrn.book.step, step)
+        self.node.events.emit(
+            "align", t=time.time(), learner=self.node.peer_id, before=lrn.book.step, after=step
+        )
+        lrn.book.step = step
+
     def _service(self) -> None:
         lrn = self.learner
         while self.inbox:
@@ -86,6 +105,7 @@ class LearnerLoop(threading.Thread):
         if s.threads > 0:
             torch.set_num_threads(s.threads)
         lrn = self.learner
+        first_step = lrn.steps
         try:
             while not self.stop_flag.is_set():
                 self._service()
@@ -132,6 +152,8 @@ class LearnerLoop(threading.Thread):
                         c_tokens=c.c_tokens,
                     )
                     self.node.post_contribution(header, enc)
+                if lrn.steps == first_step + 1:
+                    self._align_schedule()
                 if s.step_delay_s:
                     self.stop_flag.wait(s.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node

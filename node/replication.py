@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import replace
 
+from dht.swarm import get_dht_time
 from node.config import NodeSettings
 from node.transport import Reply, TransportError
 from node.wire import (
@@ -79,8 +80,7 @@ class Replication:
                 except (TransportError, ProtocolError) as e:
                     logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
         rounds = [r.round for r in self.replicas]
-        step = max((m.step for m in self.members.values()), default=0)
-        self.learner.join(rounds, [r.theta for r in self.replicas], schedule_step=step)
+        self.learner.join(rounds, [r.theta for r in self.replicas])
         self.joined_by = f"download from {len(plan)} donor(s)"
         self.events.emit(
             "download",
@@ -89,6 +89,19 @@ class Replication:
             fragments=sorted(donors_of),
             seconds=time.time() - t0,
         )
+
+    def swarm_step(self) -> int | None:
+        """The peers' fragment-schedule step now (the furthest), or None when no peer has stepped yet.
+
+        Each peer's step is extrapolated from when its membership record was issued at its published step
+        rate. Read from the learner thread: ``members`` is only ever replaced whole."""
+        now = get_dht_time()
+        steps = [
+            m.step + int(max(0.0, now - m.issued_at) * m.steps_per_s)
+            for m in self.members.values()
+            if m.step > 0
+        ]
+        return max(steps, default=None)
 
     async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
         reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())

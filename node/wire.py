@@ -1,11 +1,12 @@
 """Signed merge records and fragment snapshots on the wire (DESIGN §4, "Replicated global state").
 
-A merge record travels as one safetensors blob: the merged outer gradient as tensors, and in the metadata
-the record's fields as JSON, the signer's peer id and an Ed25519 signature over
+A merge record travels as one safetensors blob: the merged outer gradient as the record codec's tensors
+(int4 by default, ``NAME::PART`` as in contributions), and in the metadata the record's fields as JSON, the signer's peer id and an Ed25519 signature over
 ``domain | swarm | record JSON | sha256 of the tensors``. The signature binds the record to the swarm, the
 fragment, the round and the parent hash, so a record cannot be replayed into another swarm or altered in
 flight; ``decode_record`` verifies it and checks the gradient against the fragment's tensor names and
-shapes, and that it is finite.
+shapes, and that it is finite. The gradient a replica steps with is the decoded one; the synchroniser
+stepped with the same decoded values, so every replica lands on the same hash.
 
 A snapshot carries, per fragment, the global tensors and the outer momentum at a round, plus the head
 (round, hash, contributors, weight); ``decode_snapshot`` recomputes every fragment's hash and refuses a
@@ -23,8 +24,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dht.identity import Identity, verify
+from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
+from protocol.messages import decode_parts, encoded_parts
 from protocol.replica import MergeRecord
 
 _DOMAIN = "ddiloco/merge/v1"
@@ -51,6 +54,8 @@ def _record_doc(swarm: str, rec: MergeRecord) -> str:
             "parent_hash": rec.parent_hash,
             "new_hash": rec.new_hash,
             "contributors": [list(c) for c in rec.contributors],
+            "codec": rec.codec,
+            "block": rec.block,
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -62,10 +67,15 @@ def _signed_bytes(doc: str, grad_hash: str) -> bytes:
 
 
 def encode_record(swarm: str, rec: MergeRecord, ident: Identity) -> bytes:
-    grad = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in rec.grad.items()}
+    wire = rec.wire
+    if wire is None:
+        if rec.codec != "fp32":
+            raise ValueError(f"a {rec.codec} record needs its encoded gradient")
+        wire = encode_tensors({k: v.detach().cpu() for k, v in rec.grad.items()}, "fp32", rec.block)
+    tensors = encoded_parts(wire)
     doc = _record_doc(swarm, rec)
-    sig = ident.sign(_signed_bytes(doc, tensors_hash(grad)))
-    return st_save(grad, metadata={"record": doc, "signer": ident.peer_id, "sig": sig.hex()})
+    sig = ident.sign(_signed_bytes(doc, tensors_hash(tensors)))
+    return st_save(tensors, metadata={"record": doc, "signer": ident.peer_id, "sig": sig.hex()})
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
             (str(a), str(b), float(w), int(cs), int(ct)) for a, b, w, cs, ct in doc["contributors"]
         )
         parent, new = str(doc["parent_hash"]), str(doc["new_hash"])
+        codec, block = doc["codec"], doc["block"]
     except (KeyError, ValueError, TypeError) as e:
         raise ProtocolError(
             RejectCode.MALFORMED, f"bad merge record metadata: {type(e).__name__}: {e}"
@@ -110,15 +121,8 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         )
     if p not in spec:
         raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {p} does not exist")
-    want = spec[p]
-    if set(tensors) != set(want):
-        raise ProtocolError(RejectCode.WRONG_SHAPE, f"record tensors {sorted(tensors)} != {sorted(want)}")
-    for k, t in tensors.items():
-        if t.dtype != torch.float32 or tuple(t.shape) != tuple(want[k]):
-            raise ProtocolError(RejectCode.WRONG_SHAPE, f"{k}: {t.dtype} {tuple(t.shape)} != fp32 {want[k]}")
-        if not torch.isfinite(t).all():
-            raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
-    rec = MergeRecord(p, r, parent, new, contributors, tensors)
+    grad = decode_parts(tensors, codec, block, spec[p])
+    rec = MergeRecord(p, r, parent, new, contributors, grad, codec, block)
     return SignedRecord(rec, str(signer), raw)
 
 

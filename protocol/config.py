@@ -31,6 +31,13 @@ class ProtocolConfig:
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
     codec: str = field(default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4"})
     codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})
+    record_codec: str = field(
+        default="int4",
+        metadata={
+            "help": "merged outer gradient in merge records: fp32|bf16|int8|int4 (every replica, the "
+            "synchroniser's included, steps with the decoded values)"
+        },
+    )
     history: int = field(default=16, metadata={"help": "global rounds kept per fragment to anchor old bases"})
 
     def __post_init__(self) -> None:
@@ -61,8 +68,12 @@ class ProtocolConfig:
             raise bad("merge", self.merge, f"choose one of {', '.join(MERGE_METHODS)}")
         if self.codec not in CODECS:
             raise bad("codec", self.codec, f"unknown codec; choose one of {', '.join(sorted(CODECS))}")
-        if self.codec_block < 1:
-            raise bad("codec_block", self.codec_block, "must be >= 1")
+        if self.record_codec not in CODECS:
+            raise bad(
+                "record_codec", self.record_codec, f"unknown codec; choose one of {', '.join(sorted(CODECS))}"
+            )
+        if self.codec_block < 1 or (self.codec_block % 2 and "int4" in (self.codec, self.record_codec)):
+            raise bad("codec_block", self.codec_block, "must be >= 1, and even for int4")
         if self.history < 2:
             raise bad("history", self.history, "keep at least 2 rounds")
 

@@ -47,13 +47,12 @@ _HEADER_FIELDS = typing.get_type_hints(ContributionHeader)
 
 
 def encode_contribution(h: ContributionHeader, encoded: dict[str, Encoded]) -> bytes:
-    tensors, shapes = {}, {}
+    shapes = {}
     for name, e in encoded.items():
         if e.codec != h.codec:
             raise ValueError(f"tensor {name} encoded with {e.codec}, header says {h.codec}")
         shapes[name] = list(e.shape)
-        for part, t in e.parts.items():
-            tensors[f"{name}::{part}"] = t.contiguous()
+    tensors = encoded_parts(encoded)
     meta = {"header": json.dumps(vars(h)), "shapes": json.dumps(shapes)}
     return st_save(tensors, metadata=meta)
 
@@ -98,45 +97,66 @@ def decode_contribution(
         if not isinstance(v, t) or isinstance(v, bool):
             raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={v!r} is not {t.__name__}")
     h = ContributionHeader(**hdr)
-    if h.codec not in CODECS:
-        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {h.codec!r}")
-    if not 1 <= h.block <= 1 << 20 or (h.codec == "int4" and h.block % 2):
-        raise ProtocolError(RejectCode.MALFORMED, f"block={h.block} is not valid for {h.codec}")
+    _check_codec(h.codec, h.block)
     if not isinstance(shapes, dict) or set(shapes) != set(spec):
         raise ProtocolError(
             RejectCode.WRONG_SHAPE,
             f"tensors {sorted(shapes) if isinstance(shapes, dict) else '?'} != fragment's {sorted(spec)}",
         )
-    want_parts = _PART_DTYPES[h.codec]
-    expected_keys = {f"{n}::{p}" for n in spec for p in want_parts}
-    if set(tensors) != expected_keys:
-        raise ProtocolError(
-            RejectCode.WRONG_SHAPE, f"parts {sorted(tensors)[:6]}... != {sorted(expected_keys)[:6]}..."
-        )
-    out = {}
-    codec = get_codec(h.codec)
     for name, shape in spec.items():
         declared = shapes[name]
         if not (
             isinstance(declared, list) and all(type(d) is int for d in declared) and declared == list(shape)
         ):
             raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {shapes[name]} != {list(shape)}")
+    return h, decode_parts(tensors, h.codec, h.block, spec)
+
+
+def _check_codec(codec: object, block: object) -> None:
+    if codec not in CODECS:
+        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {codec!r}")
+    if type(block) is not int or not 1 <= block <= 1 << 20 or (codec == "int4" and block % 2):
+        raise ProtocolError(RejectCode.MALFORMED, f"block={block!r} is not valid for {codec}")
+
+
+def decode_parts(
+    tensors: dict[str, torch.Tensor], codec: str, block: int, spec: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """Decode a codec's wire tensors, named ``NAME::PART``, into fp32 tensors of the shapes in ``spec``.
+
+    Checks the codec, the block size, that exactly the expected parts are present, each part's dtype and
+    element count, and finiteness after decoding; raises ProtocolError otherwise."""
+    _check_codec(codec, block)
+    want_parts = _PART_DTYPES[codec]
+    expected_keys = {f"{n}::{p}" for n in spec for p in want_parts}
+    if set(tensors) != expected_keys:
+        raise ProtocolError(
+            RejectCode.WRONG_SHAPE, f"parts {sorted(tensors)[:6]}... != {sorted(expected_keys)[:6]}..."
+        )
+    out = {}
+    c = get_codec(codec)
+    for name, shape in spec.items():
         numel = math.prod(shape)
         parts = {}
         for part, dtype in want_parts.items():
             t = tensors[f"{name}::{part}"]
-            if t.dtype != dtype or t.dim() != 1 or t.numel() != _part_sizes(h.codec, numel, h.block)[part]:
+            if t.dtype != dtype or t.dim() != 1 or t.numel() != _part_sizes(codec, numel, block)[part]:
                 raise ProtocolError(
                     RejectCode.WRONG_SHAPE,
                     f"{name}::{part}: {t.dtype} x {tuple(t.shape)} does not "
-                    f"fit {h.codec} block {h.block} for shape {list(shape)}",
+                    f"fit {codec} block {block} for shape {list(shape)}",
                 )
             parts[part] = t
-        d = codec.decode(Encoded(h.codec, tuple(shape), parts))
+        d = c.decode(Encoded(codec, tuple(shape), parts))
         if not torch.isfinite(d).all():
             raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
         out[name] = d
-    return h, out
+    return out
+
+
+def encoded_parts(encoded: dict[str, Encoded]) -> dict[str, torch.Tensor]:
+    """The flat ``NAME::PART`` tensors that carry ``encoded`` on the wire (the inverse of decode_parts)."""
+    return {f"{name}::{part}": t.contiguous() for name, e in encoded.items() for part, t in e.parts.items()}
 
 
 def peek_fragment(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> int:

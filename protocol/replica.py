@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.codecs import Encoded, decode_tensors, encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
@@ -27,7 +28,10 @@ class MergeRecord:
     parent_hash: str
     new_hash: str
     contributors: tuple[tuple[str, str, float, int, int], ...]  # (learner, cid, weight, c_steps, c_tokens)
-    grad: Mapping[str, torch.Tensor]  # the merged outer gradient
+    grad: Mapping[str, torch.Tensor]  # the merged outer gradient, as every replica applies it (decoded)
+    codec: str = "fp32"  # how ``grad`` travels
+    block: int = 64
+    wire: Mapping[str, Encoded] | None = None  # ``grad`` encoded with ``codec``; None: fp32 as is
 
 
 class FragmentReplica:
@@ -98,6 +102,12 @@ class FragmentReplica:
         deltas = [anchor(self.theta, self.base(c.base_round), c.delta) for c in contributions]
         method = "mean" if self.is_embedding else cfg.merge
         grad = merge_deltas(deltas, weights, method)
+        wire = None
+        if cfg.record_codec != "fp32":
+            # Quantise once here; every replica, this one included, steps with the decoded values, so the
+            # new hash is the same everywhere.
+            wire = encode_tensors(grad, cfg.record_codec, cfg.codec_block)
+            grad = decode_tensors(wire)
         new_theta, new_mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
         rec = MergeRecord(
             fragment=self.index,
@@ -108,6 +118,9 @@ class FragmentReplica:
                 (c.learner, c.cid, w, c.c_steps, c.c_tokens) for c, w in zip(contributions, weights)
             ),
             grad=grad,
+            codec=cfg.record_codec,
+            block=cfg.codec_block,
+            wire=wire,
         )
         self._made = (rec, new_theta, new_mom)
         return rec

@@ -32,7 +32,7 @@ def test_identical_contributions_merge_to_themselves(method):
 
 
 def test_identical_contributions_change_nothing_beyond_the_outer_step():
-    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="rda")
+    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="rda", record_codec="fp32")
     theta = {"w": rand(3, 3)}
     rep = FragmentReplica(0, theta, is_embedding=False)
     learner = {"w": theta["w"] - 0.1 * rand(3, 3, seed=2)}
@@ -45,7 +45,15 @@ def test_identical_contributions_change_nothing_beyond_the_outer_step():
 
 
 def test_outer_sgd_lr1_momentum0_is_weighted_average():
-    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", outer_lr=1.0, outer_momentum=0.0)
+    cfg = ProtocolConfig(
+        fragments=1,
+        sync_every=4,
+        overlap=1,
+        merge="mean",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        record_codec="fp32",
+    )
     theta = {"w": rand(6)}
     rep = FragmentReplica(0, theta, is_embedding=False)
     locals_ = [rand(6, seed=s) for s in (3, 4, 5)]
@@ -109,3 +117,39 @@ def test_replica_rejects_a_record_that_lands_elsewhere():
     with pytest.raises(Exception, match="does not follow"):
         other.apply_record(rec, cfg)
     assert other.hash == before and other.round == 0
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
+def test_quantised_record_steps_with_the_decoded_gradient_everywhere(codec):
+    from protocol.codecs import decode_tensors, encode_tensors, get_codec
+
+    cfg = ProtocolConfig(
+        fragments=1, sync_every=4, overlap=1, merge="mean", record_codec=codec, codec_block=8
+    )
+    theta = {"w": rand(5, 7)}
+    maker = FragmentReplica(0, theta, is_embedding=False)
+    follower = FragmentReplica(0, theta, is_embedding=False)
+    cs = [Contribution(f"l{i}", 0, 0, 4, 400, 1.0, {"w": rand(5, 7, seed=i + 3)}, f"c{i}") for i in range(2)]
+    exact = merge_deltas([c.delta for c in cs], [1.0, 1.0], "mean")
+    rec = maker.make_record(1, cs, cfg)
+    assert rec.codec == codec and rec.wire is not None
+    # the record carries the decoded gradient, within the codec's bound of the exact merge
+    torch.testing.assert_close(
+        rec.grad["w"], decode_tensors(encode_tensors(exact, codec, 8))["w"], rtol=0, atol=0
+    )
+    assert ((rec.grad["w"] - exact["w"]).abs() <= get_codec(codec).error_bound(exact["w"], 8)).all()
+    assert not torch.equal(rec.grad["w"], exact["w"])
+    # a replica that only sees the decoded gradient (a record off the wire) lands on the maker's hash
+    off_wire = type(rec)(
+        rec.fragment,
+        rec.round,
+        rec.parent_hash,
+        rec.new_hash,
+        rec.contributors,
+        {"w": rec.grad["w"].clone()},
+        rec.codec,
+        rec.block,
+    )
+    maker.apply_record(rec, cfg)
+    follower.apply_record(off_wire, cfg)
+    assert follower.hash == maker.hash == rec.new_hash

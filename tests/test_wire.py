@@ -17,6 +17,7 @@ from node.wire import (
     pack_list,
     unpack_list,
 )
+from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
 from protocol.replica import MergeRecord
@@ -81,6 +82,50 @@ def test_record_with_wrong_shape_or_nan_is_refused_even_when_signed():
     with pytest.raises(ProtocolError) as e:
         decode_record(encode_record("s", other, ident), "s", SPEC)
     assert e.value.code is RejectCode.WRONG_FRAGMENT
+
+
+def test_int4_record_is_smaller_and_decodes_to_exactly_what_the_synchroniser_stepped_with():
+    from protocol.config import ProtocolConfig
+    from protocol.replica import FragmentReplica
+    from protocol.synchroniser import Contribution
+
+    ident = Identity.generate()
+    spec = {0: {"w": (64, 32), "b": (32,)}}
+    theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, record_codec="int4")
+    maker, follower = FragmentReplica(0, theta, False), FragmentReplica(0, theta, False)
+    delta = {k: 0.01 * torch.randn_like(v) for k, v in theta.items()}
+    rec = maker.make_record(1, [Contribution("a", 0, 0, 4, 400, 1.0, delta, "c")], cfg)
+    raw = encode_record("s", rec, ident)
+    fp32_raw = encode_record(
+        "s", MergeRecord(0, 1, rec.parent_hash, rec.new_hash, rec.contributors, rec.grad), ident
+    )
+    assert len(raw) * 4 < len(fp32_raw)  # ~4.5 bits a value against 32, plus the same metadata
+    sr = decode_record(raw, "s", spec)
+    assert sr.record.codec == "int4" and all(torch.equal(sr.record.grad[k], rec.grad[k]) for k in rec.grad)
+    maker.apply_record(rec, cfg)
+    follower.apply_record(sr.record, cfg)
+    assert follower.hash == maker.hash == rec.new_hash
+
+
+def test_signed_record_with_an_unknown_codec_or_bad_block_is_refused():
+    ident = Identity.generate()
+    rec = _record()
+    for codec, block, code in (("int3", 64, RejectCode.UNKNOWN_CODEC), ("fp32", 0, RejectCode.MALFORMED)):
+        bad = MergeRecord(
+            0,
+            3,
+            "a" * 64,
+            "b" * 64,
+            rec.contributors,
+            rec.grad,
+            codec,
+            block,
+            wire=encode_tensors(rec.grad, "fp32", 64),
+        )
+        with pytest.raises(ProtocolError) as e:
+            decode_record(encode_record("s", bad, ident), "s", SPEC)
+        assert e.value.code is code
 
 
 def _state(p: int = 1) -> FragmentState:

@@ -1,0 +1,28 @@
+"""A node joining a running swarm puts its fragment schedule in phase with the peers' (node.replication)."""
+
+from types import SimpleNamespace
+
+from dht.records import Member
+from dht.swarm import get_dht_time
+from node.replication import Replication
+
+
+def _member(pid: str, step: int, age_s: float, rate: float) -> Member:
+    now = get_dht_time()
+    return Member(pid, (), "v", now - age_s, now + 5, step=step, steps_per_s=rate)
+
+
+def test_swarm_step_extrapolates_each_peer_from_its_record_and_takes_the_furthest():
+    node = SimpleNamespace(
+        members={
+            "a": _member("a", 100, age_s=2.0, rate=5.0),  # ~110 now
+            "b": _member("b", 104, age_s=0.0, rate=5.0),  # 104 now
+        }
+    )
+    assert Replication.swarm_step(node) in (110, 111)
+
+
+def test_swarm_step_is_none_without_a_stepping_peer():
+    assert Replication.swarm_step(SimpleNamespace(members={})) is None
+    fresh = SimpleNamespace(members={"a": _member("a", 0, age_s=3.0, rate=0.0)})
+    assert Replication.swarm_step(fresh) is None
