@@ -46,6 +46,7 @@ from node.learner_loop import LearnerLoop
 from node.replication import Replication
 from node.task import load_task
 from node.transport import Reply, Transport, TransportError
+from node.unit import Unit
 from node.wire import (
     SignedRecord,
     pack_list,
@@ -69,8 +70,9 @@ VERSION = "ddiloco/0.3"
 
 # ------------------------------------------------------------------------------------------- the node
 class Node(Replication):
-    def __init__(self, cfg: NodeConfig) -> None:
+    def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
+        self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
         self.settings = s = cfg.node
         self.pcfg = cfg.protocol
         self.state_dir = Path(s.state_dir)
@@ -92,7 +94,15 @@ class Node(Replication):
             if s.data_seed >= 0
             else int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
         )
-        self.learner = Learner(self.peer_id, self.task, self.pcfg, cfg.inner, s.steps, seed=seed)
+        self.learner = Learner(
+            self.peer_id,
+            self.task,
+            self.pcfg,
+            cfg.inner,
+            s.steps,
+            seed=seed,
+            device=unit.device() if unit is not None else None,
+        )
         self.plan = self.learner.plan
         self.spec = {
             f.index: {n: tuple(self.learner.params[n].shape) for n in f.names} for f in self.plan.fragments
@@ -427,6 +437,8 @@ class Node(Replication):
             "steps": self.learner.steps,
             "eval_loss": self.learner_loop.eval_loss,
             "stop_reason": self.stop_reason,
+            "tokens": self.learner_loop.tokens,
+            "unit": self.unit.status() if self.unit is not None else None,
         }
         (self.state_dir / "final.json").write_text(json.dumps(doc, indent=1))
 

@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from protocol.errors import DDiLoCoError
+from protocol.errors import ConfigError, DDiLoCoError
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +215,43 @@ def cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_node(args: argparse.Namespace) -> int:
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """argv less ``flag VALUE`` / ``flag=VALUE`` (torchrun's parser would take --nproc as its own prefix)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def cmd_node(args: argparse.Namespace, argv: list[str]) -> int:
+    import os
+
     from node.agent import Node
     from node.config import NodeConfig, build_config, describe
+    from node.unit import Unit, run_rank
 
     cfg = build_config(args, args.config, root=NodeConfig)
+    n = cfg.node.nproc
+    world = os.environ.get("WORLD_SIZE")
+    if n > 1 and world is None:
+        # A multi-process learner unit: torchrun starts n copies of this command, ranks in the environment.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+        cmd += ["-m", "node", *_without_flag(argv, "--nproc")]
+        print(f"starting a {n}-process learner unit: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execv(sys.executable, cmd)
+    if n > 1 and int(world) != n:
+        raise ConfigError(f"nproc={n} is invalid: torchrun started {world} processes (WORLD_SIZE)")
+    unit = Unit.from_env(cfg.node.unit_timeout_s)
+    if unit is not None and not unit.lead:
+        return run_rank(cfg, unit)
     print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
-    node = Node(cfg)
+    node = Node(cfg, unit)
     print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
     return node.run()
 
@@ -273,7 +303,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from node.status import fetch_status
-    from protocol.errors import ConfigError
 
     url = args.url
     if not url:
@@ -317,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keygen":
             return cmd_keygen(args)
         if args.command == "node":
-            return cmd_node(args)
+            return cmd_node(args, sys.argv[1:] if argv is None else list(argv))
         if args.command == "up":
             return cmd_up(args)
         if args.command == "status":

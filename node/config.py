@@ -127,6 +127,16 @@ class NodeSettings:
     )
     data_seed: int = field(default=-1, metadata={"help": "data order seed (-1: derived from the peer id)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    nproc: int = field(
+        default=1,
+        metadata={
+            "help": "processes in this node's learner unit: >1 runs the node under torchrun, data-parallel "
+            "(DDP; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
+        },
+    )
+    unit_timeout_s: float = field(
+        default=600.0, metadata={"help": "deadline of the unit's rendezvous and of each collective"}
+    )
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: until stopped)"})
     step_delay_s: float = field(default=0.0, metadata={"help": "sleep after each inner step (a slower chip)"})
     export: str = field(
@@ -138,7 +148,9 @@ class NodeSettings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "ttl_s", "failover_s", "rpc_timeout_s"):
+        if self.nproc < 1:
+            raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
+        for name in ("heartbeat_s", "ttl_s", "failover_s", "rpc_timeout_s", "unit_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be > 0")
         if self.ttl_s <= 2 * self.heartbeat_s:

@@ -86,7 +86,10 @@ class Learner:
         self.params = dict(self.model.named_parameters())
         self.plan = plan or plan_for(task, self.model, pcfg)
         self.total_steps = total_steps
+        self.seed = seed
         self.gen = torch.Generator().manual_seed(seed)
+        self.forward_model: torch.nn.Module = self.model  # a DDP wrapper when the learner spans processes
+        self.tokens_per_step = task.tokens_per_batch  # the whole unit's tokens in one inner step
         self.book = LearnerBook(self.plan)
         self.steps = 0  # inner steps over the learner's life; drives the lr schedule, survives rejoins
         self._lr = lr_lambda(total_steps, inner)
@@ -94,6 +97,15 @@ class Learner:
         # The global fragment last received, per fragment: contributions are measured against it.
         self.base = [self._fragment_fp32(f.index) for f in self.plan.fragments]
         self.last_loss = float("nan")
+
+    def attach_unit(self, unit) -> None:
+        """Span a ``node.unit.Unit``: gradients averaged over its ranks, steps count the unit's tokens."""
+        self.forward_model = unit.wrap(self.model)
+        self.tokens_per_step = self.task.tokens_per_batch * unit.world
+
+    def load_optimizer(self, state: dict) -> None:
+        self._new_optimizer()
+        self.opt.load_state_dict(state)
 
     def _new_optimizer(self) -> None:
         self.opt = torch.optim.AdamW(
@@ -106,7 +118,7 @@ class Learner:
     def train_step(self) -> StepResult:
         batch = self.task.batch(self.gen)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            loss = self.task.loss(self.model, batch)
+            loss = self.task.loss(self.forward_model, batch)
         for g in self.opt.param_groups:
             g["lr"] = self.inner.lr * self._lr(self.steps)
         self.opt.zero_grad(set_to_none=True)
@@ -116,8 +128,8 @@ class Learner:
         self.opt.step()
         self.steps += 1
         self.last_loss = loss.item()
-        due = self.book.on_step(self.task.tokens_per_batch)
-        return StepResult(self.last_loss, self.task.tokens_per_batch, due)
+        due = self.book.on_step(self.tokens_per_step)
+        return StepResult(self.last_loss, self.tokens_per_step, due)
 
     def outer_gradient(self, p: int) -> dict[str, torch.Tensor]:
         """base - theta for fragment p, fp32 on the CPU."""

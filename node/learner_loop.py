@@ -12,10 +12,12 @@ import torch
 
 from node.learner import Learner
 from node.runner import evaluate
+from node.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader
 
 logger = logging.getLogger(__name__)
+UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
 
 
 # ------------------------------------------------------------------------------------------- learner thread
@@ -47,7 +49,7 @@ class LearnerLoop(threading.Thread):
         return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
 
     def steps_per_s(self) -> float:
-        return self.tokens_per_s() / self.node.task.tokens_per_batch
+        return self.tokens_per_s() / self.learner.tokens_per_step
 
     def _align_schedule(self) -> None:
         """Put the fragment schedule in phase with the swarm's, once, after this run's first step (which
@@ -65,8 +67,10 @@ class LearnerLoop(threading.Thread):
         )
         lrn.book.step = step
 
-    def _service(self) -> None:
+    def _service(self) -> list[int]:
+        """Adopt what arrived, answer state requests, evaluate when due; the fragments adopted."""
         lrn = self.learner
+        adopted = []
         while self.inbox:
             p, round_, theta, force = self.inbox.popleft()
             if force:
@@ -74,10 +78,12 @@ class LearnerLoop(threading.Thread):
                 self.node.events.emit(
                     "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
                 )
+                adopted.append(p)
             elif lrn.adopt(p, round_, theta):
                 self.node.events.emit(
                     "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
                 )
+                adopted.append(p)
         while self.requests:
             kind, fut = self.requests.popleft()
             if not fut.set_running_or_notify_cancel():
@@ -88,6 +94,7 @@ class LearnerLoop(threading.Thread):
                 fut.set_exception(e)
         if time.monotonic() >= self._next_eval:
             self.evaluate()
+        return adopted
 
     def evaluate(self) -> float:
         """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
@@ -106,14 +113,23 @@ class LearnerLoop(threading.Thread):
             torch.set_num_threads(s.threads)
         lrn = self.learner
         first_step = lrn.steps
+        unit = self.node.unit
         try:
+            if unit is not None:  # the other ranks wait for rank 0: join them, then hand them the state
+                unit.init()
+                lrn.attach_unit(unit)
+                unit.exchange(lrn, STATE)
             while not self.stop_flag.is_set():
-                self._service()
+                adopted = self._service()
                 if self.paused.is_set():
+                    if unit is not None:
+                        unit.exchange(lrn, PAUSE, adopted)
                     self.idle.set()
                     self.stop_flag.wait(0.05)
                     continue
                 self.idle.clear()
+                if unit is not None:
+                    unit.exchange(lrn, STEP, adopted, check_all=lrn.steps % UNIT_CHECK_EVERY == 0)
                 t0 = time.time()
                 res = lrn.train_step()
                 t1 = time.time()
@@ -161,4 +177,10 @@ class LearnerLoop(threading.Thread):
             self.error = e
             self.node.request_stop("learner thread failed")
         finally:
+            if unit is not None:
+                try:
+                    unit.exchange(lrn, STOP)
+                except Exception as e:  # noqa: BLE001 - a rank already gone: its group is broken
+                    logger.warning("could not tell the unit's other ranks to stop: %s", e)
+                unit.close()
             self.idle.set()

@@ -76,6 +76,8 @@ def status_doc(node: Node) -> dict:
             "eval_history": ll.eval_history[-20:],
             "paused": ll.paused.is_set(),
             "idle": ll.idle.is_set(),
+            "tokens_per_step": node.learner.tokens_per_step,
+            "unit": node.unit.status() if node.unit is not None else None,
         },
         "fragments": frags,
         "peers": [
