@@ -278,6 +278,14 @@ def _status_table(s: dict) -> str:
         f"learner: steps {lr['steps']}  tokens {lr['tokens']:,}  {lr['tokens_per_s']:.0f} tok/s  "
         f"loss {fmt(lr['loss'], '.3f')}  eval loss {fmt(lr['eval_loss'], '.3f')}"
         f"{'  PAUSED' if lr['paused'] else ''}",
+        *(
+            [
+                f"learner unit: {u['world']} processes ({u['backend']}), {lr['tokens_per_step']:,} tokens/step, "
+                f"rank checks {u['checks']}, mismatches {u['mismatches']}"
+            ]
+            if (u := lr.get("unit"))
+            else []
+        ),
         f"global model {s['model_hash'][:16]}  rounds merged {s['rounds_merged']}  "
         f"tokens merged {s['tokens_merged']:,.0f}  goodput {fmt(s['goodput'], '.1%')}",
         f"bytes sent {s['bytes_sent'] / 1e6:.2f} MB  received {s['bytes_received'] / 1e6:.2f} MB  "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,8 +107,18 @@ def test_two_process_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     assert unit["world"] == 2 and unit["backend"] == "gloo" and unit["mismatches"] == 0
     # the unit's steps count both ranks' tokens; the single-process node's count its own
     assert st[0]["learner"]["tokens_per_step"] == 2 * st[1]["learner"]["tokens_per_step"]
-    adoptions = sum(1 for e in swarm.events(0) if e["kind"] == "adopt")
-    assert adoptions > 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "node", "status", "--url", swarm.children[0].url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "learner unit: 2 processes (gloo)" in shown.stdout, shown.stderr
+    ev = swarm.events(0)
+    assert sum(1 for e in ev if e["kind"] == "adopt") > 0
+    # the unit's contributions carry its true batch: c_tokens = c_steps x both ranks' tokens per step
+    contribs = [e for e in ev if e["kind"] == "contribute"]
+    assert contribs and all(
+        e["c_tokens"] == e["c_steps"] * st[0]["learner"]["tokens_per_step"] for e in contribs
+    )
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
     swarm.stop()
