@@ -43,6 +43,7 @@ from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.learner import Learner
 from node.learner_loop import LearnerLoop
+from node.priority import lower_network_priority
 from node.replication import Replication
 from node.task import load_task
 from node.transport import Reply, Transport, TransportError
@@ -347,6 +348,11 @@ class Node(Replication):
                 rounds=[r.round for r in self.replicas],
             )
             self.learner_loop.start()
+            if s.agent_nice > 0:
+                n = lower_network_priority(s.agent_nice, keep={self.learner_loop.native_id})
+                logger.info(
+                    "network side niced by %d (%d threads); the learner keeps its priority", s.agent_nice, n
+                )
             self._write_ready()
             self._spawn(self._heartbeat_loop())
             self._spawn(self._sender_loop())

@@ -127,6 +127,13 @@ class NodeSettings:
     )
     data_seed: int = field(default=-1, metadata={"help": "data order seed (-1: derived from the peer id)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    agent_nice: int = field(
+        default=5,
+        metadata={
+            "help": "niceness added to the node's network side (event loop, DHT process, p2pd) after the "
+            "learner starts, so a busy CPU serves the learner first; 0 leaves priorities alone"
+        },
+    )
     nproc: int = field(
         default=1,
         metadata={
@@ -148,6 +155,8 @@ class NodeSettings:
     )
 
     def __post_init__(self) -> None:
+        if not 0 <= self.agent_nice <= 19:
+            raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
         if self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
         for name in ("heartbeat_s", "ttl_s", "failover_s", "rpc_timeout_s", "unit_timeout_s"):

@@ -1,0 +1,57 @@
+"""CPU priority: the learner first, the node's network side after it (``[node] agent_nice``).
+
+On a machine whose cores the learners fill (CPU learners, or several nodes on one host), the network side —
+the event loop, the DHT process and its p2pd — competes with the learner for the same cores. It needs
+little CPU (a few percent) but at any moment, so it runs at a higher niceness: the kernel still runs it
+whenever it is ready, yet gives the learner the larger share when both want a core. Linux sets niceness per
+thread, and threads inherit it from the thread that creates them, so this is applied after the learner
+thread has started, to every other thread of the node process and to every thread of its child processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def _tree(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    parents[int(entry)] = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parents.items() if pp == p]
+    return out
+
+
+def lower_network_priority(increment: int, keep: set[int]) -> int:
+    """Add ``increment`` to the niceness of every thread of this process and its descendants, except the
+    native thread ids in ``keep``. Returns how many threads were changed; Linux only (0 elsewhere)."""
+    if increment <= 0 or not os.path.isdir("/proc/self/task"):
+        return 0
+    changed = 0
+    for pid in _tree(os.getpid()):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            if tid in keep:
+                continue
+            try:
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+                )
+                changed += 1
+            except OSError as e:  # the thread ended meanwhile, or no permission
+                logger.debug("niceness of thread %d not changed: %s", tid, e)
+    return changed

@@ -1,0 +1,29 @@
+"""node.priority: the network side of a node is niced, the learner thread is not (run in a child process,
+since niceness cannot be lowered back without privileges)."""
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import os, subprocess, sys, threading, time
+from node.priority import lower_network_priority
+ready, stop = threading.Event(), threading.Event()
+def learner():
+    ready.set(); stop.wait()
+t = threading.Thread(target=learner); t.start(); ready.wait()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+time.sleep(0.2)
+base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+n = lower_network_priority(4, keep={t.native_id})
+print(n, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base,
+      os.getpriority(os.PRIO_PROCESS, t.native_id) - base,
+      os.getpriority(os.PRIO_PROCESS, child.pid) - base)
+child.kill(); child.wait(); stop.set(); t.join()
+"""
+
+
+def test_network_side_is_niced_and_the_learner_thread_keeps_its_priority():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    changed, main_d, learner_d, child_d = map(int, out.stdout.split())
+    assert changed >= 2 and main_d == 4 and learner_d == 0 and child_d == 4
