@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     kg.add_argument("--out", default="identity.key", help="key file to write (default: identity.key)")
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    from node.sim_cli import add_sim_parser
+
+    add_sim_parser(sub)
     return p
 
 
@@ -359,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_up(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "sim":
+            from node.sim_cli import cmd_sim
+
+            return cmd_sim(args)
     except DDiLoCoError as e:
         print(f"ddiloco: error: {e}", file=sys.stderr)
         return 2
