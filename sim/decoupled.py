@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 
 from protocol.errors import ProtocolError
 from protocol.fragments import plan_fragments
@@ -86,14 +87,20 @@ class DecoupledDriver:
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[float], None] | None = None) -> None:
         for m in range(self.cfg.learners):
             self._push(0.0, _STEP, m)
         handlers = (self._step, self._arrive, self._wake, self._merged, self._fail, self._back)
         heap, pop = self.heap, heapq.heappop
+        n, end = 0, self.cfg.duration_s
         while heap:
             t, _, kind, payload = pop(heap)
             handlers[kind](t, payload)
+            n += 1
+            if progress is not None and not n & 0xFFFF:
+                progress(min(1.0, t / end))
+        if progress is not None:
+            progress(1.0)
 
     # ---- learners
     def _step(self, t: float, m: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.goodput import Goodput
@@ -87,7 +88,12 @@ class SimResult:
         }
 
 
-def simulate(cfg: SimConfig, records: RecordSink | None = None) -> SimResult:
+Progress = Callable[[float], None]  # called now and then with the share of virtual time done
+
+
+def simulate(
+    cfg: SimConfig, records: RecordSink | None = None, progress: Progress | None = None
+) -> SimResult:
     """Run ``cfg``. With ``records``, also write per-chip event records there (small runs only)."""
     t_wall = time.perf_counter()
     rng = random.Random(cfg.seed)
@@ -95,7 +101,7 @@ def simulate(cfg: SimConfig, records: RecordSink | None = None) -> SimResult:
         from sim.decoupled import DecoupledDriver
 
         drv = DecoupledDriver(cfg, rng, records)
-        drv.run()
+        drv.run(progress)
         tally, blocks, counts, shares = drv.tally, drv.blocks, drv.counts, drv.shares
     else:
         shares = [1.0]
@@ -104,7 +110,7 @@ def simulate(cfg: SimConfig, records: RecordSink | None = None) -> SimResult:
         if cfg.system == "elastic-dp":
             for blk in blocks:
                 seed_repairs(cfg, rng, blk, records)
-        counts = _run_data_parallel(cfg, rng, blocks, tally, records)
+        counts = _run_data_parallel(cfg, rng, blocks, tally, records, progress)
     close_downs(blocks, cfg.duration_s, tally)
     if records is not None:
         records.run(cfg.system, cfg.duration_s, shares)
@@ -124,7 +130,12 @@ def simulate(cfg: SimConfig, records: RecordSink | None = None) -> SimResult:
 
 
 def _run_data_parallel(
-    cfg: SimConfig, rng: random.Random, blocks: list, tally: Tally, rec: RecordSink | None
+    cfg: SimConfig,
+    rng: random.Random,
+    blocks: list,
+    tally: Tally,
+    rec: RecordSink | None,
+    progress: Progress | None = None,
 ) -> Counts:
     elastic = cfg.system == "elastic-dp"
     end = cfg.duration_s
@@ -179,4 +190,8 @@ def _run_data_parallel(
             rec.merge(0, counts.steps, cids, t + d)
         counts.merges += 1
         t += d
+        if progress is not None and counts.steps % 8192 == 0:
+            progress(t / end)
+    if progress is not None:
+        progress(1.0)
     return counts
