@@ -56,6 +56,10 @@ def peer_id_of(pub: Ed25519PublicKey) -> str:
 
 def public_key_of(peer_id: str) -> Ed25519PublicKey:
     """Recover the Ed25519 public key embedded in an ``12D3KooW...`` peer id."""
+    # An Ed25519 peer id is 52 characters; base58 decoding is quadratic, so a megabyte "peer id" from the
+    # wire must be refused before it is decoded, not after.
+    if not isinstance(peer_id, str) or len(peer_id) > 64:
+        raise ValueError(f"peer id {repr(peer_id)[:70]} is not an Ed25519 libp2p peer id")
     try:
         raw = b58decode(peer_id)
     except ValueError as e:

@@ -22,6 +22,8 @@ from node.wire import (
     encode_record,
     encode_snapshot,
     pack_list,
+    parse_records_request,
+    parse_snapshot_request,
     unpack_list,
 )
 from protocol.errors import ProtocolError, RejectCode
@@ -313,10 +315,9 @@ class Replication:
         if not await self._known(caller):
             return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
         try:
-            req = json.loads(raw)
-            p, start = int(req["fragment"]), int(req["from"])
-        except (ValueError, KeyError, TypeError) as e:
-            return Reply(False, RejectCode.MALFORMED.value, f"bad records request: {e}")
+            p, start = parse_records_request(raw)
+        except ProtocolError as e:
+            return Reply(False, e.code.value, str(e))
         if p not in self.spec:
             return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
         items = [sr.raw for r, sr in self.logs[p].items() if r >= start]
@@ -326,9 +327,9 @@ class Replication:
         if not await self._known(caller):
             return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
         try:
-            frags = [int(x) for x in json.loads(raw)["fragments"]]
-        except (ValueError, KeyError, TypeError) as e:
-            return Reply(False, RejectCode.MALFORMED.value, f"bad snapshot request: {e}")
+            frags = parse_snapshot_request(raw)
+        except ProtocolError as e:
+            return Reply(False, e.code.value, str(e))
         if not frags or any(p not in self.spec for p in frags):
             return Reply(
                 False,

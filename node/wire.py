@@ -16,6 +16,7 @@ snapshot whose tensors do not land on it.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -95,6 +96,29 @@ class SignedRecord:
         return [r.round, r.new_hash, len(r.contributors), self.total_weight]
 
 
+def _short(x: object) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _is_count(x: object) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_weight(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x) and x >= 0
+
+
+def _contributor(c: object) -> tuple[str, str, float, int, int]:
+    """One ``[learner, cid, weight, c_steps, c_tokens]`` entry with the types a merge writes."""
+    if not (isinstance(c, list) and len(c) == 5):
+        raise ValueError(f"contributor {_short(c)} is not [learner, cid, weight, c_steps, c_tokens]")
+    a, b, w, cs, ct = c
+    if not (isinstance(a, str) and isinstance(b, str) and _is_weight(w) and _is_count(cs) and _is_count(ct)):
+        raise ValueError(f"contributor {_short(c)} has a field of the wrong type or sign")
+    return a, b, float(w), cs, ct
+
+
 def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, ...]]]) -> SignedRecord:
     """Verify and decode a record; ``spec`` maps fragment -> tensor name -> shape. Raises ProtocolError."""
     tensors, meta = _meta(raw)
@@ -102,19 +126,22 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         doc_s, signer, sig = meta["record"], meta["signer"], bytes.fromhex(meta["sig"])
         doc = json.loads(doc_s)
         p, r = doc["fragment"], doc["round"]
-        contributors = tuple(
-            (str(a), str(b), float(w), int(cs), int(ct)) for a, b, w, cs, ct in doc["contributors"]
-        )
-        parent, new = str(doc["parent_hash"]), str(doc["new_hash"])
+        contributors = tuple(_contributor(c) for c in doc["contributors"])
+        parent, new = doc["parent_hash"], doc["new_hash"]
         codec, block = doc["codec"], doc["block"]
-    except (KeyError, ValueError, TypeError) as e:
+        if not (isinstance(parent, str) and isinstance(new, str)):
+            raise TypeError(f"hashes {_short(parent)}/{_short(new)} are not strings")
+    # RecursionError: JSON nested deeper than the parser's stack
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
             RejectCode.MALFORMED, f"bad merge record metadata: {type(e).__name__}: {e}"
         ) from e
     if type(p) is not int or type(r) is not int or r < 1:
-        raise ProtocolError(RejectCode.MALFORMED, f"bad fragment/round {p!r}/{r!r}")
+        raise ProtocolError(RejectCode.MALFORMED, f"bad fragment/round {_short(p)}/{_short(r)}")
     if doc.get("swarm") != swarm:
-        raise ProtocolError(RejectCode.BAD_SIGNATURE, f"record of swarm {doc.get('swarm')!r}, not {swarm!r}")
+        raise ProtocolError(
+            RejectCode.BAD_SIGNATURE, f"record of swarm {_short(doc.get('swarm'))}, not {swarm!r}"
+        )
     if not verify(str(signer), sig, _signed_bytes(doc_s, tensors_hash(tensors))):
         raise ProtocolError(
             RejectCode.BAD_SIGNATURE, f"record for fragment {p} round {r} not signed by {signer}"
@@ -148,6 +175,51 @@ def unpack_list(raw: bytes, max_items: int = 1024) -> list[bytes]:
     return out
 
 
+def _request(raw: bytes, what: str) -> dict:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser's stack
+        raise ProtocolError(RejectCode.MALFORMED, f"bad {what}: {type(e).__name__}: {e}") from e
+    if not isinstance(doc, dict):
+        raise ProtocolError(RejectCode.MALFORMED, f"bad {what}: a {type(doc).__name__}, not a JSON object")
+    return doc
+
+
+def parse_records_request(raw: bytes) -> tuple[int, int]:
+    """Fragment and first round of a ``records`` request, ``{"fragment": p, "from": round}``."""
+    doc = _request(raw, "records request")
+    p, start = doc.get("fragment"), doc.get("from")
+    if type(p) is not int or type(start) is not int:
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"bad records request: fragment {_short(p)} / from {_short(start)} not ints"
+        )
+    return p, start
+
+
+def parse_snapshot_request(raw: bytes, max_fragments: int = 1 << 16) -> list[int]:
+    """The fragments a ``snapshot`` request asks for, ``{"fragments": [p, ...]}``."""
+    frags = _request(raw, "snapshot request").get("fragments")
+    if not (isinstance(frags, list) and len(frags) <= max_fragments and all(type(x) is int for x in frags)):
+        raise ProtocolError(RejectCode.MALFORMED, f"bad snapshot request: fragments {_short(frags)}")
+    return frags
+
+
+def parse_route(raw: bytes) -> set[str]:
+    """The peers a contribution's sender found dead, from its routing header ``{"dead": [peer, ...]}``."""
+    dead = _request(raw, "routing header").get("dead")
+    if not (isinstance(dead, list) and all(isinstance(x, str) for x in dead)):
+        raise ProtocolError(RejectCode.MALFORMED, f"bad routing header: dead {_short(dead)}")
+    return set(dead)
+
+
+def parse_redirect(raw: bytes) -> str | None:
+    """The peer a NOT_SYNCHRONISER reply suggests, ``{"try": peer | null}``; None when it names none."""
+    who = _request(raw or b"{}", "redirect").get("try")
+    if who is not None and not isinstance(who, str):
+        raise ProtocolError(RejectCode.MALFORMED, f"bad redirect: try {_short(who)}")
+    return who
+
+
 @dataclass(frozen=True)
 class FragmentState:
     fragment: int
@@ -171,13 +243,27 @@ def encode_snapshot(states: list[FragmentState]) -> bytes:
     return st_save(tensors, metadata={"heads": json.dumps(heads)})
 
 
+def _snapshot_head(p: str, h: object) -> tuple[int, int, str, int, float, int]:
+    """``"fragment": [round, hash, contributors, weight, tokens]`` with the types encode_snapshot writes."""
+    if not (p.isascii() and p.isdigit() and str(int(p)) == p):
+        raise ValueError(f"fragment key {_short(p)} is not a fragment number")
+    if not (isinstance(h, list) and len(h) == 5):
+        raise ValueError(f"head of fragment {p} {_short(h)} is not [round, hash, n, weight, tokens]")
+    r, hash_, n, w, tok = h
+    if not (_is_count(r) and isinstance(hash_, str) and _is_count(n) and _is_weight(w) and _is_count(tok)):
+        raise ValueError(f"head of fragment {p} {_short(h)} has a field of the wrong type or sign")
+    return int(p), r, hash_, n, float(w), tok
+
+
 def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> list[FragmentState]:
     """Decode and verify: every fragment's tensors must match the spec and land on the hash it claims."""
     tensors, meta = _meta(raw)
     try:
         heads = json.loads(meta["heads"])
-        items = [(int(p), int(h[0]), str(h[1]), int(h[2]), float(h[3]), int(h[4])) for p, h in heads.items()]
-    except (KeyError, ValueError, TypeError, IndexError) as e:
+        if not isinstance(heads, dict):
+            raise TypeError(f"heads is a {type(heads).__name__}, not an object")
+        items = [_snapshot_head(p, h) for p, h in heads.items()]
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {e}") from e
     out = []
     for p, r, h, n, w, tok in items:

@@ -97,6 +97,8 @@ def decode_contribution(
         if not isinstance(v, t) or isinstance(v, bool):
             raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={v!r} is not {t.__name__}")
     h = ContributionHeader(**hdr)
+    if not math.isfinite(h.step_time_s):
+        raise ProtocolError(RejectCode.BAD_COUNTERS, f"step_time_s={h.step_time_s} is not a finite duration")
     _check_codec(h.codec, h.block)
     if not isinstance(shapes, dict) or set(shapes) != set(spec):
         raise ProtocolError(
@@ -113,8 +115,8 @@ def decode_contribution(
 
 
 def _check_codec(codec: object, block: object) -> None:
-    if codec not in CODECS:
-        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {codec!r}")
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {repr(codec)[:80]}")
     if type(block) is not int or not 1 <= block <= 1 << 20 or (codec == "int4" and block % 2):
         raise ProtocolError(RejectCode.MALFORMED, f"block={block!r} is not valid for {codec}")
 
