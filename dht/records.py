@@ -9,7 +9,7 @@ names — a node cannot speak for another. Pure functions: time is passed in.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from dht.identity import Identity, verify
 
@@ -33,6 +33,7 @@ class Member:
     heads: dict[str, list] = field(default_factory=dict)  # fragment -> [round, hash, contributors, weight]
     step: int = 0  # the learner's inner step: a joining node starts its fragment schedule in phase with it
     steps_per_s: float = 0.0  # the learner's recent rate, to extrapolate ``step`` from ``issued_at``
+    cert: str = ""  # private swarms: the admission certificate (JSON) the swarm authority signed
     leases: dict[str, int] = field(default_factory=dict)  # fragment -> round this node is collecting
 
     def head_round(self, fragment: int) -> int:
@@ -70,10 +71,14 @@ def parse_member(swarm: str, raw: bytes, now: float) -> Member:
     return m
 
 
-def live_view(swarm: str, raws: dict[str, bytes], now: float) -> tuple[list[Member], dict[str, str]]:
+def live_view(
+    swarm: str, raws: dict[str, bytes], now: float, admission=None
+) -> tuple[list[Member], dict[str, str]]:
     """Valid members (sorted by peer id) from ``subkey -> record`` and the reason each other one was dropped.
 
-    The DHT subkey must be the record's own peer id, so one peer cannot overwrite another's slot.
+    The DHT subkey must be the record's own peer id, so one peer cannot overwrite another's slot. With an
+    ``admission`` (``dht.admission.Admission``, private swarms) a record must also carry a certificate that
+    admits its peer, and a ``learner``-role peer is seen as never electable (as if in client mode).
     """
     members, dropped = [], {}
     for key, raw in raws.items():
@@ -85,6 +90,16 @@ def live_view(swarm: str, raws: dict[str, bytes], now: float) -> tuple[list[Memb
         if m.peer_id != key:
             dropped[key] = f"stored under {key} but signed by {m.peer_id}"
             continue
+        if admission is not None:
+            from dht.admission import AdmissionError
+
+            try:
+                cert = admission.check(m.peer_id, m.cert, now)
+            except AdmissionError as e:
+                dropped[key] = f"not admitted: {e}"
+                continue
+            if cert.role == "learner" and not m.client_mode:
+                m = replace(m, client_mode=True)
         members.append(m)
     return sorted(members, key=lambda m: m.peer_id), dropped
 

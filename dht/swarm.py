@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.serializer import MSGPackSerializer
 
 from dht.identity import Identity
-from dht.records import Member, RecordError, live_view, sign_member
+from dht.records import Member, RecordError, live_view, parse_member, sign_member
 from protocol.errors import ConfigError, DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -159,6 +161,8 @@ def start_dht(
     announce_maddrs: Sequence[str] | None = None,
     client_mode: bool = False,
     timeout_s: float = 30.0,
+    swarm: str | None = None,
+    admission=None,
 ) -> NodeDHT:
     """Start this node's DHT under its own identity; call ``shutdown()`` on the result when done.
 
@@ -184,6 +188,7 @@ def start_dht(
         announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
         client_mode=client_mode,
         no_listen=client_mode,  # client mode: p2pd opens no listening socket; the node only dials out
+        record_validators=[OwnerValidator(swarm, admission)] if swarm else (),
     )
     try:
         dht.run_in_background(await_ready=True, timeout=timeout_s)
@@ -200,11 +205,42 @@ def start_dht(
     return dht
 
 
+class OwnerValidator(RecordValidatorBase):
+    """Every DHT node of ours stores a value under a peer-id subkey only if that peer signed it.
+
+    The subkey is the owner tag: a membership value must be a member record signed by the key behind the
+    subkey's peer id (opened first with the swarm key in a private swarm), so nobody can take over another
+    peer's slot, even with a later expiration. Values under other subkeys are left to other validators."""
+
+    def __init__(self, swarm: str, admission=None) -> None:
+        self.swarm, self.admission = swarm, admission
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            owner = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # noqa: BLE001 - any undecodable subkey is not ours to judge
+            return True
+        if not (isinstance(owner, str) and owner.startswith("12D3KooW")):
+            return True
+        try:
+            raw = MSGPackSerializer.loads(record.value)
+            if self.admission is not None:
+                raw = self.admission.open(raw, f"dht|{self.swarm}|{owner}")
+            m = parse_member(self.swarm, raw, now=float("-inf"))
+        except Exception as e:  # noqa: BLE001 - garbage of any kind is refused
+            logger.debug("DHT refused a value under %s: %s", owner, e)
+            return False
+        return m.peer_id == owner
+
+
 class Membership:
     """Publish this node's signed record and read the swarm's live view through a started DHT."""
 
-    def __init__(self, dht: hivemind.DHT, swarm: str, identity: Identity, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, dht: hivemind.DHT, swarm: str, identity: Identity, timeout_s: float = 10.0, admission=None
+    ) -> None:
         self.dht, self.swarm, self.identity, self.timeout_s = dht, swarm, identity, timeout_s
+        self.admission = admission  # private swarm: values sealed with the swarm key, certificates checked
         self.key = f"{swarm}/members"
 
     def _wait(self, what: str, call: Any, **kwargs: Any) -> Any:
@@ -230,6 +266,8 @@ class Membership:
                 f"record of {member.peer_id} already expired at {member.expires_at:.1f} (now {now:.1f})"
             )
         raw = sign_member(self.swarm, self.identity, member)
+        if self.admission is not None:
+            raw = self.admission.seal(raw, f"dht|{self.swarm}|{member.peer_id}")
         ok = self._wait(
             "storing", self.dht.store, value=raw, expiration_time=member.expires_at, subkey=member.peer_id
         )
@@ -251,10 +289,16 @@ class Membership:
         for subkey, item in found.value.items():
             value = getattr(item, "value", item)
             if isinstance(subkey, str) and isinstance(value, bytes):
-                raws[subkey] = value
+                if self.admission is None:
+                    raws[subkey] = value
+                    continue
+                try:
+                    raws[subkey] = self.admission.open(value, f"dht|{self.swarm}|{subkey}")
+                except DDiLoCoError as e:
+                    dropped[subkey] = f"not admitted: {e}"
             else:
                 dropped[str(subkey)] = (
                     f"not a record: subkey {type(subkey).__name__}, value {type(value).__name__}"
                 )
-        members, bad = live_view(self.swarm, raws, now)
+        members, bad = live_view(self.swarm, raws, now, self.admission)
         return members, {**dropped, **bad}

@@ -82,6 +82,12 @@ class Node(Replication):
         self.identity = Identity.load_or_create(id_path)
         self.identity_path = id_path
         self.peer_id = self.identity.peer_id
+        self.admission = None
+        if s.authority:
+            from dht.admission import Admission
+
+            self.admission = Admission.load(s.swarm, s.authority, s.swarm_secret, s.certificate, s.revoked)
+            self.admission.check_own(self.peer_id)
         if s.threads > 0:
             # Before any torch work on this thread: the merges and hashes on the event loop must not run
             # (and leave spinning) a second OpenMP pool next to the learner's.
@@ -237,6 +243,7 @@ class Node(Replication):
             heads={str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
             steps_per_s=self.learner_loop.steps_per_s(),
+            cert=self.admission.certificate.to_json() if self.admission is not None else "",
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
         )
 
@@ -302,6 +309,8 @@ class Node(Replication):
             None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
             client_mode=s.client_mode,
             timeout_s=max(30.0, s.rpc_timeout_s),
+            swarm=s.swarm,
+            admission=self.admission,
         )
         try:
             import uvloop
@@ -320,9 +329,15 @@ class Node(Replication):
                 self.loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         s = self.settings
         self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
-        self.membership = Membership(self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s)
+        self.membership = Membership(
+            self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
+        )
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s)
+        if self.admission is not None:
+            from node.sealed import SealedTransport
+
+            self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
         for op, h in (
             ("contribute", self._h_contribute),
             ("record", self._h_record),

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     upp.add_argument(
         "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
     )
+    from node.swarm_cli import add_swarm_parser
+
+    add_swarm_parser(sub)
     st = sub.add_parser(
         "status",
         help="show a node's view of the swarm",
@@ -366,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
             from node.sim_cli import cmd_sim
 
             return cmd_sim(args)
+        if args.command == "swarm":
+            from node.swarm_cli import cmd_swarm
+
+            return cmd_swarm(args)
     except DDiLoCoError as e:
         print(f"ddiloco: error: {e}", file=sys.stderr)
         return 2

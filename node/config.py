@@ -127,6 +127,21 @@ class NodeSettings:
     )
     data_seed: int = field(default=-1, metadata={"help": "data order seed (-1: derived from the peer id)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    authority: str = field(
+        default="",
+        metadata={
+            "help": "private swarm: the swarm authority's peer id ('ddiloco swarm init' prints it); peers need "
+            "a certificate it signed, payloads and DHT records are sealed with the swarm secret"
+        },
+    )
+    certificate: str = field(
+        default="", metadata={"help": "private swarm: this node's admission certificate"}
+    )
+    swarm_secret: str = field(default="", metadata={"help": "private swarm: the swarm secret file"})
+    revoked: str = field(
+        default="",
+        metadata={"help": "private swarm: file of revoked peer ids, one a line (re-read on change)"},
+    )
     agent_nice: int = field(
         default=5,
         metadata={
@@ -155,6 +170,11 @@ class NodeSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.authority and not (self.certificate and self.swarm_secret):
+            raise ConfigError(
+                "authority is set (a private swarm) but certificate or swarm_secret is not: a member needs "
+                "its admission certificate ('ddiloco swarm admit') and the swarm secret file"
+            )
         if not 0 <= self.agent_nice <= 19:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
         if self.nproc < 1:

@@ -38,6 +38,9 @@ class RejectCode(enum.Enum):
     NOT_SYNCHRONISER = "not_synchroniser"  # this node cannot take the fragment's round (behind, client mode)
     WRONG_PARENT = "wrong_parent"  # a merge record whose parent hash is not the receiver's fragment state
     BAD_SIGNATURE = "bad_signature"  # signature missing or not made by the peer it names
+    NOT_ADMITTED = "not_admitted"  # private swarm: payload not sealed with the swarm's key, or no admission
+    REPLAYED = "replayed"  # a contribution already merged (same learner and contribution id)
+    BANNED = "banned"  # the sender's score fell below the ban threshold; refused until the ban ends
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 
