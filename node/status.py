@@ -32,6 +32,53 @@ class StatusError(DDiLoCoError):
     """The status endpoint could not be read; the message says which URL and what to check."""
 
 
+class BadRequest(DDiLoCoError, ValueError):
+    """An HTTP request to the status endpoint is malformed; answered with 400 and this message."""
+
+
+ACTIONS = ("pause", "resume", "stop", "block")
+
+
+def parse_request_head(head: bytes) -> tuple[str, str, int]:
+    """Method, path and Content-Length of an HTTP request head (the bytes up to the blank line)."""
+    if len(head) > MAX_REQUEST:
+        raise BadRequest(f"request header of {len(head)} bytes exceeds {MAX_REQUEST}")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) != 3:
+        raise BadRequest(f"request line {lines[0][:80]!r} is not 'METHOD PATH VERSION'")
+    method, path, _ = parts
+    length = 0
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        if k.strip().lower() == "content-length":
+            v = v.strip()
+            if not (v.isascii() and v.isdigit() and len(v) <= 9):
+                raise BadRequest(f"Content-Length {v[:20]!r} is not a byte count")
+            length = int(v)
+    if length > MAX_REQUEST:
+        raise BadRequest(f"request body of {length} bytes exceeds {MAX_REQUEST}")
+    return method, path, length
+
+
+def parse_control(body: bytes) -> tuple[str, list[str]]:
+    """The action of a POST /control body and, for ``block``, the peers; BadRequest says what is wrong."""
+    usage = 'expected JSON {"action": "pause" | "resume" | "stop" | "block"}'
+    try:
+        req = json.loads(body or b"{}")
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"{usage}: {type(e).__name__}: {e}") from e
+    if not isinstance(req, dict) or "action" not in req:
+        raise BadRequest(usage)
+    action = req["action"]
+    if not isinstance(action, str) or action not in ACTIONS:
+        raise BadRequest(f"unknown action {action!r}: pause, resume, stop or block")
+    peers = req.get("peers", []) if action == "block" else []
+    if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
+        raise BadRequest("peers must be a list of peer ids")
+    return action, peers
+
+
 def status_doc(node: Node) -> dict:
     ll = node.learner_loop
     members = node.live_members()
@@ -124,18 +171,7 @@ class StatusServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(10):
-                head = await reader.readuntil(b"\r\n\r\n")
-                if len(head) > MAX_REQUEST:
-                    raise ValueError("request header too large")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                length = 0
-                for line in lines[1:]:
-                    k, _, v = line.partition(":")
-                    if k.strip().lower() == "content-length":
-                        length = int(v.strip())
-                if not 0 <= length <= MAX_REQUEST:
-                    raise ValueError("request body too large")
+                method, path, length = parse_request_head(await reader.readuntil(b"\r\n\r\n"))
                 body = await reader.readexactly(length) if length else b""
                 code, doc = self._route(method, path, body)
         except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
@@ -163,10 +199,9 @@ class StatusServer:
             return 200, status_doc(node)
         if method == "POST" and path == "/control":
             try:
-                req = json.loads(body or b"{}")
-                action = req["action"]
-            except (ValueError, KeyError, TypeError):
-                return 400, {"error": 'expected JSON {"action": "pause" | "resume" | "stop" | "block"}'}
+                action, peers = parse_control(body)
+            except BadRequest as e:
+                return 400, {"error": str(e)}
             ll = node.learner_loop
             if action == "pause":
                 ll.paused.set()
@@ -177,13 +212,8 @@ class StatusServer:
             elif action == "block":
                 if not node.settings.test_hooks:
                     return 403, {"error": "block is a test hook; start the node with --test-hooks"}
-                peers = req.get("peers", [])
-                if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
-                    return 400, {"error": "peers must be a list of peer ids"}
                 node.blocked = set(peers)
                 node.events.emit("partition", t=time.time(), blocked=sorted(peers))
-            else:
-                return 400, {"error": f"unknown action {action!r}: pause, resume, stop or block"}
             return 200, {"ok": True, "action": action}
         return 404, {"error": f"no route {method} {path}: use GET /status or POST /control"}
 

@@ -64,18 +64,37 @@ async def _write_body(writer: asyncio.StreamWriter, body: bytes) -> None:
     await writer.drain()
 
 
-async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
-    (n,) = struct.unpack("<I", await reader.readexactly(4))
+def header_size(prefix: bytes) -> int:
+    """The length of the JSON header that a frame's 4-byte prefix declares; refuses one over MAX_HEADER."""
+    if len(prefix) != 4:
+        raise ProtocolError(RejectCode.MALFORMED, f"frame prefix of {len(prefix)} bytes, expected 4")
+    (n,) = struct.unpack("<I", prefix)
     if n > MAX_HEADER:
         raise ProtocolError(RejectCode.TOO_LARGE, f"frame header of {n} bytes exceeds {MAX_HEADER}")
+    return n
+
+
+def parse_header(raw: bytes, max_bytes: int) -> tuple[dict, int]:
+    """A frame's JSON header and the body length it announces (an int in 0..max_bytes)."""
     try:
-        header = json.loads(await reader.readexactly(n))
-        nbytes = int(header["nbytes"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProtocolError(RejectCode.MALFORMED, f"bad frame header: {e}") from e
-    if not 0 <= nbytes <= max_bytes:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise ProtocolError(RejectCode.MALFORMED, f"bad frame header: {type(e).__name__}: {e}") from e
+    if not isinstance(header, dict) or "nbytes" not in header:
+        raise ProtocolError(RejectCode.MALFORMED, "bad frame header: not a JSON object with nbytes")
+    nbytes = header["nbytes"]
+    if type(nbytes) is not int or nbytes < 0:
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"bad frame header: nbytes={repr(nbytes)[:80]} is not a byte count"
+        )
+    if nbytes > max_bytes:
         raise ProtocolError(RejectCode.TOO_LARGE, f"payload of {nbytes} bytes exceeds {max_bytes}")
     return header, nbytes
+
+
+async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
+    n = header_size(await reader.readexactly(4))
+    return parse_header(await reader.readexactly(n), max_bytes)
 
 
 async def _read_body(reader: asyncio.StreamReader, nbytes: int) -> bytes:
