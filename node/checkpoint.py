@@ -1,8 +1,9 @@
 """Checkpoints (DESIGN §6): one safetensors file of tensors plus JSON metadata, written atomically.
 
 A checkpoint holds named tensor groups (global fragments, outer momentum, learner parameters, inner optimizer
-state, data-generator state) and a JSON document (rounds, hashes, counters, step, swarm id). The JSON also
-carries a SHA-256 of every tensor, so a flipped bit is caught on load, not trained on.
+state, data-generator state) and a JSON document (rounds, hashes, counters, step, swarm id). The JSON
+carries a SHA-256 of every tensor, and the JSON's own SHA-256 sits beside it in the file's metadata, so a
+flipped bit anywhere — tensor data, tensor header or document — is caught on load, not trained on.
 
 Writing: temp file in the same folder, fsync, rename, fsync the folder — a crash mid-write leaves the previous
 checkpoint as the newest valid one. Loading: newest first; a file that is truncated, corrupt, from another
@@ -14,6 +15,7 @@ swarm or of another format version is skipped with a logged reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from protocol.errors import DDiLoCoError
@@ -31,7 +33,7 @@ from protocol.hashing import tensors_hash
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "ddiloco-checkpoint/1"
+FORMAT = "ddiloco-checkpoint/2"  # /2: the JSON document carries its own SHA-256
 _NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
 
 
@@ -66,7 +68,7 @@ def save_checkpoint(
     final = folder / f"ckpt-{step:010d}.safetensors"
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     try:
-        save_file(flat, str(tmp), metadata={"ddiloco": json.dumps(doc)})
+        save_file(flat, str(tmp), metadata=checkpoint_metadata(doc))
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -88,28 +90,48 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def checkpoint_metadata(doc: dict) -> dict[str, str]:
+    """The safetensors metadata of a checkpoint: its JSON document and the document's SHA-256."""
+    text = json.dumps(doc)
+    return {"ddiloco": text, "ddiloco_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
 def load_checkpoint(path: str | Path, swarm: str) -> Checkpoint:
     """Load and verify one file. Raises CheckpointError naming the file and the reason."""
     path = Path(path)
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as fh:
             header = fh.metadata() or {}
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
     try:
-        doc = json.loads(header["ddiloco"])
-    except (KeyError, json.JSONDecodeError) as e:
+        text = header["ddiloco"]
+        doc = json.loads(text)
+    except (KeyError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: no ddiloco metadata; not a checkpoint of ours") from e
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: ddiloco metadata is a {type(doc).__name__}, not an object")
     if doc.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {doc.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path}: format {repr(doc.get('format'))[:80]}, expected {FORMAT!r}")
+    # The tensors' SHA-256 lives in the document, so the document needs its own: a flipped bit in a step,
+    # a round or a counter would otherwise load as a different, valid-looking checkpoint.
+    if hashlib.sha256(text.encode()).hexdigest() != header.get("ddiloco_sha256"):
+        raise CheckpointError(f"{path}: metadata does not match its recorded SHA-256 (corrupted on disk)")
     if doc.get("swarm") != swarm:
-        raise CheckpointError(f"{path}: belongs to swarm {doc.get('swarm')!r}, not {swarm!r}")
-    if tensors_hash(tensors) != doc.get("tensors_sha256"):
+        raise CheckpointError(f"{path}: belongs to swarm {repr(doc.get('swarm'))[:80]}, not {swarm!r}")
+    try:
+        intact = tensors_hash(tensors) == doc.get("tensors_sha256")
+    except TypeError as e:  # a dtype numpy cannot view (float8, uint16, ...): not a tensor we write
+        raise CheckpointError(f"{path}: tensor of an unexpected dtype ({e})") from e
+    if not intact:
         raise CheckpointError(f"{path}: tensor data does not match its recorded SHA-256 (corrupted on disk)")
-    return Checkpoint(int(doc["step"]), tensors, doc.get("meta", {}), path)
+    step, meta = doc.get("step"), doc.get("meta", {})
+    if type(step) is not int or step < 0 or not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{path}: step {repr(step)[:40]} or meta of type {type(meta).__name__} is invalid"
+        )
+    return Checkpoint(step, tensors, meta, path)
 
 
 def load_latest(folder: str | Path, swarm: str) -> Checkpoint | None:

@@ -32,6 +32,7 @@ from protocol.messages import decode_parts, encoded_parts
 from protocol.replica import MergeRecord
 
 _DOMAIN = "ddiloco/merge/v1"
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # the codecs' parts and snapshots
 
 
 def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
@@ -43,6 +44,12 @@ def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
         raise ProtocolError(
             RejectCode.MALFORMED, f"not a safetensors message: {type(e).__name__}: {e}"
         ) from e
+    # Before anything hashes them: tensors_hash cannot view float8/float4 tensors (numpy has no such dtype).
+    for k, t in tensors.items():
+        if t.dtype not in _WIRE_DTYPES:
+            raise ProtocolError(
+                RejectCode.WRONG_SHAPE, f"tensor {k[:80]!r} has dtype {t.dtype}, not a wire dtype"
+            )
     return tensors, meta
 
 
