@@ -9,6 +9,7 @@ names — a node cannot speak for another. Pure functions: time is passed in.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from dht.identity import Identity, verify
@@ -54,6 +55,49 @@ def sign_member(swarm: str, ident: Identity, m: Member) -> bytes:
     return json.dumps({"m": json.loads(payload.split(b"|", 2)[2]), "sig": ident.sign(payload).hex()}).encode()
 
 
+_MAX_TIME = 1e12  # seconds since the epoch (year ~33,700), and the largest rate: products stay finite
+
+
+def _finite(x: object, lo: float, hi: float) -> bool:
+    return type(x) in (int, float) and lo <= x <= hi  # NaN fails both comparisons
+
+
+def _check_types(m: Member) -> None:
+    """The types and ranges a node writes. A signed record is its signer's claim, not a proof of shape: one
+    with a NaN expiry (never expires), a string step or a head of the wrong shape must not reach the code
+    that elects and schedules with it. Raises TypeError naming the field."""
+    bad = []
+    if not all(isinstance(x, str) for x in (m.peer_id, m.version, m.cert, *m.addrs)):
+        bad.append("peer_id/version/cert/addrs must be strings")
+    for f in ("issued_at", "expires_at"):
+        if not _finite(getattr(m, f), -_MAX_TIME, _MAX_TIME):
+            bad.append(f"{f}={getattr(m, f)!r:.40}")
+    for f in ("tokens_per_s", "steps_per_s"):
+        if not _finite(getattr(m, f), 0, _MAX_TIME):
+            bad.append(f"{f}={getattr(m, f)!r:.40}")
+    if type(m.client_mode) is not bool or type(m.step) is not int or m.step < 0:
+        bad.append(f"client_mode={m.client_mode!r:.10} step={m.step!r:.40}")
+    if not isinstance(m.heads, dict) or not all(_is_head(h) for h in m.heads.values()):
+        bad.append(f"heads={m.heads!r:.80}")
+    if not isinstance(m.leases, dict) or not all(type(r) is int for r in m.leases.values()):
+        bad.append(f"leases={m.leases!r:.80}")
+    if bad:
+        raise TypeError("; ".join(bad))
+
+
+def _is_head(h: object) -> bool:
+    """[round, hash, contributors, weight], or a prefix of it (at least the round)."""
+    if not isinstance(h, list) or not 1 <= len(h) <= 4:
+        return False
+    kinds = (
+        lambda r: type(r) is int and r >= 0,
+        lambda x: isinstance(x, str),
+        lambda n: type(n) is int and n >= 0,
+        lambda w: _finite(w, 0, sys.float_info.max),
+    )
+    return all(ok(x) for ok, x in zip(kinds, h))
+
+
 def parse_member(swarm: str, raw: bytes, now: float) -> Member:
     """Decode and verify one record. Raises RecordError with the reason."""
     if len(raw) > MAX_RECORD_BYTES:
@@ -61,9 +105,13 @@ def parse_member(swarm: str, raw: bytes, now: float) -> Member:
     try:
         doc = json.loads(raw)
         body, sig = doc["m"], bytes.fromhex(doc["sig"])
+        if not isinstance(body["addrs"], list):
+            raise TypeError(f"addrs is a {type(body['addrs']).__name__}, not a list")
         m = Member(**{**body, "addrs": tuple(body["addrs"])})
-    except (ValueError, KeyError, TypeError) as e:
-        raise RecordError(f"malformed membership record: {e}") from e
+        _check_types(m)
+    # RecursionError: JSON nested deeper than the parser's stack
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise RecordError(f"malformed membership record: {type(e).__name__}: {e}") from e
     if not verify(m.peer_id, sig, _payload(swarm, m)):
         raise RecordError(f"signature does not match peer {m.peer_id} (forged, altered or other swarm)")
     if m.expires_at <= now:

@@ -51,7 +51,8 @@ from node.unit import Unit
 from node.wire import (
     SignedRecord,
     pack_list,
-    unpack_list,
+    parse_redirect,
+    unpack_contribution,
 )
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
@@ -572,8 +573,8 @@ class Node(Replication):
             last = f"{target}: {reply.code} {reply.message}"
             if reply.code == RejectCode.NOT_SYNCHRONISER.value:
                 refused.add(target)
-                with contextlib.suppress(ValueError, TypeError, AttributeError):
-                    hint = json.loads(reply.body or b"{}").get("try")
+                with contextlib.suppress(ProtocolError):
+                    hint = parse_redirect(reply.body)
                 continue
             if reply.code in (RejectCode.FUTURE_BASE.value, RejectCode.UNKNOWN_PEER.value):
                 refused.add(target)
@@ -605,11 +606,7 @@ class Node(Replication):
 
     async def _accept(self, caller: str, payload: bytes) -> Reply:
         try:
-            route_raw, raw = unpack_list(payload, max_items=2)
-            try:
-                dead = set(json.loads(route_raw)["dead"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ProtocolError(RejectCode.MALFORMED, f"bad routing header: {e}") from e
+            dead, raw = unpack_contribution(payload)
             p = peek_fragment(raw)
             if p not in self.spec:
                 raise ProtocolError(

@@ -219,6 +219,16 @@ def parse_route(raw: bytes) -> set[str]:
     return set(dead)
 
 
+def unpack_contribution(payload: bytes) -> tuple[set[str], bytes]:
+    """A ``contribute`` request: the routing header's dead peers and the contribution message."""
+    items = unpack_list(payload, max_items=2)
+    if len(items) != 2:
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"contribute request of {len(items)} parts, expected [routing, message]"
+        )
+    return parse_route(items[0]), items[1]
+
+
 def parse_redirect(raw: bytes) -> str | None:
     """The peer a NOT_SYNCHRONISER reply suggests, ``{"try": peer | null}``; None when it names none."""
     who = _request(raw or b"{}", "redirect").get("try")
