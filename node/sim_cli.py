@@ -202,9 +202,17 @@ def _table(rows: list[dict]) -> str:
     ]
     cells = [[c for c, _, _ in cols]]
     for r in rows:
-        cells.append([fmt.format(("on" if r[k] else "off") if k == "grace" else r[k]) for _, k, fmt in cols])
+        dp = r["system"] != "decoupled"  # K and the grace window belong to the synchroniser
+        cells.append(
+            [
+                "-"
+                if dp and k in ("quorum", "grace")
+                else fmt.format(("on" if r[k] else "off") if k == "grace" else r[k])
+                for _, k, fmt in cols
+            ]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
