@@ -142,13 +142,17 @@ def return_hosts(blk: Block, t: float, tally: Tally, rec: RecordSink | None) -> 
                 rec.up(blk.index, i, t)
 
 
-def seed_repairs(cfg: SimConfig, rng: random.Random, blk: Block, rec: RecordSink | None) -> None:
+def seed_repairs(
+    cfg: SimConfig, rng: random.Random, blk: Block, rec: RecordSink | None, group_chips: int
+) -> None:
     """Start an elastic group in its steady state: the hosts that failed in the last ``repair_s`` before
-    the run began are still away (a Poisson process of rate chips / mtbi over [-repair_s, 0)), so a run of
-    any length sees the long-run share of chips out for repair. They count as down from t = 0."""
+    the run began are still away, so a run of any length sees the long-run share of chips out for repair.
+    They count as down from t = 0. Failures come only while the group runs, which is 1 / (1 + g * resize_s)
+    of the time for a group (``group_chips``: the whole elastic job, or one learner) failing at rate g, so
+    the block's hosts fail as a Poisson process of rate (chips / mtbi) / (1 + g * resize_s)."""
     if math.isinf(cfg.mtbi_s) or cfg.repair_s == 0:
         return
-    rate = blk.chips / cfg.mtbi_s
+    rate = blk.chips / cfg.mtbi_s / (1.0 + group_chips / cfg.mtbi_s * cfg.resize_s)
     s = -cfg.repair_s + rng.expovariate(rate)
     while s < 0 and blk.away_chips + blk.host < blk.chips:
         fail_host(blk, pick_host(rng, blk), 0.0, s + cfg.repair_s, rec)

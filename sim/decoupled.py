@@ -70,7 +70,7 @@ class DecoupledDriver:
         self.blocks = make_blocks(cfg, rng)
         if cfg.learner_recovery == "resize":
             for blk in self.blocks:
-                seed_repairs(cfg, rng, blk, rec)
+                seed_repairs(cfg, rng, blk, rec, blk.chips)
         self.counts = Counts()
         self.names = [f"L{m}" for m in range(m_count)]
         everyone = frozenset(self.names)

@@ -109,7 +109,7 @@ def simulate(
         blocks = make_blocks(cfg, rng)
         if cfg.system == "elastic-dp":
             for blk in blocks:
-                seed_repairs(cfg, rng, blk, records)
+                seed_repairs(cfg, rng, blk, records, cfg.chips)
         counts = _run_data_parallel(cfg, rng, blocks, tally, records, progress)
     close_downs(blocks, cfg.duration_s, tally)
     if records is not None:

@@ -64,12 +64,15 @@ def test_at_1_2m_chips_decoupled_beats_elastic_dp_beats_dp():
 
 
 def test_hosts_away_for_repair_start_in_steady_state():
-    """A failed chip's host is out for repair_s, so about host_chips * repair_s / mtbi of the chips are
-    away at any time, from the first hour on."""
+    """A failed chip's host is out for repair_s; chips fail only while the job runs (1 / (1 + rate *
+    resize_s) of the time), so host_chips * repair_s / mtbi of the chips times that share are away, from
+    the first hour on as after a week."""
     cfg = SimConfig(system="elastic-dp", chips=1_200_000, duration_s=HOUR_S)
-    r = simulate(cfg)
-    expected = cfg.host_chips * cfg.repair_s / cfg.mtbi_s
-    assert r.goodput.down_s / r.goodput.allocated_s == pytest.approx(expected, rel=0.1)
+    rate = cfg.chips / cfg.mtbi_s
+    expected = cfg.host_chips * cfg.repair_s / cfg.mtbi_s / (1 + rate * cfg.resize_s)
+    for days in (1 / 24, 7):
+        r = simulate(replace(cfg, duration_s=days * DAY_S)).goodput
+        assert r.down_s / r.allocated_s == pytest.approx(expected, rel=0.1)
 
 
 CASES = {
