@@ -145,6 +145,8 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         ) from e
     if type(p) is not int or type(r) is not int or r < 1:
         raise ProtocolError(RejectCode.MALFORMED, f"bad fragment/round {_short(p)}/{_short(r)}")
+    if not math.isfinite(sum(c[2] for c in contributors)):  # each weight finite, their sum need not be
+        raise ProtocolError(RejectCode.MALFORMED, "contributor weights sum to more than a float holds")
     if doc.get("swarm") != swarm:
         raise ProtocolError(
             RejectCode.BAD_SIGNATURE, f"record of swarm {_short(doc.get('swarm'))}, not {swarm!r}"
