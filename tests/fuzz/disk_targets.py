@@ -105,6 +105,25 @@ def _check_latest(ck: ckpt.Checkpoint | None) -> None:
         assert same_checkpoint(ck, 1, {"rounds": [1]}), "the older checkpoint's contents differ"
 
 
+CHECKPOINT_REASONS = (
+    "unreadable or truncated",
+    "no ddiloco metadata",
+    "not an object",
+    "format",
+    "metadata does not match",
+    "belongs to swarm",
+    "unexpected dtype",
+    "tensor data does not match",
+    "step",
+)
+
+
+def _which(ck: ckpt.Checkpoint | None) -> str:
+    if ck is None or ck.path is None:
+        return "none"
+    return "newest used" if ck.path.name == checkpoint_dir().seed.name else "fell back to previous"
+
+
 CHECKPOINT_MUTATORS = [mutate_st_header, mutate_st_tensors, other_swarm] + BYTE_MUTATORS
 CHECKPOINT = Target(
     "checkpoint",
@@ -114,6 +133,8 @@ CHECKPOINT = Target(
     _check_checkpoint,
     CHECKPOINT_MUTATORS,
     finish=reseal_checkpoint,
+    reasons=CHECKPOINT_REASONS,
+    describe=lambda ck: "resealed" if ck.meta.get("resealed") else "intact",
 )
 LATEST = Target(
     "load_latest",
@@ -123,4 +144,5 @@ LATEST = Target(
     _check_latest,
     CHECKPOINT_MUTATORS,
     finish=reseal_checkpoint,
+    describe=_which,
 )

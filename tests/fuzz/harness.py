@@ -48,8 +48,9 @@ def ident() -> Identity:
 @dataclass
 class Outcome:
     kind: str  # "accepted", "refused" or "crash"
-    label: str = ""  # refusal: its code or type; crash: what went wrong
+    label: str = ""  # accepted: the target's description; refusal: its code or type; crash: what went wrong
     error: BaseException | None = None
+    reason: str = ""  # refusal: the cause in a few words (the code, or a phrase of the typed error's message)
 
 
 def refusal_label(e: BaseException) -> str:
@@ -63,14 +64,16 @@ def outcome(target: Target, value: Any) -> Outcome:
     except target.refusals as e:
         if not str(e).strip():
             return Outcome("crash", f"{type(e).__name__} without a message", e)
-        return Outcome("refused", refusal_label(e), e)
+        label = refusal_label(e)
+        reason = next((r for r in target.reasons if r in str(e)), label)
+        return Outcome("refused", label, e, reason)
     except Exception as e:  # the point of fuzzing: anything else is a finding
         return Outcome("crash", type(e).__name__, e)
     try:
         target.check(result)
     except Exception as e:  # noqa: BLE001 - an accepted value that breaks an invariant, however it shows
         return Outcome("crash", f"invariant: {type(e).__name__}: {e}"[:300], e)
-    return Outcome("accepted")
+    return Outcome("accepted", target.describe(result))
 
 
 # ------------------------------------------------------------------------------ generic byte mutations
@@ -310,6 +313,8 @@ class Target:
     arbitrary: Callable[[random.Random], Any] = lambda rng: rng.randbytes(
         rng.choice([0, 4, 8, 40, 300, 3000])
     )
+    reasons: tuple[str, ...] = ()  # phrases of the typed error's messages that name a cause, for reports
+    describe: Callable[[Any], str] = lambda result: "accepted"  # what an accepted value was, for reports
 
     def mutate(self, rng: random.Random, value: Any) -> Any:
         """1-3 mutations of ``value``; a structure-aware mutator that cannot parse its input (an earlier

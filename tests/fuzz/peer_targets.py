@@ -91,6 +91,7 @@ MEMBER = Target(
     _check_member,
     [mutate_json_bytes] * 6 + BYTE_MUTATORS,
     finish=resign_member,
+    reasons=("exceeds", "malformed", "signature", "expired"),
 )
 
 
@@ -122,6 +123,7 @@ LIVE = Target(
     _check_live,
     [_mutate_live],
     arbitrary=lambda rng: {rng.choice(["a", ident().peer_id]): rng.randbytes(rng.randrange(200))},
+    describe=lambda r: f"{len(r[0])} kept, {len(r[1])} dropped",
 )
 
 
@@ -153,6 +155,17 @@ CERTIFICATE = Target(
     _check_certificate,
     [mutate_json_bytes] * 6 + BYTE_MUTATORS,
     finish=resign_certificate,
+    reasons=(
+        "malformed",
+        "issued by",
+        "not signed",
+        "admits it to",
+        "certificate names",
+        "role",
+        "valid from",
+        "revoked",
+        "no admission",
+    ),
 )
 
 SEAL_CONTEXT = "req|contribute|fuzz"
@@ -173,6 +186,7 @@ SEALED = Target(
     (AdmissionError,),
     lambda body: None,
     BYTE_MUTATORS + [splicer(sealed_seeds)],
+    reasons=("too short", "not sealed"),
 )
 
 
@@ -195,6 +209,7 @@ CONTROL = Target(
     (status.BadRequest,),
     _check_control,
     [mutate_json_bytes] * 4 + BYTE_MUTATORS,
+    reasons=("expected JSON", "unknown action", "peers"),
 )
 
 
@@ -223,4 +238,5 @@ HTTP_HEAD = Target(
     (status.BadRequest,),
     _check_head,
     [_mutate_head] * 3 + BYTE_MUTATORS,
+    reasons=("exceeds", "request line", "Content-Length"),
 )
