@@ -256,8 +256,8 @@ def report(payload: dict, args: argparse.Namespace) -> None:
         return
     st = payload["settings"]
     print(
-        f"Goodput at the paper's scale: one failure per chip-year; DP cells {st['dp_days']:g} simulated days, "
-        f"Decoupled cells {st['decoupled_days']:g} (K=1 + grace, P=H=24, tau=2); seed {st['seed']}"
+        f"Goodput at the paper's scale: one failure per chip-year; simulated days per cell: DP {st['dp_days']:g}, "
+        f"Decoupled {st['decoupled_days']:g} (K=1 + grace, P=H=24, tau=2); seed {st['seed']}"
     )
     t = st["times"]
     print(
@@ -280,7 +280,7 @@ def report(payload: dict, args: argparse.Namespace) -> None:
     het = payload["heterogeneity"]
     print(
         f"\nHeterogeneous learners: M={het['settings']['learners']}, {het['settings']['slow_learners']} of them "
-        f"18% slower, 10% jitter, no failures, {het['settings']['days']:g} simulated days"
+        f"18% slower, 10% jitter, no failures; simulated days: {het['settings']['days']:g}"
     )
     print(format_heterogeneity(het))
     if payload.get("timing"):
