@@ -65,14 +65,16 @@ class Certificate:
             doc = json.loads(text)
             cert = cls(**doc)
             for name in ("swarm", "peer_id", "role", "authority", "sig"):
-                if not isinstance(getattr(cert, name), str):
-                    raise TypeError(f"{name} is not a string")
+                if not isinstance(getattr(cert, name), str) or len(getattr(cert, name)) > 256:
+                    raise TypeError(f"{name} is not a string of at most 256 characters")
             for name in ("issued_at", "expires_at"):  # float() let "123" through, to fail in verify()
                 if type(getattr(cert, name)) not in (int, float):
                     raise TypeError(f"{name} is not a number")
         # RecursionError: JSON nested deeper than the parser's stack (a certificate is any member's to write)
         except (ValueError, TypeError, RecursionError) as e:
-            raise AdmissionError(f"malformed admission certificate: {type(e).__name__}: {e}") from e
+            raise AdmissionError(
+                f"malformed admission certificate: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
         return cert
 
     def verify(self, swarm: str, authority: str, peer_id: str, now: float) -> None:

@@ -111,9 +111,9 @@ def parse_member(swarm: str, raw: bytes, now: float) -> Member:
         _check_types(m)
     # RecursionError: JSON nested deeper than the parser's stack
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise RecordError(f"malformed membership record: {type(e).__name__}: {e}") from e
+        raise RecordError(f"malformed membership record: {type(e).__name__}: {str(e)[:200]}") from e
     if not verify(m.peer_id, sig, _payload(swarm, m)):
-        raise RecordError(f"signature does not match peer {m.peer_id} (forged, altered or other swarm)")
+        raise RecordError(f"signature does not match peer {m.peer_id[:80]} (forged, altered or other swarm)")
     if m.expires_at <= now:
         raise RecordError(f"record of {m.peer_id} expired at {m.expires_at:.1f} (now {now:.1f})")
     return m

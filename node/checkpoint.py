@@ -104,7 +104,7 @@ def load_checkpoint(path: str | Path, swarm: str) -> Checkpoint:
             header = fh.metadata() or {}
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
+        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({str(e)[:200]})") from e
     try:
         text = header["ddiloco"]
         doc = json.loads(text)

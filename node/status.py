@@ -67,12 +67,12 @@ def parse_control(body: bytes) -> tuple[str, list[str]]:
     try:
         req = json.loads(body or b"{}")
     except (ValueError, RecursionError) as e:
-        raise BadRequest(f"{usage}: {type(e).__name__}: {e}") from e
+        raise BadRequest(f"{usage}: {type(e).__name__}: {str(e)[:200]}") from e
     if not isinstance(req, dict) or "action" not in req:
         raise BadRequest(usage)
     action = req["action"]
     if not isinstance(action, str) or action not in ACTIONS:
-        raise BadRequest(f"unknown action {action!r}: pause, resume, stop or block")
+        raise BadRequest(f"unknown action {repr(action)[:80]}: pause, resume, stop or block")
     peers = req.get("peers", []) if action == "block" else []
     if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
         raise BadRequest("peers must be a list of peer ids")

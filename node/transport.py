@@ -79,7 +79,9 @@ def parse_header(raw: bytes, max_bytes: int) -> tuple[dict, int]:
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
-        raise ProtocolError(RejectCode.MALFORMED, f"bad frame header: {type(e).__name__}: {e}") from e
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"bad frame header: {type(e).__name__}: {str(e)[:200]}"
+        ) from e
     if not isinstance(header, dict) or "nbytes" not in header:
         raise ProtocolError(RejectCode.MALFORMED, "bad frame header: not a JSON object with nbytes")
     nbytes = header["nbytes"]

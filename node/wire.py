@@ -42,7 +42,7 @@ def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
         meta = json.loads(raw[8 : 8 + n]).get("__metadata__") or {}
     except Exception as e:  # safetensors raises several types on garbage
         raise ProtocolError(
-            RejectCode.MALFORMED, f"not a safetensors message: {type(e).__name__}: {e}"
+            RejectCode.MALFORMED, f"not a safetensors message: {type(e).__name__}: {str(e)[:200]}"
         ) from e
     # Before anything hashes them: tensors_hash cannot view float8/float4 tensors (numpy has no such dtype).
     for k, t in tensors.items():
@@ -141,7 +141,7 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
     # RecursionError: JSON nested deeper than the parser's stack
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
-            RejectCode.MALFORMED, f"bad merge record metadata: {type(e).__name__}: {e}"
+            RejectCode.MALFORMED, f"bad merge record metadata: {type(e).__name__}: {str(e)[:200]}"
         ) from e
     if type(p) is not int or type(r) is not int or r < 1:
         raise ProtocolError(RejectCode.MALFORMED, f"bad fragment/round {_short(p)}/{_short(r)}")
@@ -153,10 +153,11 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         )
     if not verify(str(signer), sig, _signed_bytes(doc_s, tensors_hash(tensors))):
         raise ProtocolError(
-            RejectCode.BAD_SIGNATURE, f"record for fragment {p} round {r} not signed by {signer}"
+            RejectCode.BAD_SIGNATURE,
+            f"record for fragment {_short(p)} round {_short(r)} not signed by {_short(signer)}",
         )
     if p not in spec:
-        raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {p} does not exist")
+        raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {_short(p)} does not exist")
     grad = decode_parts(tensors, codec, block, spec[p])
     rec = MergeRecord(p, r, parent, new, contributors, grad, codec, block)
     return SignedRecord(rec, str(signer), raw)
@@ -188,7 +189,7 @@ def _request(raw: bytes, what: str) -> dict:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser's stack
-        raise ProtocolError(RejectCode.MALFORMED, f"bad {what}: {type(e).__name__}: {e}") from e
+        raise ProtocolError(RejectCode.MALFORMED, f"bad {what}: {type(e).__name__}: {str(e)[:200]}") from e
     if not isinstance(doc, dict):
         raise ProtocolError(RejectCode.MALFORMED, f"bad {what}: a {type(doc).__name__}, not a JSON object")
     return doc
@@ -264,7 +265,7 @@ def encode_snapshot(states: list[FragmentState]) -> bytes:
 
 def _snapshot_head(p: str, h: object) -> tuple[int, int, str, int, float, int]:
     """``"fragment": [round, hash, contributors, weight, tokens]`` with the types encode_snapshot writes."""
-    if not (p.isascii() and p.isdigit() and str(int(p)) == p):
+    if not (len(p) <= 9 and p.isascii() and p.isdigit() and str(int(p)) == p):
         raise ValueError(f"fragment key {_short(p)} is not a fragment number")
     if not (isinstance(h, list) and len(h) == 5):
         raise ValueError(f"head of fragment {p} {_short(h)} is not [round, hash, n, weight, tokens]")
@@ -283,7 +284,9 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
             raise TypeError(f"heads is a {type(heads).__name__}, not an object")
         items = [_snapshot_head(p, h) for p, h in heads.items()]
     except (KeyError, ValueError, TypeError, RecursionError) as e:
-        raise ProtocolError(RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {e}") from e
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {str(e)[:200]}"
+        ) from e
     out = []
     for p, r, h, n, w, tok in items:
         if p not in spec:

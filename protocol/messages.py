@@ -57,6 +57,13 @@ def encode_contribution(h: ContributionHeader, encoded: dict[str, Encoded]) -> b
     return st_save(tensors, metadata=meta)
 
 
+def _short(x: object) -> str:
+    """A value from the wire, for an error message: its repr, cut to 80 characters (a refusal is logged and
+    sent back, so it must not echo a megabyte the sender chose)."""
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _part_sizes(codec: str, numel: int, block: int) -> dict[str, int]:
     if codec in ("fp32", "bf16"):
         return {"v": numel}
@@ -83,19 +90,19 @@ def decode_contribution(
         shapes = json.loads(meta["shapes"])
     except Exception as e:  # safetensors raises several types for garbage; all mean the same here
         raise ProtocolError(
-            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}"
+            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {str(e)[:200]}"
         ) from e
     if not isinstance(hdr, dict) or set(hdr) != set(_HEADER_FIELDS):
         raise ProtocolError(
             RejectCode.MALFORMED,
-            f"header fields {sorted(hdr) if isinstance(hdr, dict) else hdr!r} != {sorted(_HEADER_FIELDS)}",
+            f"header fields {_short(sorted(hdr) if isinstance(hdr, dict) else hdr)} != {sorted(_HEADER_FIELDS)}",
         )
     for k, t in _HEADER_FIELDS.items():
         v = hdr[k]
         if t is float and isinstance(v, int) and not isinstance(v, bool):
             hdr[k] = v = float(v)
         if not isinstance(v, t) or isinstance(v, bool):
-            raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={v!r} is not {t.__name__}")
+            raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={_short(v)} is not {t.__name__}")
     h = ContributionHeader(**hdr)
     if not math.isfinite(h.step_time_s):
         raise ProtocolError(RejectCode.BAD_COUNTERS, f"step_time_s={h.step_time_s} is not a finite duration")
@@ -103,22 +110,22 @@ def decode_contribution(
     if not isinstance(shapes, dict) or set(shapes) != set(spec):
         raise ProtocolError(
             RejectCode.WRONG_SHAPE,
-            f"tensors {sorted(shapes) if isinstance(shapes, dict) else '?'} != fragment's {sorted(spec)}",
+            f"tensors {_short(sorted(shapes) if isinstance(shapes, dict) else '?')} != fragment's {sorted(spec)}",
         )
     for name, shape in spec.items():
         declared = shapes[name]
         if not (
             isinstance(declared, list) and all(type(d) is int for d in declared) and declared == list(shape)
         ):
-            raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {shapes[name]} != {list(shape)}")
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {_short(declared)} != {list(shape)}")
     return h, decode_parts(tensors, h.codec, h.block, spec)
 
 
 def _check_codec(codec: object, block: object) -> None:
     if not isinstance(codec, str) or codec not in CODECS:
-        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {repr(codec)[:80]}")
+        raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {_short(codec)}")
     if type(block) is not int or not 1 <= block <= 1 << 20 or (codec == "int4" and block % 2):
-        raise ProtocolError(RejectCode.MALFORMED, f"block={block!r} is not valid for {codec}")
+        raise ProtocolError(RejectCode.MALFORMED, f"block={_short(block)} is not valid for {codec}")
 
 
 def decode_parts(
@@ -170,8 +177,8 @@ def peek_fragment(raw: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
         p = json.loads(_metadata(raw)["header"])["fragment"]
     except Exception as e:  # garbage of any shape
         raise ProtocolError(
-            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {e}"
+            RejectCode.MALFORMED, f"not a contribution message: {type(e).__name__}: {str(e)[:200]}"
         ) from e
     if type(p) is not int:
-        raise ProtocolError(RejectCode.MALFORMED, f"header field fragment={p!r} is not int")
+        raise ProtocolError(RejectCode.MALFORMED, f"header field fragment={_short(p)} is not int")
     return p

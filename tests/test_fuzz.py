@@ -24,7 +24,7 @@ from node import wire
 from protocol.hashing import tensors_hash
 from tests.fuzz import TARGETS, Target, outcome
 from tests.fuzz.disk_targets import checkpoint_dir, reseal_checkpoint
-from tests.fuzz.harness import NOW, SWARM, ident, st_meta
+from tests.fuzz.harness import NOW, SWARM, ident, st_join, st_meta
 from tests.fuzz.peer_targets import admission, certificate_for, member_seeds, resign_member
 from tests.fuzz.wire_targets import contribution_seeds, record_seeds, resign_record, snapshot_seeds
 
@@ -169,6 +169,15 @@ CASES = {
     "frame: nbytes 1e999": ("transport_frame", lambda: frame_with_header('{"op": "x", "nbytes": 1e999}'), "malformed"),
     "frame: deep header": ("transport_frame", lambda: frame_with_header(DEEP), "malformed"),
     "status: deep control body": ("status_control", lambda: DEEP.encode(), "BadRequest"),
+    # refusals are logged and sent back: a message that echoed 5,000 characters of the input
+    "status: 5,000-character action": ("status_control", lambda: b'{"action": "' + b"a" * 5000 + b'"}', "BadRequest"),
+    "member: 5,000-character peer id": ("member", lambda: edit_member(peer_id="a" * 5000), "RecordError"),
+    "certificate: 5,000-character key": ("certificate", lambda: b'{"' + b"k" * 5000 + b'": 1}', "AdmissionError"),
+    "record: safetensors error quoting the header": (
+        "record",
+        lambda: st_join(json.dumps({"w": {"dtype": "a" * 5000, "shape": [1], "data_offsets": [0, 4]}}), bytes(4)),
+        "malformed",
+    ),
     # membership: TypeError / OverflowError later, NaN expiry that never expires, deep JSON
     "member: NaN expires_at": ("member", lambda: edit_member(expires_at=float("nan")), "RecordError"),
     "member: string expires_at": ("member", lambda: edit_member(expires_at="never"), "RecordError"),

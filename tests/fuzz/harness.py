@@ -34,7 +34,8 @@ from dht.identity import Identity
 from protocol.errors import ProtocolError
 
 SWARM = "fuzz-swarm"
-NOW = 1_000_000.0  # the "now" records and certificates are judged at
+NOW = 1_000_000.0
+MAX_MESSAGE = 2000  # characters in a refusal's message  # the "now" records and certificates are judged at
 
 
 @functools.cache
@@ -64,6 +65,8 @@ def outcome(target: Target, value: Any) -> Outcome:
     except target.refusals as e:
         if not str(e).strip():
             return Outcome("crash", f"{type(e).__name__} without a message", e)
+        if len(str(e)) > MAX_MESSAGE:  # refusals are logged and sent back: they must not echo the input
+            return Outcome("crash", f"{type(e).__name__} message of {len(str(e))} characters", e)
         label = refusal_label(e)
         reason = next((r for r in target.reasons if r in str(e)), label)
         return Outcome("refused", label, e, reason)
