@@ -3,6 +3,7 @@ folder whose older checkpoint is valid (``load_latest``)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import random
@@ -47,7 +48,9 @@ def checkpoint_tensors(step: int) -> dict[str, torch.Tensor]:
 
 @functools.cache
 def checkpoint_dir() -> CheckpointDir:
-    return CheckpointDir()
+    d = CheckpointDir()
+    atexit.register(d.close)  # one scratch folder a process, removed when it exits
+    return d
 
 
 def reseal_checkpoint(rng: random.Random, raw: bytes) -> bytes:
