@@ -41,6 +41,7 @@ from dht.swarm import get_dht_time
 from node.checkpoint import export_model, load_latest, save_checkpoint
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
+from node.guard import Guard
 from node.learner import Learner
 from node.learner_loop import LearnerLoop
 from node.priority import lower_network_priority
@@ -58,7 +59,7 @@ from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
-from protocol.replica import FragmentReplica
+from protocol.replica import FragmentReplica, NormBook
 from protocol.synchroniser import (
     Contribution,
     SyncState,
@@ -118,8 +119,9 @@ class Node(Replication):
         self.shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
         base = self.learner.base
         P = len(self.plan.fragments)
+        norms = NormBook()  # one robust-merge reference for all fragments
         self.replicas = [
-            FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history)
+            FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history, norms)
             for f in self.plan.fragments
         ]
         self.heads: list[tuple[int, str, int, float]] = [(0, r.hash, 0, 0.0) for r in self.replicas]
@@ -131,6 +133,7 @@ class Node(Replication):
         self.suspect: dict[str, float] = {}
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.lagging_since: dict[int, float] = {}
+        self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
         self._syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True)
@@ -250,7 +253,12 @@ class Node(Replication):
 
     def live_members(self) -> dict[str, Member]:
         now = get_dht_time()
-        view = {pid: m for pid, m in self.members.items() if m.expires_at > now and pid not in self.blocked}
+        banned = self.guard.banned_until
+        view = {
+            pid: m
+            for pid, m in self.members.items()
+            if m.expires_at > now and pid not in self.blocked and pid not in banned
+        }
         view[self.peer_id] = self.self_member(now)
         return view
 
@@ -587,6 +595,8 @@ class Node(Replication):
 
     # ---------------------------------------------------------------- ops (server side)
     async def _known(self, caller: str) -> bool:
+        """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
+        self.guard.check(caller, time.monotonic())
         if caller in self.blocked:
             return False
         if caller in self.members or caller == self.peer_id:
@@ -624,18 +634,26 @@ class Node(Replication):
             who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
-            self.replicas[p].check_delta(delta)
+            self.guard.check_replay(h.cid)
+            self.replicas[p].check_delta(delta, self.pcfg)
             c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid)
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:
                 self.transport._count(e.code.value)
+            else:
+                self.penalise(caller, e.code)
             return Reply(False, e.code.value, str(e))
+        self.guard.reward(caller)
         self.leases[p] = self.replicas[p].round + 1
         self.counters["contributions_accepted"] += 1
         self._decide(p, d)
         return Reply(True)
+
+    def penalise(self, peer: str, code: RejectCode) -> None:
+        if self.guard.penalise(peer, code, time.monotonic()):
+            self.events.emit("ban", t=time.time(), peer=peer, seconds=self.guard.ban_s, last=code.value)
 
     def _refuse_role(self, caller: str, p: int, who: str | None) -> Reply:
         """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""

@@ -142,6 +142,11 @@ class NodeSettings:
         default="",
         metadata={"help": "private swarm: file of revoked peer ids, one a line (re-read on change)"},
     )
+    ban_after: float = field(
+        default=10.0,
+        metadata={"help": "ban a peer after this many refused hostile messages (net of accepted work)"},
+    )
+    ban_s: float = field(default=300.0, metadata={"help": "how long a ban lasts (s)"})
     agent_nice: int = field(
         default=5,
         metadata={
@@ -179,7 +184,15 @@ class NodeSettings:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
         if self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
-        for name in ("heartbeat_s", "ttl_s", "failover_s", "rpc_timeout_s", "unit_timeout_s"):
+        for name in (
+            "heartbeat_s",
+            "ttl_s",
+            "failover_s",
+            "rpc_timeout_s",
+            "unit_timeout_s",
+            "ban_after",
+            "ban_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be > 0")
         if self.ttl_s <= 2 * self.heartbeat_s:

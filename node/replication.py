@@ -175,6 +175,7 @@ class Replication:
             raise
         self.heads[p] = tuple(sr.head)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
+        self.guard.merged(c[1] for c in rec.contributors)
         log = self.logs[p]
         log[rec.round] = sr
         while len(log) > self.pcfg.history:
@@ -269,6 +270,7 @@ class Replication:
             return self._on_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
+            self.penalise(caller, e.code)
             return Reply(False, e.code.value, str(e))
 
     def _on_record(self, sr: SignedRecord, caller: str) -> Reply:

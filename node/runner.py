@@ -26,12 +26,12 @@ import torch
 from node.events import EventLog
 from node.learner import InnerConfig, Learner, plan_for
 from node.task import Task
-from protocol.codecs import decode_tensors, wire_bytes
+from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError, ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
-from protocol.replica import FragmentReplica
+from protocol.replica import FragmentReplica, NormBook
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -54,6 +54,7 @@ class LearnerPlan:
     speed: float = 1.0  # relative; 0.8 means steps take 25% longer
     jitter: float = 0.0  # each step's time is scaled by a uniform factor in [1 - jitter, 1 + jitter]
     down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
+    scale: float = 1.0  # multiplies the learner's outer gradients: >1 plays a hostile learner (robust merge)
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,9 @@ class VirtualSwarm:
             lrn = Learner(f"L{m}", task, self.cfg, inner, steps, seed=run.seed * 1000 + m + 1, plan=self.plan)
             self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
         base = self.slots[0].learner.base
+        norms = NormBook()  # one robust-merge reference for all fragments
         self.replicas = [
-            FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history)
+            FragmentReplica(f.index, base[f.index], f.is_embedding, self.cfg.history, norms)
             for f in self.plan.fragments
         ]
         for s in self.slots:
@@ -310,6 +312,9 @@ class VirtualSwarm:
         for p in res.due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
+            if s.plan.scale != 1.0:
+                scaled = {k: v * s.plan.scale for k, v in lrn.outer_gradient(p).items()}
+                enc = encode_tensors(scaled, self.cfg.codec, self.cfg.codec_block)
             nbytes = wire_bytes(enc)
             self.bytes_sent += nbytes
             cid = f"{lrn.name}:{p}:{lrn.steps}"
@@ -334,7 +339,7 @@ class VirtualSwarm:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
         try:
             delta = decode_tensors(enc)
-            self.replicas[p].check_delta(delta)
+            self.replicas[p].check_delta(delta, self.cfg)
             c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid)
             self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
             slot = self.slots[self._index[name]]

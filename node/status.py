@@ -141,6 +141,7 @@ def status_doc(node: Node) -> dict:
         "bytes_sent": t.bytes_out if t else 0,
         "bytes_received": t.bytes_in if t else 0,
         "refused": dict(t.refused) if t else {},
+        "guard": node.guard.status(),
         "counters": dict(node.counters),
         "goodput": goodput,
         "blocked": sorted(node.blocked),

@@ -38,6 +38,23 @@ class ProtocolConfig:
             "synchroniser's included, steps with the decoded values)"
         },
     )
+    clip_factor: float = field(
+        default=3.0,
+        metadata={
+            "help": "robust merge: an outer gradient whose norm exceeds this multiple of the median of the "
+            "learners' latest norms for the fragment (3+ learners) is scaled down to it (0: off)"
+        },
+    )
+    refuse_factor: float = field(
+        default=50.0,
+        metadata={"help": "refuse (too_large) an outer gradient over this multiple of that median (0: off)"},
+    )
+    max_rms: float = field(
+        default=1.0,
+        metadata={
+            "help": "refuse (too_large) an outer gradient whose RMS per parameter exceeds this (0: off)"
+        },
+    )
     history: int = field(default=16, metadata={"help": "global rounds kept per fragment to anchor old bases"})
 
     def __post_init__(self) -> None:
@@ -74,6 +91,10 @@ class ProtocolConfig:
             )
         if self.codec_block < 1 or (self.codec_block % 2 and "int4" in (self.codec, self.record_codec)):
             raise bad("codec_block", self.codec_block, "must be >= 1, and even for int4")
+        if self.clip_factor < 0 or self.refuse_factor < 0 or self.max_rms < 0:
+            raise bad("clip_factor/refuse_factor", (self.clip_factor, self.refuse_factor), "must be >= 0")
+        if 0 < self.refuse_factor <= self.clip_factor:
+            raise bad("refuse_factor", self.refuse_factor, f"must exceed clip_factor={self.clip_factor}")
         if self.history < 2:
             raise bad("history", self.history, "keep at least 2 rounds")
 

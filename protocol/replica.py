@@ -7,6 +7,8 @@ applies that record with ``apply_record`` and checks it lands on the record's ha
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,10 +34,44 @@ class MergeRecord:
     codec: str = "fp32"  # how ``grad`` travels
     block: int = 64
     wire: Mapping[str, Encoded] | None = None  # ``grad`` encoded with ``codec``; None: fp32 as is
+    clipped: tuple[str, ...] = ()  # contribution ids scaled down by the robust merge (local, not signed)
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+class NormBook:
+    """Each learner's recent outer-gradient size, as RMS per parameter over whatever fragments it sent.
+
+    One book is shared by all fragments of a node, so the robust merge has a reference as soon as three
+    learners have contributed anything: the median over learners of each one's median recent RMS. A single
+    lying learner among three or more cannot move it far."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.rms: dict[str, list[float]] = {}
+
+    def add(self, learner: str, rms: float) -> None:
+        xs = self.rms.setdefault(learner, [])
+        xs.append(rms)
+        del xs[: -self.keep]
+
+    def reference_rms(self) -> float | None:
+        per = [statistics.median(xs) for xs in self.rms.values() if xs]
+        per = [x for x in per if x > 0]
+        return statistics.median(per) if len(per) >= 3 else None
 
 
 class FragmentReplica:
-    def __init__(self, index: int, theta: Mapping[str, torch.Tensor], is_embedding: bool, history: int = 16):
+    def __init__(
+        self,
+        index: int,
+        theta: Mapping[str, torch.Tensor],
+        is_embedding: bool,
+        history: int = 16,
+        norms: NormBook | None = None,
+    ):
         self.index = index
         self.is_embedding = is_embedding
         self.theta = {k: v.detach().to(torch.float32).clone() for k, v in theta.items()}
@@ -46,6 +82,13 @@ class FragmentReplica:
         self._hash = tensors_hash(self.theta)
         # The outcome of the record this replica made last: applying its own record needs no recompute.
         self._made: tuple[MergeRecord, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self.norms = norms if norms is not None else NormBook()  # shared by a node's fragments
+        self.numel = sum(t.numel() for t in self.theta.values())
+
+    def norm_reference(self) -> float | None:
+        """The norm a typical learner's outer gradient for this fragment has (None until 3 learners known)."""
+        rms = self.norms.reference_rms()
+        return None if rms is None else rms * math.sqrt(self.numel)
 
     @property
     def hash(self) -> str:
@@ -78,8 +121,9 @@ class FragmentReplica:
                 f"fragment {self.index} no longer keeps round {round_} (now at {self.round})",
             ) from None
 
-    def check_delta(self, delta: Mapping[str, torch.Tensor]) -> None:
-        """Shape, name and finiteness checks of a decoded outer gradient against this fragment."""
+    def check_delta(self, delta: Mapping[str, torch.Tensor], cfg: ProtocolConfig | None = None) -> None:
+        """Shape, name and finiteness checks of a decoded outer gradient against this fragment, and with
+        ``cfg`` its norm against ``refuse_factor`` times the median of recent merged gradients."""
         if set(delta) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE,
@@ -92,6 +136,22 @@ class FragmentReplica:
                 )
             if not torch.isfinite(d).all():
                 raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
+        if cfg is None:
+            return
+        n = global_norm(delta)
+        rms = n / math.sqrt(max(1, self.numel))
+        if cfg.max_rms > 0 and rms > cfg.max_rms:
+            raise ProtocolError(
+                RejectCode.TOO_LARGE,
+                f"outer gradient RMS {rms:.3g} per parameter exceeds max_rms {cfg.max_rms:g}",
+            )
+        ref = self.norm_reference() if cfg.refuse_factor > 0 else None
+        if ref is not None and n > cfg.refuse_factor * ref:
+            raise ProtocolError(
+                RejectCode.TOO_LARGE,
+                f"outer gradient norm {n:.3g} is {n / ref:.0f}x the fragment's recent median {ref:.3g} "
+                f"(limit {cfg.refuse_factor:g}x)",
+            )
 
     def make_record(
         self, round_: int, contributions: Sequence[Contribution], cfg: ProtocolConfig
@@ -100,6 +160,15 @@ class FragmentReplica:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
         deltas = [anchor(self.theta, self.base(c.base_round), c.delta) for c in contributions]
+        clipped = []
+        ref = self.norm_reference() if cfg.clip_factor > 0 else None
+        for i, c in enumerate(contributions):
+            n = global_norm(c.delta)
+            if ref is not None and n > cfg.clip_factor * ref:
+                scale = cfg.clip_factor * ref / n
+                deltas[i] = {k: t * scale for k, t in deltas[i].items()}
+                clipped.append(c.cid)
+            self.norms.add(c.learner, n / math.sqrt(max(1, self.numel)))
         method = "mean" if self.is_embedding else cfg.merge
         grad = merge_deltas(deltas, weights, method)
         wire = None
@@ -121,6 +190,7 @@ class FragmentReplica:
             codec=cfg.record_codec,
             block=cfg.codec_block,
             wire=wire,
+            clipped=tuple(clipped),
         )
         self._made = (rec, new_theta, new_mom)
         return rec

@@ -54,7 +54,15 @@ def test_sync_schedule_matches_handwritten_diloco_step_for_step(tiny_task, round
     m, h = 2, 4
     per_learner_total = 3 * h  # fixes the lr schedule across the three runs
     pcfg = ProtocolConfig(
-        fragments=1, sync_every=h, overlap=0, quorum=m, grace=False, merge="mean", codec="fp32"
+        fragments=1,
+        sync_every=h,
+        overlap=0,
+        quorum=m,
+        grace=False,
+        merge="mean",
+        codec="fp32",
+        record_codec="fp32",
+        clip_factor=0.0,
     )
     tokens = rounds * h * m * tiny_task.tokens_per_batch
     run = RunConfig(system="sync-diloco", learners=m, token_budget=tokens, eval_points=1)

@@ -1,0 +1,98 @@
+"""Defence against peers that lie (issue 5): scores and bans, and replay memory (DESIGN §5).
+
+Every refusal of a message that an honest peer would not send (malformed, wrong shape, NaN, oversized norm,
+bad signature, a replay, ...) lowers the sender's score by one; accepted work raises it back slowly (never
+above zero). A peer whose score reaches ``-ban_after`` is banned for ``ban_s`` seconds: everything it sends
+is refused with ``banned`` before it is decoded, and it leaves this node's view (never elected, never
+pushed to). Refusals that honest peers meet in normal operation (routing, a stale or future base, a record
+that does not follow ours yet) cost nothing.
+
+Replays: a contribution id that a merge record already merged is refused with ``replayed``; every node
+learns merged ids from the records it applies, so a replay is refused by whichever node it is sent to.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from protocol.errors import ProtocolError, RejectCode
+
+logger = logging.getLogger(__name__)
+
+HOSTILE = frozenset(
+    {
+        RejectCode.MALFORMED,
+        RejectCode.WRONG_FRAGMENT,
+        RejectCode.WRONG_SHAPE,
+        RejectCode.NOT_FINITE,
+        RejectCode.BAD_COUNTERS,
+        RejectCode.TOO_LARGE,
+        RejectCode.UNKNOWN_CODEC,
+        RejectCode.BAD_SIGNATURE,
+        RejectCode.REPLAYED,
+    }
+)
+
+
+class Guard:
+    def __init__(self, ban_after: float = 10.0, ban_s: float = 300.0, remember: int = 4096) -> None:
+        self.ban_after, self.ban_s, self.remember = ban_after, ban_s, remember
+        self.scores: dict[str, float] = {}
+        self.banned_until: dict[str, float] = {}
+        self.bans = 0
+        self._merged: OrderedDict[str, None] = OrderedDict()
+
+    # ---------------------------------------------------------------- scores and bans
+    def banned(self, peer: str, now: float) -> bool:
+        until = self.banned_until.get(peer)
+        if until is None:
+            return False
+        if now >= until:
+            del self.banned_until[peer]
+            self.scores[peer] = 0.0
+            logger.warning("ban of %s ended", peer)
+            return False
+        return True
+
+    def check(self, peer: str, now: float) -> None:
+        if self.banned(peer, now):
+            raise ProtocolError(
+                RejectCode.BANNED, f"{peer} is banned for {self.banned_until[peer] - now:.0f} s more"
+            )
+
+    def penalise(self, peer: str, code: RejectCode, now: float) -> bool:
+        """Count a refusal against ``peer``; True if this one got it banned."""
+        if code not in HOSTILE:
+            return False
+        score = self.scores.get(peer, 0.0) - 1.0
+        self.scores[peer] = score
+        if score <= -self.ban_after and peer not in self.banned_until:
+            self.banned_until[peer] = now + self.ban_s
+            self.bans += 1
+            logger.warning("banned %s for %.0f s: score %.1f after refused messages", peer, self.ban_s, score)
+            return True
+        return False
+
+    def reward(self, peer: str) -> None:
+        if self.scores.get(peer, 0.0) < 0:
+            self.scores[peer] = min(0.0, self.scores[peer] + 0.1)
+
+    # ---------------------------------------------------------------- replays
+    def merged(self, cids) -> None:
+        for cid in cids:
+            self._merged[cid] = None
+            self._merged.move_to_end(cid)
+        while len(self._merged) > self.remember:
+            self._merged.popitem(last=False)
+
+    def check_replay(self, cid: str) -> None:
+        if cid in self._merged:
+            raise ProtocolError(RejectCode.REPLAYED, f"contribution {cid} was already merged")
+
+    def status(self) -> dict:
+        return {
+            "scores": {p: round(s, 2) for p, s in self.scores.items() if s < 0},
+            "banned": sorted(self.banned_until),
+            "bans": self.bans,
+        }

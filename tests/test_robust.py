@@ -1,0 +1,80 @@
+"""Defence against bad updates (issue 5): bounds, the robust merge, scores and bans, replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.events import EventLog
+from node.guard import Guard
+from node.learner import InnerConfig
+from node.runner import LearnerPlan, RunConfig, run_system
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError, RejectCode
+from protocol.replica import FragmentReplica, NormBook
+from protocol.synchroniser import Contribution
+
+
+def _rep(norms: NormBook) -> FragmentReplica:
+    return FragmentReplica(0, {"w": torch.zeros(100)}, False, norms=norms)
+
+
+def test_robust_merge_clips_one_outlier_and_refuses_absurd_sizes():
+    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", record_codec="fp32", outer_lr=1.0,
+                         outer_momentum=0.0)  # fmt: skip
+    norms = NormBook()
+    rep = _rep(norms)
+    assert rep.norm_reference() is None  # fewer than three learners known: no reference yet
+    honest = [
+        Contribution(f"l{i}", 0, 0, 4, 400, 1.0, {"w": torch.full((100,), 0.01)}, f"c{i}") for i in range(3)
+    ]
+    rep.apply_record(rep.make_record(1, honest, cfg), cfg)
+    ref = rep.norm_reference()
+    assert ref == pytest.approx(0.1)  # RMS 0.01 per parameter x sqrt(100)
+    big = Contribution("bad", 0, 1, 4, 400, 1.0, {"w": torch.full((100,), 0.05)}, "b1")  # 5x the others
+    rec = rep.make_record(2, [big], cfg)
+    assert rec.clipped == ("b1",)
+    assert float(rec.grad["w"].norm()) == pytest.approx(cfg.clip_factor * ref, rel=1e-5)
+    with pytest.raises(ProtocolError) as e:  # 60x the median: refused outright
+        rep.check_delta({"w": torch.full((100,), 0.6)}, cfg)
+    assert e.value.code is RejectCode.TOO_LARGE
+    with pytest.raises(ProtocolError) as e:  # absurd per-parameter size, even with no reference yet
+        _rep(NormBook()).check_delta({"w": torch.full((100,), 2.0)}, cfg)
+    assert e.value.code is RejectCode.TOO_LARGE and "max_rms" in str(e.value)
+
+
+def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
+    g = Guard(ban_after=3, ban_s=10)
+    for _ in range(5):
+        assert not g.penalise("p", RejectCode.STALE_BASE, 0.0)  # honest peers meet these: free
+    g.check("p", 0.0)
+    assert not g.penalise("p", RejectCode.NOT_FINITE, 0.0)
+    assert not g.penalise("p", RejectCode.WRONG_SHAPE, 0.0)
+    assert g.penalise("p", RejectCode.TOO_LARGE, 1.0)  # third strike
+    with pytest.raises(ProtocolError) as e:
+        g.check("p", 5.0)
+    assert e.value.code is RejectCode.BANNED
+    g.check("p", 11.5)  # the ban ends, with a clean score
+    assert g.scores["p"] == 0.0
+    g.merged(["a:0:1", "a:0:2"])
+    with pytest.raises(ProtocolError) as e:
+        g.check_replay("a:0:1")
+    assert e.value.code is RejectCode.REPLAYED
+    g.check_replay("a:0:3")
+
+
+def _final_loss(task, scale: float, **defence) -> float:
+    pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, **defence)
+    plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(), LearnerPlan(scale=scale))
+    run = RunConfig(
+        learners=4, token_budget=4 * 80 * task.tokens_per_batch, eval_points=2, seed=3, plans=plans
+    )
+    return run_system(task, run, pcfg, InnerConfig(), EventLog()).evals[-1][2]
+
+
+def test_a_learner_sending_1000x_updates_is_neutralised(tiny_task):
+    honest = _final_loss(tiny_task, 1.0)
+    attacked = _final_loss(tiny_task, 1000.0)
+    undefended = _final_loss(tiny_task, 1000.0, clip_factor=0.0, refuse_factor=0.0, max_rms=0.0)
+    assert attacked <= 1.02 * honest  # within 2% of the honest run (or better: its work is refused)
+    assert undefended > 2 * honest  # and without the defence the same attack ruins the model
