@@ -28,6 +28,7 @@ COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY dht ./dht
 COPY node ./node
+COPY sim ./sim
 RUN pip install . && rm -rf /src
 
 COPY deploy/entrypoint.sh /usr/local/bin/ddiloco-entrypoint

@@ -19,12 +19,6 @@ from dataclasses import fields
 from pathlib import Path
 
 from protocol.errors import ConfigError
-
-try:
-    import sim  # noqa: F401
-except ModuleNotFoundError:  # an editable install made before sim/ existed maps only protocol, dht, node
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from sim.model import DAY_S, HOUR_S, SYSTEMS, YEAR_S, SimConfig
 
 # Per-chip event records grow as chips x steps; beyond this they are not worth writing.

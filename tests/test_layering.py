@@ -1,4 +1,5 @@
-"""Imports flow one way: protocol <- dht <- node (DESIGN §8). protocol stays free of I/O."""
+"""Imports flow one way: protocol <- dht <- node (DESIGN §8); the simulator (sim) drives protocol only.
+protocol stays free of I/O."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "protocol": {"dht", "node", "socket", "asyncio", "time", "hivemind", "libp2p", "threading", "subprocess"},
     "dht": {"node"},
+    "sim": {"dht", "node", "socket", "asyncio", "hivemind", "torch", "threading", "subprocess"},
 }
 
 
