@@ -162,14 +162,14 @@ def analytic_rows(
 
 
 # ------------------------------------------------------------------------------------------ alone learners
-def alone_worker(seconds: float, warm_s: float, seed: int) -> int:
+def alone_worker(seconds: float, warm_s: float, seed: int, batch: int) -> int:
     """Child process: a plain train_step loop of the node's default learner, one torch thread, no network."""
     import torch
 
     from node.learner import Learner
 
     torch.set_num_threads(1)
-    task = load_task(None, TaskConfig())
+    task = load_task(None, TaskConfig(batch_size=batch))
     lrn = Learner(
         "alone", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, seed, torch.device("cpu")
     )
@@ -188,9 +188,10 @@ def alone_worker(seconds: float, warm_s: float, seed: int) -> int:
     return 0
 
 
-def run_alone(n: int, seconds: float, warm_s: float, label: str) -> list[dict]:
+def run_alone(n: int, seconds: float, warm_s: float, label: str, batch: int) -> list[dict]:
     log(f"[alone {label}] {n} standalone learners side by side for {warm_s:g} s warm-up + {seconds:g} s")
     cmd = [sys.executable, os.path.abspath(__file__), "--alone-worker", str(seconds), "--warm", str(warm_s)]
+    cmd += ["--batch-size", str(batch)]
     procs: list[subprocess.Popen] = []
     try:
         for i in range(n):
@@ -241,8 +242,8 @@ def _contributions(state_dir: Path, peer: str, t_a: float, t_b: float) -> list[i
     return out
 
 
-def run_swarm(nodes: int, seconds: float, warm_s: float, run_dir: Path) -> dict:
-    flags = ["--threads", "1", "--swarm", f"bench-{os.getpid()}"]
+def run_swarm(nodes: int, seconds: float, warm_s: float, run_dir: Path, batch: int) -> dict:
+    flags = ["--threads", "1", "--swarm", f"bench-{os.getpid()}", "--batch-size", str(batch)]
     children: list[Child] = []
     try:
         log(f"[swarm] starting {nodes} nodes in {run_dir}")
@@ -456,11 +457,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short run: 16 s measured, 5 s warm-up")
     ap.add_argument("--keep", action="store_true", help="keep the nodes' state folders")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=TaskConfig().batch_size,
+        help="sequences per inner step (the default's steps are short on a CPU: the network side's fixed cost per "
+        "step weighs more)",
+    )
     ap.add_argument("--alone-worker", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.alone_worker is not None:
-        return alone_worker(a.alone_worker, a.warm, a.seed)
+        return alone_worker(a.alone_worker, a.warm, a.seed, a.batch_size)
     if a.quick:
         a.duration, a.warm = 16.0, 5.0
     if a.nodes < 2:
@@ -469,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]
     pcfg = ProtocolConfig()
-    tcfg = TaskConfig()
+    tcfg = TaskConfig(batch_size=a.batch_size)
     task = load_task(None, tcfg)
     model = task.new_model()
     plan = plan_for(task, model, pcfg)
@@ -480,14 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = analytic_rows(params, exact_b, exact_r, a.nodes, pcfg)
 
     half, alone_warm = a.duration / 2, min(3.0, a.warm)
-    before = run_alone(a.nodes, half, alone_warm, "before")
+    before = run_alone(a.nodes, half, alone_warm, "before", a.batch_size)
     run_dir = Path(tempfile.mkdtemp(prefix="ddiloco-bench-swarm-"))
     try:
-        sw = run_swarm(a.nodes, a.duration, a.warm, run_dir)
+        sw = run_swarm(a.nodes, a.duration, a.warm, run_dir, a.batch_size)
     finally:
         if not a.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    after = run_alone(a.nodes, half, alone_warm, "after")
+    after = run_alone(a.nodes, half, alone_warm, "after", a.batch_size)
 
     nodes = sw["nodes"]
     steps = sum(x["steps"] for x in nodes)

@@ -112,16 +112,16 @@ class NodeSettings:
     )
     status_host: str = field(default="127.0.0.1", metadata={"help": "address of the HTTP status endpoint"})
     status_port: int = field(default=0, metadata={"help": "port of the status endpoint (0: any free port)"})
-    heartbeat_s: float = field(default=1.0, metadata={"help": "membership refresh period"})
+    heartbeat_s: float = field(default=2.0, metadata={"help": "membership refresh period"})
     ttl_s: float = field(
-        default=6.0, metadata={"help": "membership record lifetime: a silent node is gone after"}
+        default=8.0, metadata={"help": "membership record lifetime: a silent node is gone after"}
     )
     failover_s: float = field(
         default=8.0, metadata={"help": "bound on re-routing a contribution after its synchroniser died"}
     )
     rpc_timeout_s: float = field(default=10.0, metadata={"help": "deadline of one request to a peer"})
     checkpoint_every_s: float = field(default=60.0, metadata={"help": "checkpoint period (0: only at exit)"})
-    eval_every_s: float = field(default=30.0, metadata={"help": "evaluate the global model this often"})
+    eval_every_s: float = field(default=60.0, metadata={"help": "evaluate the global model this often"})
     steps: int = field(
         default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}
     )

@@ -4,6 +4,7 @@ agent delivers between steps (it never waits on the network)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -56,16 +57,24 @@ class LearnerLoop(threading.Thread):
         carries the warm-up: aligning before it would leave the learner that many steps behind).
 
         Learners in phase contribute a fragment at about the same time, so one round merges them together:
-        one merge record per fragment per H steps rather than one per learner."""
-        step = self.node.swarm_step()
+        one merge record per fragment per H steps rather than one per learner. The phase is matched to a
+        fraction of a step: the learner takes the step number the peers start next and waits (less than one
+        step, once) until they start it."""
+        target = self.node.swarm_step()
         lrn = self.learner
-        if step is None or step == lrn.book.step:
+        if target is None:
             return
-        logger.info("fragment schedule moved from step %d to the swarm's %d", lrn.book.step, step)
-        self.node.events.emit(
-            "align", t=time.time(), learner=self.node.peer_id, before=lrn.book.step, after=step
+        nxt = math.ceil(target)
+        wait_s = min(2.0, (nxt - target) * (self.step_s or 0.0))
+        logger.info(
+            "fragment schedule moved from step %d to the swarm's %d (+%.3f s)", lrn.book.step, nxt, wait_s
         )
-        lrn.book.step = step
+        self.node.events.emit(
+            "align", t=time.time(), learner=self.node.peer_id, before=lrn.book.step, after=nxt, wait_s=wait_s
+        )
+        lrn.book.step = nxt
+        if wait_s > 0:
+            self.stop_flag.wait(wait_s)
 
     def _service(self) -> list[int]:
         """Adopt what arrived, answer state requests, evaluate when due; the fragments adopted."""

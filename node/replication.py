@@ -92,16 +92,15 @@ class Replication:
             seconds=time.time() - t0,
         )
 
-    def swarm_step(self) -> int | None:
-        """The peers' fragment-schedule step now (the furthest), or None when no peer has stepped yet.
+    def swarm_step(self) -> float | None:
+        """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
+        None when no peer has stepped yet.
 
         Each peer's step is extrapolated from when its membership record was issued at its published step
         rate. Read from the learner thread: ``members`` is only ever replaced whole."""
         now = get_dht_time()
         steps = [
-            m.step + int(max(0.0, now - m.issued_at) * m.steps_per_s)
-            for m in self.members.values()
-            if m.step > 0
+            m.step + max(0.0, now - m.issued_at) * m.steps_per_s for m in self.members.values() if m.step > 0
         ]
         return max(steps, default=None)
 
