@@ -36,7 +36,7 @@ from node.launcher import start_node, stop_all, wait_ready  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- alone workers
-def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, out: str, batch: int) -> None:
     import torch
 
     from node.config import NodeSettings
@@ -49,7 +49,7 @@ def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, 
     torch.set_num_threads(1)
     unit = Unit(rank=rank, world=world, local_rank=rank, timeout_s=300)
     unit.init()
-    task = load_task(None, TaskConfig())
+    task = load_task(None, TaskConfig(batch_size=batch))
     lrn = Learner(
         "alone", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 1 + rank, unit.device()
     )
@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, 
             )
 
 
-def alone_unit(world: int, seconds: float, warm_s: float) -> int:
+def alone_unit(world: int, seconds: float, warm_s: float, batch: int) -> int:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -87,12 +87,12 @@ def alone_unit(world: int, seconds: float, warm_s: float) -> int:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
-        mp.spawn(_rank_main, args=(world, port, seconds, warm_s, out), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, port, seconds, warm_s, out, batch), nprocs=world, join=True)
         print(Path(out).read_text())
     return 0
 
 
-def alone_single(seconds: float, warm_s: float, delay: float) -> int:
+def alone_single(seconds: float, warm_s: float, delay: float, batch: int) -> int:
     import torch
 
     from node.config import NodeSettings
@@ -101,7 +101,7 @@ def alone_single(seconds: float, warm_s: float, delay: float) -> int:
     from protocol.config import ProtocolConfig
 
     torch.set_num_threads(1)
-    task = load_task(None, TaskConfig())
+    task = load_task(None, TaskConfig(batch_size=batch))
     lrn = Learner("slow", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 9, torch.device("cpu"))
     t0 = time.perf_counter()
     steps = 0
@@ -117,7 +117,14 @@ def run_alone(a: argparse.Namespace, seconds: float, label: str) -> dict:
     log(
         f"[alone {label}] {a.nproc}-process unit + slow learner side by side, {a.warm:g} s warm-up + {seconds:g} s"
     )
-    me = [sys.executable, os.path.abspath(__file__), "--warm", str(min(3.0, a.warm))]
+    me = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--warm",
+        str(min(3.0, a.warm)),
+        "--batch-size",
+        str(a.batch_size),
+    ]
     unit = subprocess.Popen(
         [*me, "--alone", "unit", "--nproc", str(a.nproc), "--duration", str(seconds)],
         stdout=subprocess.PIPE,
@@ -148,7 +155,7 @@ def run_alone(a: argparse.Namespace, seconds: float, label: str) -> dict:
 
 # --------------------------------------------------------------------------------------------- the swarm
 def run_swarm(a: argparse.Namespace, run_dir: Path) -> dict:
-    flags = ["--threads", "1", "--swarm", f"bench-unit-{os.getpid()}"]
+    flags = ["--threads", "1", "--swarm", f"bench-unit-{os.getpid()}", "--batch-size", str(a.batch_size)]
     children = []
     try:
         children.append(start_node(0, run_dir, [*flags, "--nproc", str(a.nproc)], []))
@@ -188,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=50.0, help="measured seconds in the swarm")
     ap.add_argument("--warm", type=float, default=10.0, help="warm-up seconds before measuring")
     ap.add_argument("--quick", action="store_true", help="short run: 16 s measured, 5 s warm-up")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per inner step per rank")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--alone", choices=("unit", "single"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.alone == "unit":
-        return alone_unit(a.nproc, a.duration, a.warm)
+        return alone_unit(a.nproc, a.duration, a.warm, a.batch_size)
     if a.alone == "single":
-        return alone_single(a.duration, a.warm, a.slow_delay)
+        return alone_single(a.duration, a.warm, a.slow_delay, a.batch_size)
     if a.quick:
         a.duration, a.warm = 16.0, 5.0
     t_start = time.monotonic()
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=1))
         return 0
     print(
-        f"{a.nproc}-process learner unit (DDP, gloo, one torch thread per rank) + a slow node ({a.slow_delay:g} s sleep/step)"
+        f"{a.nproc}-process learner unit (DDP, gloo, one torch thread per rank, batch {a.batch_size} per rank) + a "
+        f"slow node ({a.slow_delay:g} s sleep/step)"
     )
     print(f"alone, before swarm : {before['tokens_per_s']:.0f} tokens/s")
     print(f"alone, after swarm  : {after['tokens_per_s']:.0f} tokens/s")
