@@ -53,7 +53,9 @@ from node.wire import (
     SignedRecord,
     pack_list,
     parse_redirect,
-    unpack_contribution,
+    sign_contribution,
+    unpack_signed_contribution,
+    verify_contribution,
 )
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
@@ -539,6 +541,7 @@ class Node(Replication):
         should have it; we try that one next, else the next candidate.
         """
         raw = encode_contribution(header, enc)
+        sig = sign_contribution(self.settings.swarm, self.identity, raw)
         p = header.fragment
         deadline = self.loop.time() + self.settings.failover_s
         dead: set[str] = set()
@@ -555,7 +558,7 @@ class Node(Replication):
                 refused.clear()
                 continue
             target = order[0]
-            payload = pack_list([json.dumps({"dead": sorted(dead)}).encode(), raw])
+            payload = pack_list([json.dumps({"dead": sorted(dead)}).encode(), raw, sig])
             if target == self.peer_id:
                 reply = await self._accept(self.peer_id, payload)
             else:
@@ -616,7 +619,7 @@ class Node(Replication):
 
     async def _accept(self, caller: str, payload: bytes) -> Reply:
         try:
-            dead, raw = unpack_contribution(payload)
+            dead, raw, sig = unpack_signed_contribution(payload)
             p = peek_fragment(raw)
             if p not in self.spec:
                 raise ProtocolError(
@@ -631,6 +634,7 @@ class Node(Replication):
                 raise ProtocolError(
                     RejectCode.UNKNOWN_PEER, f"contribution claims learner {h.learner}, sent by {caller}"
                 )
+            verify_contribution(self.settings.swarm, h.learner, raw, sig)
             who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)

@@ -15,6 +15,7 @@ snapshot whose tensors do not land on it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -224,12 +225,43 @@ def parse_route(raw: bytes) -> set[str]:
 
 def unpack_contribution(payload: bytes) -> tuple[set[str], bytes]:
     """A ``contribute`` request: the routing header's dead peers and the contribution message."""
-    items = unpack_list(payload, max_items=2)
-    if len(items) != 2:
+    dead, raw, _ = unpack_signed_contribution(payload)
+    return dead, raw
+
+
+def unpack_signed_contribution(payload: bytes) -> tuple[set[str], bytes, bytes]:
+    """A ``contribute`` request ``[routing, message, signature]``: dead peers, message, signature (b"" when
+    the request carries none; ``verify_contribution`` then refuses it)."""
+    items = unpack_list(payload, max_items=3)
+    if len(items) not in (2, 3):
         raise ProtocolError(
-            RejectCode.MALFORMED, f"contribute request of {len(items)} parts, expected [routing, message]"
+            RejectCode.MALFORMED,
+            f"contribute request of {len(items)} parts, expected [routing, message, signature]",
         )
-    return parse_route(items[0]), items[1]
+    return parse_route(items[0]), items[1], items[2] if len(items) == 3 else b""
+
+
+_CONTRIB_DOMAIN = "ddiloco/contribution/v1"
+
+
+def _contribution_bytes(swarm: str, raw: bytes) -> bytes:
+    return f"{_CONTRIB_DOMAIN}|{swarm}|{hashlib.sha256(raw).hexdigest()}".encode()
+
+
+def sign_contribution(swarm: str, ident: Identity, raw: bytes) -> bytes:
+    """The learner's Ed25519 signature over the whole contribution message, bound to the swarm. The message
+    names the fragment, its base round and a contribution id; replays of a merged id are refused."""
+    return ident.sign(_contribution_bytes(swarm, raw))
+
+
+def verify_contribution(swarm: str, learner: str, raw: bytes, sig: bytes) -> None:
+    if not sig:
+        raise ProtocolError(RejectCode.BAD_SIGNATURE, f"contribution of {_short(learner)} is not signed")
+    if not verify(learner, sig, _contribution_bytes(swarm, raw)):
+        raise ProtocolError(
+            RejectCode.BAD_SIGNATURE,
+            f"contribution not signed by {_short(learner)} for swarm {_short(swarm)}",
+        )
 
 
 def parse_redirect(raw: bytes) -> str | None:

@@ -43,7 +43,7 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
             return swarm.status()[0]["fragments"][0]
 
         r0 = fragment0()["round"]
-        honest = _contribution(bad.peer_id, spec, base=r0)
+        honest = _contribution(bad, spec, base=r0)
         small = {n: torch.randn(s) * 1e-3 for n, s in spec[0].items()}
 
         async def call(payload: bytes):
@@ -59,15 +59,15 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
         h1 = swarm.status()[0]["model_hash"]
         replies = [asyncio.run(call(honest))]  # the same bytes again: a replay
         scaled = {n: t * 1000 * 1000 for n, t in small.items()}
-        replies.append(asyncio.run(call(_contribution(bad.peer_id, spec, base=r0 + 1, tensors=scaled))))
+        replies.append(asyncio.run(call(_contribution(bad, spec, base=r0 + 1, tensors=scaled))))
         nan = {n: torch.full(s, math.nan) for n, s in spec[0].items()}
         for _ in range(2):
             replies.append(
-                asyncio.run(call(_contribution(bad.peer_id, spec, base=r0 + 1, codec="fp32", tensors=nan)))
+                asyncio.run(call(_contribution(bad, spec, base=r0 + 1, codec="fp32", tensors=nan)))
             )
         assert [r.code for r in replies] == ["replayed", "too_large", "not_finite", "not_finite"]
         # four strikes: banned; now even a valid contribution is refused before it is decoded
-        after_ban = asyncio.run(call(_contribution(bad.peer_id, spec, base=r0 + 1, tensors=small)))
+        after_ban = asyncio.run(call(_contribution(bad, spec, base=r0 + 1, tensors=small)))
         assert not after_ban.ok and after_ban.code == "banned"
         st = swarm.status()[0]
         assert bad.peer_id in st["guard"]["banned"] and st["guard"]["bans"] == 1

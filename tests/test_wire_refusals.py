@@ -19,7 +19,7 @@ from node.learner import plan_for
 from node.model import ModelConfig
 from node.task import TaskConfig, load_task
 from node.transport import GO, PROTOCOL_NAME, Transport, _read_frame
-from node.wire import encode_record, pack_list
+from node.wire import encode_record, pack_list, sign_contribution
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.messages import ContributionHeader, encode_contribution
@@ -37,7 +37,11 @@ def _spec():
     return {f.index: {n: tuple(shapes[n].shape) for n in f.names} for f in plan.fragments}
 
 
-def _contribution(me: str, spec: dict, p: int = 0, base: int = 1, codec: str = "int4", **over) -> bytes:
+def _contribution(me, spec: dict, p: int = 0, base: int = 1, codec: str = "int4", swarm: str = "ddiloco-local",
+                  **over) -> bytes:  # fmt: skip
+    """A contribute request from ``me`` (an Identity signs it; a peer id string sends it unsigned)."""
+    ident = me if isinstance(me, Identity) else None
+    me = me.peer_id if ident is not None else me
     tensors = {n: torch.randn(s) * 1e-3 for n, s in spec[p].items()}
     if "tensors" in over:
         tensors = over.pop("tensors")
@@ -45,7 +49,8 @@ def _contribution(me: str, spec: dict, p: int = 0, base: int = 1, codec: str = "
              block=64, cid=f"test:{time.monotonic_ns()}")  # fmt: skip
     h.update(over)
     raw = encode_contribution(ContributionHeader(**h), encode_tensors(tensors, codec, 64))
-    return pack_list([json.dumps({"dead": []}).encode(), raw])
+    sig = sign_contribution(swarm, ident, raw) if ident is not None else b""
+    return pack_list([json.dumps({"dead": []}).encode(), raw, sig])
 
 
 async def _oversized(p2p, peer_id) -> dict:
@@ -87,7 +92,7 @@ def test_each_bad_message_is_refused_counted_and_changes_nothing(tmp_path):
         Membership(dhts[0], "ddiloco-local", member_id).publish(
             Member(member_id.peer_id, (), "test", now, now + 120)
         )
-        me = member_id.peer_id
+        me = member_id  # signs its contributions
         r0 = before["fragments"][0]["round"]
         nan = {n: torch.full(s, math.nan) for n, s in spec[0].items()}
         wrong = {n: torch.zeros(s[0] + 1, *s[1:]) for n, s in spec[0].items()}
@@ -110,6 +115,8 @@ def test_each_bad_message_is_refused_counted_and_changes_nothing(tmp_path):
             ("bad_counters", "contribute", _contribution(me, spec, base=r0, c_steps=0)),
             ("wrong_fragment", "contribute", _contribution(me, spec, p=0, fragment=99)),
             ("unknown_peer", "contribute", _contribution(outsider_id.peer_id, spec, base=r0)),
+            ("bad_signature", "contribute", _contribution(member_id.peer_id, spec, base=r0)),  # unsigned
+            ("bad_signature", "contribute", _contribution(member_id, spec, base=r0, swarm="another-swarm")),
             ("wrong_parent", "record", encode_record("ddiloco-local", good_rec, member_id)),
             ("unknown_peer", "record", forged),
             ("bad_signature", "record", bytes(tampered)),
