@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     from node.sim_cli import add_sim_parser
 
     add_sim_parser(sub)
+    from node.chaos_cli import add_chaos_parser
+
+    add_chaos_parser(sub)
     return p
 
 
@@ -373,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             from node.swarm_cli import cmd_swarm
 
             return cmd_swarm(args)
+        if args.command == "chaos":
+            from node.chaos_cli import cmd_chaos
+
+            return cmd_chaos(args)
     except DDiLoCoError as e:
         print(f"ddiloco: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,188 @@
+"""``ddiloco chaos``: real node processes under kill -9, SIGSTOP and restarts; goodput, stalls, hashes.
+
+    ddiloco chaos                                         # 4 nodes, 300 s, a failure every 60 s on average
+    ddiloco chaos --nodes 4 --duration 600 --mtbf-s 60 --seed 1 --json
+    ddiloco chaos --plan faults.json --node-flags "--fragments 8 --sync-every 8"
+
+The harness is ``node/chaos.py``, the failure model ``node/chaos_plan.py``, the numbers
+``node/chaos_report.py``; docs/chaos.md ("Real nodes under failures") has a run and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from node.chaos_plan import FailureModel, plan_from_json
+
+
+def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
+    d = {f.name: f.default for f in fields(FailureModel)}
+    cp = sub.add_parser(
+        "chaos",
+        help="run a local swarm of real nodes under a failure schedule and measure goodput",
+        description="Start N 'ddiloco node' processes (as 'ddiloco up' does), then apply failures drawn from "
+        "a seeded model: exponential gaps of mean --mtbf-s between failures anywhere in the swarm; each is a "
+        "kill -9 of a node's process group (some aimed at the node synchronising a fragment at that moment) "
+        "or a SIGSTOP pause; a killed node restarts on its own state folder after its return time. At the "
+        "end: learners paused, one model hash awaited, every node stopped; goodput (protocol.goodput over the "
+        "nodes' event records), tokens merged, eval loss, the longest global stall and bytes per node.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cp.add_argument("--nodes", type=int, default=4, help="node processes")
+    cp.add_argument("--duration", type=float, default=300.0, help="seconds under the plan, once all are up")
+    cp.add_argument("--seed", type=int, default=0, help="seed of the failure plan")
+    cp.add_argument(
+        "--mtbf-s", type=float, default=d["mtbf_s"], help="mean seconds between failures (0: none)"
+    )
+    cp.add_argument(
+        "--pause-share", type=float, default=d["pause_share"], help="share of failures that are SIGSTOP"
+    )
+    cp.add_argument(
+        "--sync-share", type=float, default=d["sync_share"], help="share of kills aimed at a synchroniser"
+    )
+    cp.add_argument(
+        "--return-s", type=float, default=d["return_s"], help="mean seconds before a killed node restarts"
+    )
+    cp.add_argument("--pause-s", type=float, default=d["pause_s"], help="mean seconds of a SIGSTOP")
+    cp.add_argument(
+        "--quiet-end-s", type=float, default=d["quiet_end_s"], help="no failure starts this close to the end"
+    )
+    cp.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="JSON list of faults {at_s, kind, node, fragment, hold_s} to apply instead",
+    )
+    cp.add_argument(
+        "--stall-bound-s",
+        type=float,
+        default=30.0,
+        help="bound on the longest interval with no merge anywhere",
+    )
+    cp.add_argument(
+        "--min-alive", type=int, default=2, help="a failure that would leave fewer running nodes is skipped"
+    )
+    cp.add_argument("--settle-s", type=float, default=90.0, help="bound on the final wait for one model hash")
+    cp.add_argument("--run-dir", help="folder for the nodes' state and logs (default: runs/chaos-TIMESTAMP)")
+    cp.add_argument("--config", help="TOML file given to every node")
+    cp.add_argument(
+        "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
+    )
+    cp.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    cp.add_argument("--quiet", action="store_true", help="no progress on stderr")  # fmt: skip
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def render(rep: dict) -> str:
+    from node.launcher import columns
+
+    lines = [f"chaos run: {rep['nodes']} nodes, {rep['window_s']:g} s measured, seed {rep['seed']}"]
+    rows = [["t s", "fault", "node", "out s", "merges while out", "fragment merged again", "note"]]
+    outs = iter(rep.get("outages", []))
+    for f in rep["faults"]:
+        o = next(outs) if f.get("node") is not None else None
+        again = f.get("fragment_merged_again_s")
+        rows.append(
+            [
+                f"{f['at_s']:.1f}",
+                f["kind"] + (f" p{f['fragment']}" if f["kind"] == "kill_sync" else ""),
+                "-" if f.get("node") is None else str(f["node"]),
+                "-" if o is None else f"{o['out_s']:.1f}" + ("" if o["back"] else " (to end)"),
+                "-" if o is None else str(o["merges_meanwhile"]),
+                "-" if again is None else f"{again:.1f} s",
+                f.get("note", "")[:60],
+            ]
+        )
+    lines += ["", columns(rows) if len(rows) > 1 else "no faults", ""]
+    rows = [["node", "peer", "lives", "steps", "MB out", "MB in", "exit", "model hash"]]
+    for n in rep.get("per_node", []):
+        rows.append(
+            [
+                str(n["node"]),
+                n["peer"][-8:],
+                str(n["lives"]),
+                str(n["steps"]),
+                f"{n['mb_sent']:.1f}",
+                f"{n['mb_received']:.1f}",
+                str(n["exit_code"]),
+                (n["hash"] or f"({n['state']})")[:16],
+            ]
+        )
+    lines += [columns(rows), ""]
+    g = rep.get("goodput", {})
+    if "goodput" in g:
+        lines.append(
+            f"goodput {_pct(g['goodput'])}: useful {g['useful_s']:.0f} s of {g['allocated_s']:.0f} s allocated "
+            f"(down {g['down_s']:.0f} s, dropped {g['dropped_s']:.0f} s, pending {g['pending_s']:.0f} s left out)"
+        )
+    elif g:
+        lines.append(f"goodput: {g.get('error')}")
+    st = rep.get("stall")
+    if st:
+        verdict = "ok" if st["ok"] else "OVER"
+        lines.append(
+            f"longest global stall {st['global_s']:.1f} s at t={st['global_at_s']:.0f}s (bound {st['bound_s']:g} s: "
+            f"{verdict}); longest one-fragment stall {st['fragment_s']:.1f} s (fragment {st['fragment']}); "
+            f"{st['merges']} merges"
+        )
+    if "tokens_merged" in rep:
+        li, lf = rep["eval_loss_initial"], rep["eval_loss_final"]
+        lines.append(
+            f"tokens merged {rep['tokens_merged']:,.0f}; rounds merged {rep['rounds_merged']}; eval loss "
+            f"{'-' if li is None else f'{li:.3f}'} -> {'-' if lf is None else f'{lf:.3f}'}"
+        )
+        hashes = set(rep["hashes"].values())
+        verdict = "one model hash" if rep["equal_hashes"] else f"{len(hashes)} DIFFERENT hashes"
+        lines.append(f"{verdict} across {len(rep['survivors'])} survivors {rep['survivors']}")
+    lines.append(f"run folder {rep['run_dir']}")
+    return "\n".join(lines)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from node.chaos import ChaosConfig, run_chaos
+
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
+    flags = shlex.split(args.node_flags)
+    if args.config:
+        flags = ["--config", str(Path(args.config).resolve()), *flags]
+    model = FailureModel(
+        mtbf_s=args.mtbf_s,
+        pause_share=args.pause_share,
+        sync_share=args.sync_share,
+        return_s=args.return_s,
+        pause_s=args.pause_s,
+        quiet_end_s=args.quiet_end_s,
+    )
+    cfg = ChaosConfig(
+        run_dir=run_dir,
+        nodes=args.nodes,
+        duration_s=args.duration,
+        seed=args.seed,
+        model=model,
+        plan=plan_from_json(Path(args.plan).read_text()) if args.plan else None,
+        node_flags=flags,
+        stall_bound_s=args.stall_bound_s,
+        min_alive=args.min_alive,
+        settle_s=args.settle_s,
+        quiet=args.quiet,
+    )
+    rep = run_chaos(cfg)
+    print(json.dumps(rep, indent=2) if args.json else render(rep))
+    if rep["interrupted"]:
+        return 130
+    good = rep.get("goodput", {}).get("goodput")
+    ok = rep.get("equal_hashes") and rep["settled"] and rep.get("stall", {}).get("ok") and good is not None
+    if not ok:
+        print(
+            "ddiloco chaos: hashes differ, no quiet period, stall over its bound or no goodput",
+            file=sys.stderr,
+        )
+    return 0 if ok else 1

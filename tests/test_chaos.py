@@ -1,0 +1,128 @@
+"""The chaos harness (``node/chaos.py``): its failure plan and scoring on hand-built records, and one short
+run of four real nodes in which the synchroniser of a fragment and then another learner are killed -9 and
+the first comes back from its checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from node.chaos import ChaosConfig, ChaosRun
+from node.chaos_plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
+from node.chaos_report import Outage, chaos_goodput, longest_gap, stalls
+from protocol.errors import ConfigError
+from tests.swarm_util import TINY
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def test_plan_is_seeded_exponential_and_round_trips():
+    model = FailureModel(mtbf_s=10.0, quiet_end_s=20.0)
+    a = draw_plan(1, 3000.0, 4, 8, model)
+    assert a == draw_plan(1, 3000.0, 4, 8, model) != draw_plan(2, 3000.0, 4, 8, model)
+    assert all(f.at_s < 2980.0 for f in a) and [f.at_s for f in a] == sorted(f.at_s for f in a)
+    gaps = [b.at_s - x.at_s for x, b in zip(a, a[1:])]
+    assert 8.0 < sum(gaps) / len(gaps) < 12.0  # ~300 draws of mean 10
+    kinds = {f.kind for f in a}
+    assert kinds == {"kill", "kill_sync", "pause"}
+    assert all(0 <= f.node < 4 and 0 <= f.fragment < 8 and f.hold_s is not None for f in a)
+    assert plan_from_json(plan_to_json(a)) == a
+    assert draw_plan(1, 3000.0, 4, 8, FailureModel(mtbf_s=0.0)) == []
+
+
+def test_plan_errors_name_the_bad_value():
+    with pytest.raises(ConfigError, match="kind='reboot'"):
+        plan_from_json('[{"at_s": 1, "kind": "reboot", "node": 0}]')
+    with pytest.raises(ConfigError, match="pause needs hold_s"):
+        plan_from_json('[{"at_s": 1, "kind": "pause", "node": 0}]')
+    with pytest.raises(ConfigError, match="pause_share"):
+        draw_plan(0, 10.0, 2, 2, FailureModel(pause_share=2.0))
+
+
+# ------------------------------------------------------------------------------------------ the scoring
+def _steps(learner: str, first: int, n: int, t: float, dur: float = 1.0) -> list[dict]:
+    return [
+        {"kind": "step", "learner": learner, "step": first + k, "t0": t + k * dur, "t1": t + (k + 1) * dur}
+        for k in range(n)
+    ]
+
+
+def _contrib(learner: str, step: int, t: float, cid: str) -> dict:
+    return {"kind": "contribute", "learner": learner, "fragment": 0, "step": step, "t": t, "cid": cid}
+
+
+def test_a_kill_loses_uncontributed_steps_and_a_restart_repeats_step_numbers():
+    run = {"kind": "run", "shares": [1.0], "t0": 0, "t1": 0, "learners": ["a"]}
+    a = [{"kind": "join", "t": 0.0}, *_steps("a", 1, 4, 0.0), _contrib("a", 2, 2.0, "a1")]
+    # killed at t=4.5 after steps 3 and 4 (never contributed); back at t=6 from a checkpoint at step 2,
+    # then steps 3..6 again and a contribution at step 6 that merges.
+    a += [{"kind": "join", "t": 6.0}, *_steps("a", 3, 4, 6.0), _contrib("a", 6, 10.0, "a2")]
+    a += [{"kind": "merge", "t": 10.5, "fragment": 0, "round": 1, "cids": ["a1", "a2"], "hash": "h"}, run]
+    g = chaos_goodput({0: a}, {0: "a"}, [Outage(0, "kill", 4.5)], 0.0, 12.0)
+    assert g.useful_s == pytest.approx(2 + 4)  # steps 1-2, then 3-6 of the second life
+    assert g.dropped_s == pytest.approx(2)  # steps 3-4 of the first life, lost to the kill
+    assert g.down_s == pytest.approx(1.5)
+    assert g.goodput == pytest.approx(6 / 12)
+
+
+def test_a_sigstop_inside_a_step_is_not_compute_and_the_window_clips():
+    run = {"kind": "run", "shares": [0.5, 0.5], "t0": 0, "t1": 0, "learners": ["a"]}
+    a = [*_steps("a", 1, 2, -2.0), *_steps("a", 3, 3, 0.0, dur=2.0)]  # the first two are before the window
+    a += [{**_contrib("a", 5, 6.0, "c0")}, {**_contrib("a", 5, 6.0, "c1"), "fragment": 1}, run]
+    a += [{"kind": "merge", "t": 7.0, "fragment": 0, "round": 1, "cids": ["c0"], "hash": "h"}]
+    g = chaos_goodput({0: a}, {0: "a"}, [Outage(0, "pause", 2.5, 3.5)], 0.0, 8.0)
+    assert g.steps == 3
+    assert g.useful_s == pytest.approx(0.5 * 5)  # 6 s of steps less 1 s stopped, half the parameters merged
+    assert g.dropped_s == pytest.approx(0.5 * 5)
+    assert g.down_s == pytest.approx(1.0)
+
+
+def test_stalls_are_read_from_merges_anywhere():
+    assert longest_gap([2.0, 3.0, 9.0], 0.0, 10.0) == (6.0, 3.0)
+    ev = {
+        0: [
+            {"kind": "merge", "t": t, "fragment": t % 2, "round": t, "hash": str(t)} for t in (1, 2, 3, 7, 8)
+        ],
+        1: [{"kind": "merge", "t": 3.2, "fragment": 1, "round": 3, "hash": "3"}],  # the same record, later
+    }
+    st = stalls(ev, 0.0, 10.0)
+    assert st["global_s"] == pytest.approx(4.0) and st["merges"] == 5
+    assert st["fragment_s"] == pytest.approx(6.0) and st["fragment"] == 0  # fragment 0: merges at 2 and 8
+
+
+# ------------------------------------------------------------------------------------------ real nodes
+@pytest.mark.timeout(300)
+def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_path):
+    plan = [
+        Fault(at_s=5.0, kind="kill_sync", node=1, fragment=0, hold_s=12.0),
+        Fault(at_s=12.0, kind="kill", node=3, hold_s=None),
+    ]
+    cfg = ChaosConfig(
+        run_dir=tmp_path / "chaos", nodes=4, duration_s=32.0, plan=plan, node_flags=TINY, quiet=True
+    )
+    run = ChaosRun(cfg)
+    rep = run.run()
+
+    # Every process of every life is gone: the node, its DHT process and its p2pd (one process group).
+    for slot in run.slots.values():
+        for child in slot.lives:
+            assert child.proc.returncode is not None
+            with pytest.raises(ProcessLookupError):
+                os.killpg(child.proc.pid, 0)
+
+    sync_kill, other_kill = rep["faults"]
+    assert sync_kill["node"] is not None and other_kill["node"] not in (None, sync_kill["node"])
+    assert sync_kill["fragment_merged_again_s"] is not None  # the fragment's next round found a synchroniser
+    first, second = rep["outages"]
+    assert first["back"] and not second["back"]
+    for w in (first, second):  # training went on while each was down: merges, and every survivor stepped
+        assert w["merges_meanwhile"] > 0, w
+        assert w["steps_meanwhile"] and all(n > 0 for n in w["steps_meanwhile"].values()), w
+    lives = {n["node"]: n["lives"] for n in rep["per_node"]}
+    assert lives[sync_kill["node"]] == 2 and lives[other_kill["node"]] == 1
+
+    # After the quiet period the three live nodes hold one model; goodput is a share of the allocated time.
+    assert rep["settled"] and rep["equal_hashes"], rep["hashes"]
+    assert sorted(rep["survivors"]) == sorted(set(range(4)) - {other_kill["node"]})
+    assert 0.0 < rep["goodput"]["goodput"] <= 1.0
+    assert rep["rounds_merged"] > 0 and rep["tokens_merged"] > 0
