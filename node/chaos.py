@@ -4,10 +4,12 @@ N nodes start as ``ddiloco up`` starts them (``node.launcher``: node 0 first, th
 each in its own process group). Once all are up, a plan (``node.chaos_plan``: drawn from a seeded failure
 model, or given) is executed against them: kill -9 of a node's whole process group — some aimed at the node
 that synchronises a fragment at that moment, read from the status endpoint — SIGSTOP/SIGCONT pauses, and
-restarts of a killed node on its own state folder after its return time. At the end the learners are
-paused, the survivors get a quiet period to agree on one model hash, every node is stopped, and
-``node.chaos_report`` scores the run from the nodes' event records. Every child is reaped: a killed node's
-group is killed and waited for, and whatever is left at the end (also on Ctrl+C) is continued and stopped.
+restarts of a killed node on its own state folder after its return time. With ``netns`` each node runs in
+its own network namespace (``node.netns``: optional bandwidth caps, and partitions as faults). At the end
+the learners are paused, the survivors get a quiet period to agree on one model hash, every node is
+stopped, and ``node.chaos_report`` scores the run from the nodes' event records. Every child is reaped: a
+killed node's group is killed and waited for, and whatever is left at the end (also on Ctrl+C) is
+continued and stopped; namespaces are deleted.
 """
 
 from __future__ import annotations
@@ -26,17 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.chaos_plan import FailureModel, Fault, draw_plan
-from node.chaos_report import (
-    Outage,
-    chaos_goodput,
-    first_merge_after,
-    merges_between,
-    stalls,
-    steps_between,
-)
-from node.launcher import Child, kill_group, start_node, stop_all, wait_ready
+from node.chaos_report import Outage, chaos_goodput, first_merge_after, outage_windows, stalls, steps_between
+from node.launcher import Child, kill_group, start_node, wait_ready
 from node.status import StatusError, fetch_status, send_control
 from protocol.errors import ConfigError
+
+RESTART_TRIES = 3  # a restart whose process exits by itself (e.g. its bootstrap peer just died) is retried
 
 
 @dataclass
@@ -53,11 +50,15 @@ class ChaosConfig:
     stall_bound_s: float = 30.0
     """the longest interval with no merge anywhere that the run may show"""
     min_alive: int = 2
-    """a fault that would leave fewer running nodes is skipped"""
+    """a kill or pause that would leave fewer running nodes is skipped"""
     settle_s: float = 90.0
     """the final quiet period's bound on reaching one model hash"""
     start_timeout_s: float = 180.0
     refresh_s: float = 2.0
+    netns: bool = False
+    """one network namespace per node (root only); needed for partitions and bandwidth caps"""
+    netns_rate: str = ""
+    """with netns: tc tbf rate of every node's link in each direction, e.g. '100mbit' ('': no cap)"""
     quiet: bool = False
 
     def check(self) -> None:
@@ -67,18 +68,21 @@ class ChaosConfig:
             raise ConfigError(f"duration_s={self.duration_s} is invalid: must be > 0")
         if not 1 <= self.min_alive <= self.nodes:
             raise ConfigError(f"min_alive={self.min_alive} is invalid: between 1 and nodes={self.nodes}")
+        if self.netns_rate and not self.netns:
+            raise ConfigError(f"netns_rate={self.netns_rate!r} needs netns (caps are set on namespace links)")
         self.model.check()
 
 
 @dataclass
 class Slot:
-    """One node index: its incarnations (a restart is a new process on the same state folder)."""
+    """One node index: its lives (a restart is a new process on the same state folder)."""
 
     index: int
     lives: list[Child]
     state: str = "starting"  # starting | running | paused | down
     until: float | None = None  # monotonic time of the scheduled SIGCONT or restart
-    started: float = 0.0  # monotonic time the newest incarnation was launched
+    started: float = 0.0  # monotonic time the newest life was launched
+    tries: int = 0  # restarts of this outage that exited by themselves
 
     @property
     def child(self) -> Child:
@@ -99,6 +103,8 @@ class ChaosRun:
         self.peer_ids: dict[int, str] = {}
         self.settled = False
         self.interrupted = False
+        self.lab = None  # node.netns.NetLab with cfg.netns
+        self.heal_at: float | None = None
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
@@ -107,32 +113,47 @@ class ChaosRun:
             print(el + msg, file=sys.stderr, flush=True)
 
     def running(self) -> list[Slot]:
-        return [s for s in self.slots.values() if s.state == "running"]
+        return sorted((s for s in self.slots.values() if s.state == "running"), key=lambda s: s.index)
 
     def launch(self, index: int, peers: list[str]) -> Child:
         (self.cfg.run_dir / f"node-{index}" / "final.json").unlink(missing_ok=True)
-        c = start_node(index, self.cfg.run_dir, self.flags, peers)
+        if self.lab is not None:
+            c = self.lab.start(index, self.cfg.run_dir, self.flags, peers)
+        else:
+            c = start_node(index, self.cfg.run_dir, self.flags, peers)
         slot = self.slots.setdefault(index, Slot(index, []))
         slot.lives.append(c)
         slot.state, slot.until, slot.started = "starting", None, time.monotonic()
         return c
 
+    def _http(self, slot: Slot, fn):
+        """Call the node's status endpoint (from inside its namespace with netns: it listens on loopback)."""
+        return fn() if self.lab is None else self.lab.inside(slot.index, fn)
+
     def status(self, slot: Slot, timeout_s: float = 3.0) -> dict | None:
+        url = slot.child.url
         try:
-            slot.child.last = fetch_status(slot.child.url, timeout_s=timeout_s)
+            doc = self._http(slot, lambda: fetch_status(url, timeout_s=timeout_s))
         except StatusError:
             return None
-        return slot.child.last
+        slot.child.last = doc  # the newest doc of each life: its bytes sent and received
+        return doc
 
-    def poll(self) -> None:
-        for s in self.running():
-            self.status(s)
+    def control(self, slot: Slot, action: str) -> None:
+        url = slot.child.url
+        with contextlib.suppress(StatusError):
+            self._http(slot, lambda: send_control(url, action))
+
+    def donors(self) -> list[str]:
+        """Initial peers for a restart: every running node (one dying meanwhile must not strand it)."""
+        return [m for s in self.running() for m in s.child.maddrs[:1]]
 
     # ------------------------------------------------------------------ faults
     def pick(self, fault: Fault) -> tuple[Slot | None, str]:
-        run = sorted(self.running(), key=lambda s: s.index)
+        run = self.running()
         if len(run) - 1 < self.cfg.min_alive:
             return None, f"skipped: {len(run)} running, min_alive {self.cfg.min_alive}"
+        note = ""
         if fault.kind == "kill_sync":
             by_peer = {self.peer_ids[s.index]: s for s in run}
             for observer in run:
@@ -143,10 +164,8 @@ class ChaosRun:
                 if sync in by_peer:
                     return by_peer[
                         sync
-                    ], f"synchroniser of fragment {fault.fragment} in node {observer.index}'s view"
+                    ], f"fragment {fault.fragment}'s synchroniser in node {observer.index}'s view"
             note = "no running synchroniser in view; "
-        else:
-            note = ""
         for k in range(self.cfg.nodes):
             s = self.slots[(fault.node + k) % self.cfg.nodes]
             if s.state == "running":
@@ -154,37 +173,57 @@ class ChaosRun:
         return None, "skipped: nothing running"
 
     def apply(self, fault: Fault) -> None:
-        slot, note = self.pick(fault)
-        rec = {"at_s": round(time.monotonic() - self.m0, 1), **vars(fault), "node": None, "note": note}
+        rec = {"at_s": round(time.monotonic() - self.m0, 1), **vars(fault), "node": None, "note": ""}
         self.applied.append(rec)
+        if fault.kind == "partition":
+            self.partition(fault, rec)
+            return
+        slot, rec["note"] = self.pick(fault)
         if slot is None:
-            self.log(f"{fault.kind}: {note}")
+            self.log(f"{fault.kind}: {rec['note']}")
             return
         rec["node"], rec["peer"] = slot.index, self.peer_ids[slot.index]
-        pid = slot.child.proc.pid
+        why = rec["note"] or "as planned"
         if fault.kind == "pause":
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGSTOP)
+                os.killpg(slot.child.proc.pid, signal.SIGSTOP)
             rec["t"] = time.time()
             self.outages.append(Outage(slot.index, "pause", rec["t"]))
+            rec["outage"] = len(self.outages) - 1
             slot.state, slot.until = "paused", time.monotonic() + (fault.hold_s or 0.0)
-            self.log(f"SIGSTOP node {slot.index} for {fault.hold_s:.1f}s ({note or 'as planned'})")
+            self.log(f"SIGSTOP node {slot.index} for {fault.hold_s:.1f}s ({why})")
             return
-        self.kill(slot, rec)
-        slot.until = None if fault.hold_s is None else time.monotonic() + fault.hold_s
-        back = "never restarted" if fault.hold_s is None else f"restart in {fault.hold_s:.1f}s"
-        self.log(f"kill -9 node {slot.index} [{fault.kind}] ({note or 'as planned'}); {back}")
-
-    def kill(self, slot: Slot, rec: dict) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(slot.child.proc.pid, signal.SIGKILL)
         rec["t"] = time.time()
         self.outages.append(Outage(slot.index, "kill", rec["t"]))
+        rec["outage"] = len(self.outages) - 1
         try:
             slot.child.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.log(f"node {slot.index} did not die within 30 s of SIGKILL")
-        slot.state = "down"
+        slot.state, slot.tries = "down", 0
+        slot.until = None if fault.hold_s is None else time.monotonic() + fault.hold_s
+        back = "never restarted" if fault.hold_s is None else f"restart in {fault.hold_s:.1f}s"
+        self.log(f"kill -9 node {slot.index} [{fault.kind}] ({why}); {back}")
+
+    def partition(self, fault: Fault, rec: dict) -> None:
+        if self.lab is None or self.heal_at is not None:
+            rec["note"] = "skipped: partitions need --netns" if self.lab is None else "skipped: already split"
+            self.log(f"partition: {rec['note']}")
+            return
+        n = self.cfg.nodes
+        side = sorted((fault.node + k) % n for k in range(n // 2))
+        self.lab.partition(set(side))
+        rec.update(side=side, t=time.time(), note=f"nodes {side} apart from the rest")
+        self.heal_at = time.monotonic() + (fault.hold_s or 0.0)
+        self.log(f"partition: nodes {side} cut off from the others for {fault.hold_s:.1f}s")
+
+    def heal(self) -> None:
+        if self.lab is not None and self.heal_at is not None:
+            self.lab.heal()
+            self.heal_at = None
+            self.log("partition healed")
 
     def recover(self, slot: Slot) -> None:
         if slot.state == "paused":
@@ -196,19 +235,28 @@ class ChaosRun:
             slot.state, slot.until = "running", None
             self.log(f"SIGCONT node {slot.index}")
             return
-        donors = [s.child.maddrs for s in sorted(self.running(), key=lambda s: s.index) if s.child.maddrs]
-        self.launch(slot.index, donors[0] if donors else [])
+        self.launch(slot.index, self.donors())
         self.log(f"restarting node {slot.index} on its state folder")
 
     def check_children(self) -> None:
         now = time.monotonic()
+        if self.heal_at is not None and now >= self.heal_at:
+            self.heal()
         for s in self.slots.values():
             c = s.child
             if s.state in ("running", "starting") and c.proc.poll() is not None:
-                self.log(f"node {s.index} exited by itself (code {c.proc.returncode}); its log:\n{c.tail(8)}")
                 kill_group(c)
-                self.outages.append(Outage(s.index, "kill", time.time()))
-                self.applied.append({"at_s": round(now - self.m0, 1), "kind": "crash", "node": s.index})
+                if s.state == "starting" and s.tries + 1 < RESTART_TRIES:
+                    s.tries += 1
+                    s.state, s.until = "down", now + 5.0
+                    self.log(f"node {s.index}'s restart exited (code {c.proc.returncode}); retrying in 5 s")
+                    continue
+                self.log(f"node {s.index} exited by itself (code {c.proc.returncode}); its log:\n{c.tail(8)}")
+                rec = {"at_s": round(now - self.m0, 1), "kind": "crash", "node": s.index, "note": "exited"}
+                if s.state == "running":
+                    self.outages.append(Outage(s.index, "kill", time.time()))
+                    rec["outage"] = len(self.outages) - 1
+                self.applied.append(rec)
                 s.state, s.until = "down", None
             elif s.state == "starting" and (c.state_dir / "ready.json").exists():
                 doc = json.loads((c.state_dir / "ready.json").read_text())
@@ -240,6 +288,12 @@ class ChaosRun:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if cfg.netns:
+                from node.netns import NetLab
+
+                self.lab = NetLab(cfg.nodes, cfg.netns_rate).open()
+                cap = f", links capped at {cfg.netns_rate} each way" if cfg.netns_rate else ""
+                self.log(f"network namespaces {self.lab.ns(0)}..{self.lab.ns(cfg.nodes - 1)}{cap}")
             self.log(f"starting {cfg.nodes} nodes in {cfg.run_dir} (logs: node-*/node.log)")
             self.launch(0, [])
             wait_ready([self.slots[0].child], cfg.start_timeout_s)
@@ -256,10 +310,8 @@ class ChaosRun:
                 if cfg.plan is not None
                 else draw_plan(cfg.seed, cfg.duration_s, cfg.nodes, frags, cfg.model)
             )
-            self.log(
-                f"swarm up; failure plan ({len(self.plan)} faults):\n"
-                + "\n".join("  " + f.describe() for f in self.plan)
-            )
+            faults = "\n".join("  " + f.describe() for f in self.plan)
+            self.log(f"swarm up; failure plan ({len(self.plan)} faults):\n{faults}")
             self.t0, self.m0 = time.time(), time.monotonic()
             todo = list(self.plan)
             next_poll = 0.0
@@ -268,7 +320,8 @@ class ChaosRun:
                     self.apply(todo.pop(0))
                 self.check_children()
                 if time.monotonic() >= next_poll:
-                    self.poll()
+                    for s in self.running():
+                        self.status(s)
                     if int(el) // 10 != int(el - cfg.refresh_s) // 10 or el < cfg.refresh_s:
                         self.progress()
                     next_poll = time.monotonic() + cfg.refresh_s
@@ -278,13 +331,14 @@ class ChaosRun:
         except KeyboardInterrupt:
             self.interrupted = True
             self.t1 = self.t1 or time.time()
-            self.log("Ctrl+C: continuing paused nodes and stopping every node")
+            self.log("interrupted: continuing paused nodes and stopping every node")
         finally:
             self.teardown()
         return self.report()
 
     def finish(self) -> None:
-        """Paused nodes continue, restarts in progress come up; learners pause; wait for one model hash."""
+        """Heal, continue paused nodes, let restarts come up; pause learners; wait for one model hash."""
+        self.heal()
         for s in self.slots.values():
             if s.state == "paused":
                 self.recover(s)
@@ -296,16 +350,13 @@ class ChaosRun:
             s.until = None  # a node still down stays down
         self.log("end of the plan: pausing learners, waiting for one model hash across the running nodes")
         for s in self.running():
-            with contextlib.suppress(StatusError):
-                send_control(s.child.url, "pause")
+            self.control(s, "pause")
         streak, deadline = 0, time.monotonic() + self.cfg.settle_s
         while time.monotonic() < deadline:
             self.check_children()
-            self.poll()
-            live = [s.child.last for s in self.running()]
-            ok = live and all(x is not None and x["learner"]["idle"] for x in live)
-            ok = ok and len({x["model_hash"] for x in live}) == 1
-            streak = streak + 1 if ok else 0
+            live = [self.status(s) for s in self.running()]
+            ok = bool(live) and all(x is not None and x["learner"]["idle"] for x in live)
+            streak = streak + 1 if ok and len({x["model_hash"] for x in live}) == 1 else 0
             if streak >= 2:
                 self.settled = True
                 break
@@ -313,14 +364,24 @@ class ChaosRun:
         self.log("one model hash across the running nodes" if self.settled else "hashes still differ")
 
     def teardown(self) -> None:
-        everyone = [c for s in self.slots.values() for c in s.lives]
+        """Every life of every node ends here: continued, asked to stop (checkpoint, export), then killed."""
+        lives = [(s, c) for s in self.slots.values() for c in s.lives]
         for s in self.slots.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(s.child.proc.pid, signal.SIGCONT)
         try:
-            stop_all([c for c in everyone if c.proc.poll() is None], timeout_s=60)
+            for s, c in lives:
+                if c.proc.poll() is None:
+                    if c is s.child and c.url:
+                        self.control(s, "stop")
+                    else:
+                        c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            for _, c in lives:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         finally:
-            for c in everyone:
+            for _, c in lives:
                 kill_group(c)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     c.proc.wait(timeout=10)
@@ -328,14 +389,15 @@ class ChaosRun:
                 base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
                 for d in glob.glob(os.path.join(base, f"ddiloco-dht-{c.proc.pid}-*")):
                     shutil.rmtree(d, ignore_errors=True)
+            if self.lab is not None:
+                self.lab.close()
 
     # ------------------------------------------------------------------ the numbers
     def events(self) -> dict[int, list[dict]]:
         out = {}
         for i in self.slots:
-            path = self.cfg.run_dir / f"node-{i}" / "events.jsonl"
             recs = []
-            with contextlib.suppress(OSError), open(path, encoding="utf-8") as fh:
+            with contextlib.suppress(OSError), open(self.cfg.run_dir / f"node-{i}" / "events.jsonl") as fh:
                 for line in fh:
                     with contextlib.suppress(ValueError):  # a line cut by kill -9
                         recs.append(json.loads(line))
@@ -343,18 +405,15 @@ class ChaosRun:
         return out
 
     def report(self) -> dict:
-        ev = self.events()
+        cfg = self.cfg
         t0, t1 = self.t0, self.t1 or time.time()
-        finals = {}
-        for i, s in self.slots.items():
-            f = s.child.state_dir / "final.json"
-            if s.state == "running" and f.exists():
-                finals[i] = json.loads(f.read_text())
         rep: dict = {
-            "nodes": self.cfg.nodes,
-            "seed": self.cfg.seed,
+            "nodes": cfg.nodes,
+            "seed": cfg.seed,
+            "netns": cfg.netns,
+            "netns_rate": cfg.netns_rate,
             "window_s": round(t1 - t0, 1) if t0 else 0.0,
-            "run_dir": str(self.cfg.run_dir),
+            "run_dir": str(cfg.run_dir),
             "interrupted": self.interrupted,
             "settled": self.settled,
             "plan": [vars(f) for f in self.plan],
@@ -362,53 +421,35 @@ class ChaosRun:
         }
         if not t0:
             return rep
+        ev = self.events()
         try:
             rep["goodput"] = chaos_goodput(ev, self.peer_ids, self.outages, t0, t1).as_dict()
         except ValueError as e:
             rep["goodput"] = {"error": str(e)}
-        st = stalls(ev, t0, t1)
-        rep["stall"] = {**{k: round(v, 2) if isinstance(v, float) else v for k, v in st.items()}}
-        rep["stall"]["bound_s"] = self.cfg.stall_bound_s
-        rep["stall"]["ok"] = st["global_s"] <= self.cfg.stall_bound_s
-        spans = []  # (outage, end or None while still out at the end)
-        for o in self.outages:
-            end = o.t1
-            if o.kind == "kill":
-                joins = [r["t"] for r in ev.get(o.node, []) if r.get("kind") == "join" and r["t"] > o.t0]
-                end = min(joins) if joins else None
-            spans.append((o, end))
-        windows = []
-        for o, end in spans:
-            b = min(end, t1) if end is not None else t1
-            others = [
-                i for i in self.slots
-                if i != o.node and not any(x.node == i and x.t0 < b and (e or t1) > o.t0 for x, e in spans)
-            ]  # fmt: skip
-            w = {
-                "node": o.node,
-                "kind": o.kind,
-                "from_s": round(o.t0 - t0, 1),
-                "out_s": round((end if end is not None else t1) - o.t0, 1),
-                "back": end is not None,
-                "merges_meanwhile": merges_between(ev, o.t0, b),
-                "steps_meanwhile": {i: steps_between(ev[i], o.t0, b) for i in others},
-            }
-            windows.append(w)
+        st = {k: round(v, 2) if isinstance(v, float) else v for k, v in stalls(ev, t0, t1).items()}
+        rep["stall"] = {**st, "bound_s": cfg.stall_bound_s, "ok": st["global_s"] <= cfg.stall_bound_s}
+        rep["outages"] = outage_windows(ev, self.outages, t0, t1)
         for rec in self.applied:
             if rec.get("kind") == "kill_sync" and rec.get("node") is not None:
                 gap = first_merge_after(ev, rec["fragment"], rec["t"])
                 rec["fragment_merged_again_s"] = None if gap is None else round(gap, 2)
-        rep["outages"] = windows
+        finals = {}
+        for i, s in self.slots.items():
+            f = s.child.state_dir / "final.json"
+            if s.state == "running" and f.exists():
+                finals[i] = json.loads(f.read_text())
         evals = [r for r in ev.get(0, []) if r.get("kind") == "eval"]
-        rep["eval_loss_initial"] = evals[0]["loss"] if evals else None
         losses = [f["eval_loss"] for f in finals.values() if f.get("eval_loss") is not None]
-        rep["eval_loss_final"] = min(losses) if losses else None
         hashes = {i: f["model_hash"] for i, f in finals.items()}
-        rep["survivors"] = sorted(finals)
-        rep["hashes"] = hashes
-        rep["equal_hashes"] = len(set(hashes.values())) == 1 and len(hashes) > 0
-        rep["tokens_merged"] = max((f["tokens_merged"] for f in finals.values()), default=0.0)
-        rep["rounds_merged"] = max((f["rounds_merged"] for f in finals.values()), default=0)
+        rep.update(
+            eval_loss_initial=evals[0]["loss"] if evals else None,
+            eval_loss_final=min(losses) if losses else None,
+            survivors=sorted(finals),
+            hashes=hashes,
+            equal_hashes=len(set(hashes.values())) == 1,
+            tokens_merged=max((f["tokens_merged"] for f in finals.values()), default=0.0),
+            rounds_merged=max((f["rounds_merged"] for f in finals.values()), default=0),
+        )
         per = []
         for i, s in sorted(self.slots.items()):
             lasts = [c.last for c in s.lives if c.last]
@@ -422,6 +463,10 @@ class ChaosRun:
                     "mb_sent": round(sum(x["bytes_sent"] for x in lasts) / 1e6, 2),
                     "mb_received": round(sum(x["bytes_received"] for x in lasts) / 1e6, 2),
                     "exit_code": s.child.proc.returncode,
+                    **{
+                        k: sum(x["counters"].get(k, 0) for x in lasts)
+                        for k in ("failovers", "forks", "resyncs")
+                    },
                     "hash": hashes.get(i),
                 }
             )

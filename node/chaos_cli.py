@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from dataclasses import fields
@@ -49,7 +50,15 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
     cp.add_argument(
         "--return-s", type=float, default=d["return_s"], help="mean seconds before a killed node restarts"
     )
-    cp.add_argument("--pause-s", type=float, default=d["pause_s"], help="mean seconds of a SIGSTOP")
+    cp.add_argument(
+        "--pause-s", type=float, default=d["pause_s"], help="mean seconds of a SIGSTOP or partition"
+    )
+    cp.add_argument(
+        "--partition-share",
+        type=float,
+        default=d["partition_share"],
+        help="share of failures that are partitions (needs --netns)",
+    )
     cp.add_argument(
         "--quiet-end-s", type=float, default=d["quiet_end_s"], help="no failure starts this close to the end"
     )
@@ -73,6 +82,14 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
     cp.add_argument(
         "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
     )
+    cp.add_argument(
+        "--netns", action="store_true", help="each node in its own network namespace (root; iproute2)"
+    )
+    cp.add_argument(
+        "--netns-rate",
+        default="",
+        help="with --netns: tc tbf cap of each node's link, each way, e.g. 100mbit",
+    )
     cp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     cp.add_argument("--quiet", action="store_true", help="no progress on stderr")  # fmt: skip
 
@@ -84,17 +101,25 @@ def _pct(x: float | None) -> str:
 def render(rep: dict) -> str:
     from node.launcher import columns
 
-    lines = [f"chaos run: {rep['nodes']} nodes, {rep['window_s']:g} s measured, seed {rep['seed']}"]
+    net = ""
+    if rep.get("netns"):
+        net = ", one network namespace per node" + (
+            f", links capped at {rep['netns_rate']}" if rep["netns_rate"] else ""
+        )
+    lines = [f"chaos run: {rep['nodes']} nodes, {rep['window_s']:g} s measured, seed {rep['seed']}{net}"]
     rows = [["t s", "fault", "node", "out s", "merges while out", "fragment merged again", "note"]]
-    outs = iter(rep.get("outages", []))
+    outs = rep.get("outages", [])
     for f in rep["faults"]:
-        o = next(outs) if f.get("node") is not None else None
+        o = outs[f["outage"]] if "outage" in f and f["outage"] < len(outs) else None
         again = f.get("fragment_merged_again_s")
+        where = (
+            ",".join(map(str, f["side"])) if "side" in f else "-" if f.get("node") is None else str(f["node"])
+        )
         rows.append(
             [
                 f"{f['at_s']:.1f}",
                 f["kind"] + (f" p{f['fragment']}" if f["kind"] == "kill_sync" else ""),
-                "-" if f.get("node") is None else str(f["node"]),
+                where,
                 "-" if o is None else f"{o['out_s']:.1f}" + ("" if o["back"] else " (to end)"),
                 "-" if o is None else str(o["merges_meanwhile"]),
                 "-" if again is None else f"{again:.1f} s",
@@ -102,7 +127,21 @@ def render(rep: dict) -> str:
             ]
         )
     lines += ["", columns(rows) if len(rows) > 1 else "no faults", ""]
-    rows = [["node", "peer", "lives", "steps", "MB out", "MB in", "exit", "model hash"]]
+    rows = [
+        [
+            "node",
+            "peer",
+            "lives",
+            "steps",
+            "MB out",
+            "MB in",
+            "failovers",
+            "forks",
+            "resyncs",
+            "exit",
+            "model hash",
+        ]
+    ]
     for n in rep.get("per_node", []):
         rows.append(
             [
@@ -112,6 +151,9 @@ def render(rep: dict) -> str:
                 str(n["steps"]),
                 f"{n['mb_sent']:.1f}",
                 f"{n['mb_received']:.1f}",
+                str(n["failovers"]),
+                str(n["forks"]),
+                str(n["resyncs"]),
                 str(n["exit_code"]),
                 (n["hash"] or f"({n['state']})")[:16],
             ]
@@ -146,6 +188,21 @@ def render(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _with_stop_signals(fn):
+    """SIGINT and SIGTERM end the run through its clean-up (nodes stopped, namespaces deleted), also when
+    this process was started in the background, where a shell leaves SIGINT ignored."""
+    old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return fn()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     from node.chaos import ChaosConfig, run_chaos
 
@@ -159,6 +216,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         sync_share=args.sync_share,
         return_s=args.return_s,
         pause_s=args.pause_s,
+        partition_share=args.partition_share,
         quiet_end_s=args.quiet_end_s,
     )
     cfg = ChaosConfig(
@@ -172,9 +230,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         stall_bound_s=args.stall_bound_s,
         min_alive=args.min_alive,
         settle_s=args.settle_s,
+        netns=args.netns,
+        netns_rate=args.netns_rate,
         quiet=args.quiet,
     )
-    rep = run_chaos(cfg)
+    rep = _with_stop_signals(lambda: run_chaos(cfg))
     print(json.dumps(rep, indent=2) if args.json else render(rep))
     if rep["interrupted"]:
         return 130

@@ -6,7 +6,9 @@ failures anywhere in the swarm arrive as a Poisson process (exponential gaps, me
 
   kill       kill -9 of a node's whole process group (node, DHT process, p2pd), as a machine crash;
   kill_sync  the same, aimed at the node that synchronises a fragment's open round at that moment;
-  pause      SIGSTOP of the group for ``hold_s``, then SIGCONT (a hung host, a long GC, a live migration).
+  pause      SIGSTOP of the group for ``hold_s``, then SIGCONT (a hung host, a long GC, a live migration);
+  partition  (only with network namespaces, ``node.netns``) half the nodes cut off from the other half for
+             ``hold_s``, then healed; ``node`` says where the half starts.
 
 A killed node comes back after its return time ``hold_s`` (None: it stays down): the same node index on
 the same state folder, so it resumes from its checkpoint and catches up from its peers. Pure: no I/O.
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from protocol.errors import ConfigError
 
-KINDS = ("kill", "kill_sync", "pause")
+KINDS = ("kill", "kill_sync", "pause", "partition")
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,13 @@ class Fault:
     fragment: int = 0
     """kill_sync: the fragment whose synchroniser is killed"""
     hold_s: float | None = None
-    """pause: seconds stopped; kill: seconds until the restart (None: never restarted)"""
+    """pause, partition: seconds it lasts; kill: seconds until the restart (None: never restarted)"""
 
     def describe(self) -> str:
         if self.kind == "pause":
             return f"t={self.at_s:6.1f}s  pause node {self.node} for {self.hold_s:.1f}s"
+        if self.kind == "partition":
+            return f"t={self.at_s:6.1f}s  partition half the nodes from node {self.node} on for {self.hold_s:.1f}s"
         back = "never restarted" if self.hold_s is None else f"restart after {self.hold_s:.1f}s"
         what = (
             f"synchroniser of fragment {self.fragment}" if self.kind == "kill_sync" else f"node {self.node}"
@@ -52,19 +56,26 @@ class FailureModel:
     """mean time between failures anywhere in the swarm, in seconds (0: no failures)"""
     pause_share: float = 0.3
     """share of failures that are SIGSTOP pauses rather than kills"""
+    partition_share: float = 0.0
+    """share of failures that are network partitions (needs network namespaces)"""
     sync_share: float = 0.5
     """share of kills aimed at the synchroniser of a fragment"""
     return_s: float = 20.0
     """mean time before a killed node restarts (drawn uniformly in [0.5, 1.5] x this)"""
     pause_s: float = 10.0
-    """mean SIGSTOP length (drawn uniformly in [0.5, 1.5] x this)"""
+    """mean length of a SIGSTOP or a partition (drawn uniformly in [0.5, 1.5] x this)"""
     quiet_end_s: float = 20.0
     """no failure starts in the last seconds of the run, so the swarm ends with its nodes back"""
 
     def check(self) -> None:
         if self.mtbf_s < 0:
             raise ConfigError(f"mtbf_s={self.mtbf_s} is invalid: must be >= 0 (0: no failures)")
-        for name in ("pause_share", "sync_share"):
+        if self.pause_share + self.partition_share > 1.0:
+            raise ConfigError(
+                f"pause_share + partition_share = {self.pause_share + self.partition_share:g} is invalid: "
+                "shares of one draw, at most 1"
+            )
+        for name in ("pause_share", "partition_share", "sync_share"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ConfigError(f"{name}={v} is invalid: a share in [0, 1]")
@@ -91,6 +102,8 @@ def draw_plan(seed: int, duration_s: float, nodes: int, fragments: int, model: F
         spread = rng.uniform(0.5, 1.5)
         if u < model.pause_share:
             out.append(Fault(round(t, 2), "pause", node, hold_s=round(spread * model.pause_s, 2)))
+        elif u < model.pause_share + model.partition_share:
+            out.append(Fault(round(t, 2), "partition", node, hold_s=round(spread * model.pause_s, 2)))
         else:
             kind = "kill_sync" if rng.random() < model.sync_share else "kill"
             out.append(Fault(round(t, 2), kind, node, fragment, round(spread * model.return_s, 2)))
@@ -118,7 +131,7 @@ def plan_from_json(text: str) -> list[Fault]:
             raise ConfigError(f"fault {i} of the plan: kind={f.kind!r} is invalid: one of {', '.join(KINDS)}")
         if f.at_s < 0 or (f.hold_s is not None and f.hold_s < 0):
             raise ConfigError(f"fault {i} of the plan: times must be >= 0")
-        if f.kind == "pause" and f.hold_s is None:
-            raise ConfigError(f"fault {i} of the plan: a pause needs hold_s")
+        if f.kind in ("pause", "partition") and f.hold_s is None:
+            raise ConfigError(f"fault {i} of the plan: a {f.kind} needs hold_s")
         out.append(f)
     return sorted(out, key=lambda f: f.at_s)

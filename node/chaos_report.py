@@ -172,3 +172,34 @@ def merges_between(events: dict[int, list[dict]], a: float, b: float) -> int:
 
 def steps_between(records: list[dict], a: float, b: float) -> int:
     return sum(1 for r in records if r.get("kind") == "step" and a < r["t1"] < b)
+
+
+def outage_windows(events: dict[int, list[dict]], outages: list[Outage], t0: float, t1: float) -> list[dict]:
+    """For each outage: how long the node was out (a kill: until its restarted life joined), and what the
+    rest of the swarm did meanwhile — merges anywhere, and steps of each node that was never out then."""
+    spans = []  # (outage, end or None: still out at the end)
+    for o in outages:
+        end = o.t1
+        if o.kind == "kill":
+            joins = [t for t in _joins(events.get(o.node, [])) if t > o.t0]
+            end = joins[0] if joins else None
+        spans.append((o, end))
+    out = []
+    for o, end in spans:
+        b = min(end, t1) if end is not None else t1
+        others = [
+            i for i in events
+            if i != o.node and not any(x.node == i and x.t0 < b and (e or t1) > o.t0 for x, e in spans)
+        ]  # fmt: skip
+        out.append(
+            {
+                "node": o.node,
+                "kind": o.kind,
+                "from_s": round(o.t0 - t0, 1),
+                "out_s": round((end if end is not None else t1) - o.t0, 1),
+                "back": end is not None,
+                "merges_meanwhile": merges_between(events, o.t0, b),
+                "steps_meanwhile": {i: steps_between(events[i], o.t0, b) for i in others},
+            }
+        )
+    return out

@@ -1,0 +1,169 @@
+"""A private network for a local swarm: one Linux network namespace per node (``ddiloco chaos --netns``).
+
+    hub namespace: bridge br0 (and br1, the far side of a partition)
+      h0 <-veth-> eth0 in node namespace 0 (10.201.0.1/24, lo up)
+      h1 <-veth-> eth0 in node namespace 1 (10.201.0.2/24)
+      ...
+
+Every link and address lives in namespaces made here (names ``ddc<tag>-...``); the host's own interfaces,
+routes and firewall are never touched, and nothing a node sends can leave them. A node's link may be capped
+with a token bucket (``tc tbf``, both directions: egress of eth0 is its upload, egress of its hub port its
+download; ``netem`` is not available, so there is no added delay). A partition moves some nodes' hub ports
+onto the second bridge; healing moves them back. The harness reaches a node's status endpoint (loopback
+inside the node's namespace) from a short-lived thread that enters that namespace (``setns``), so no link
+joins the host either. ``close()`` deletes the namespaces (after their processes are gone); it runs on exit
+and on Ctrl+C. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from node.launcher import Child
+from protocol.errors import ConfigError, DDiLoCoError
+
+T = TypeVar("T")
+CLONE_NEWNET = 0x40000000
+SUBNET = "10.201.0"
+
+
+class NetnsError(DDiLoCoError):
+    """A namespace, link or qdisc could not be made; the message has the command and its error."""
+
+
+def _ip(*args: str) -> None:
+    cmd = ["ip", *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NetnsError(f"{' '.join(cmd)}: {e}") from e
+    if out.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()} (needs root and iproute2)")
+
+
+def _tc(ns: str, *args: str) -> None:
+    cmd = ["tc", "-n", ns, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if out.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+
+
+class NetLab:
+    def __init__(self, nodes: int, rate: str = "", tag: str = "") -> None:
+        if os.geteuid() != 0:
+            raise ConfigError("--netns needs root (it creates network namespaces); run without it otherwise")
+        if not 1 <= nodes <= 250:
+            raise ConfigError(f"nodes={nodes} is invalid for --netns: 1 to 250")
+        self.nodes, self.rate = nodes, rate
+        self.tag = tag or str(os.getpid() % 100000)
+        self.hub = f"ddc{self.tag}-hub"
+        self.made: list[str] = []
+        self.split: set[int] = set()
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def ns(self, i: int) -> str:
+        return f"ddc{self.tag}-n{i}"
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def open(self) -> NetLab:
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _make(self) -> None:
+        _ip("netns", "add", self.hub)
+        self.made.append(self.hub)
+        for br in ("br0", "br1"):
+            _ip("-n", self.hub, "link", "add", br, "type", "bridge")
+            _ip("-n", self.hub, "link", "set", br, "up")
+        for i in range(self.nodes):
+            ns = self.ns(i)
+            _ip("netns", "add", ns)
+            self.made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            tmp = f"ddc{self.tag}x"  # made straight in the node's namespace; the name never shows on the host
+            _ip("link", "add", tmp, "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", self.hub)
+            _ip("-n", ns, "link", "set", tmp, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
+            _ip("-n", self.hub, "link", "set", f"h{i}", "up")
+            if self.rate:
+                for where, dev in ((ns, "eth0"), (self.hub, f"h{i}")):
+                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "32kbit",
+                        "latency", "50ms")  # fmt: skip
+
+    def close(self) -> None:
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        self.made.clear()
+
+    # ------------------------------------------------------------------ nodes
+    def node_flags(self, i: int) -> list[str]:
+        return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
+
+    def start(self, index: int, run_dir: Path, flags: list[str], peers: list[str]) -> Child:
+        """``node.launcher.start_node`` inside node ``index``'s namespace (``ip netns exec`` execs, so the
+        process is the node itself, leading its own process group)."""
+        d = run_dir / f"node-{index}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "ready.json").unlink(missing_ok=True)
+        log = d / "node.log"
+        cmd = ["ip", "netns", "exec", self.ns(index), sys.executable, "-m", "node", "node"]
+        cmd += ["--state-dir", str(d), "--exit-with-parent", *flags, *self.node_flags(index)]
+        if peers:
+            cmd += ["--initial-peers", ",".join(peers)]
+        env = dict(os.environ)
+        if "--threads" in flags:
+            env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        return Child(index, d, proc, log)
+
+    def inside(self, i: int, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a thread that has entered node ``i``'s network namespace (sockets it opens live
+        there); the thread ends with it, so no other thread changes namespace."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                fd = os.open(f"/var/run/netns/{self.ns(i)}", os.O_RDONLY)
+                try:
+                    if self._libc.setns(fd, CLONE_NEWNET) != 0:
+                        raise NetnsError(f"setns into {self.ns(i)}: {os.strerror(ctypes.get_errno())}")
+                finally:
+                    os.close(fd)
+                box["v"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["e"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join()
+        if "e" in box:
+            raise box["e"]
+        return box["v"]
+
+    # ------------------------------------------------------------------ faults
+    def partition(self, side: set[int]) -> None:
+        """Move ``side``'s hub ports to the second bridge: they reach each other, not the rest."""
+        for i in side:
+            _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br1")
+        self.split = set(side)
+
+    def heal(self) -> None:
+        for i in sorted(self.split):
+            _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
+        self.split = set()
