@@ -155,16 +155,20 @@ class ChaosRun:
             return None, f"skipped: {len(run)} running, min_alive {self.cfg.min_alive}"
         note = ""
         if fault.kind == "kill_sync":
+            # Views can differ for a moment (a node that has not yet applied the newest record ranks the
+            # candidates of an older round): the node most views name is the one the learners send to.
             by_peer = {self.peer_ids[s.index]: s for s in run}
+            votes: dict[str, int] = {}
             for observer in run:
                 st = self.status(observer)
-                if st is None or fault.fragment >= len(st["fragments"]):
-                    continue
-                sync = st["fragments"][fault.fragment]["synchroniser"]
-                if sync in by_peer:
-                    return by_peer[
-                        sync
-                    ], f"fragment {fault.fragment}'s synchroniser in node {observer.index}'s view"
+                if st is not None and fault.fragment < len(st["fragments"]):
+                    sync = st["fragments"][fault.fragment]["synchroniser"]
+                    if sync in by_peer:
+                        votes[sync] = votes.get(sync, 0) + 1
+            if votes:
+                sync = max(votes, key=lambda p: (votes[p], -by_peer[p].index))
+                why = f"fragment {fault.fragment}'s synchroniser in {votes[sync]} of {len(run)} views"
+                return by_peer[sync], why
             note = "no running synchroniser in view; "
         for k in range(self.cfg.nodes):
             s = self.slots[(fault.node + k) % self.cfg.nodes]
