@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -121,8 +122,10 @@ def test_two_process_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     )
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
+    t_stop = time.monotonic()
     swarm.stop()
+    stop_s = time.monotonic() - t_stop
     for c in swarm.children.values():
-        assert c.proc.returncode == 0
+        assert c.proc.returncode == 0, (c.index, c.proc.returncode, f"stop took {stop_s:.0f} s", c.tail(80))
     done = json.loads((swarm.children[0].state_dir / "final.json").read_text())
     assert done["unit"]["mismatches"] == 0 and done["unit"]["checks"] > unit["checks"]
