@@ -475,6 +475,10 @@ class ChaosRun:
                 }
             )
         rep["per_node"] = per
+        tps = next(
+            (c.last["learner"]["tokens_per_step"] for s in self.slots.values() for c in s.lives if c.last), 0
+        )
+        rep["tokens_trained"] = tps * sum(n["steps"] for n in per)  # steps inside the window
         return rep
 
 

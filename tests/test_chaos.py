@@ -9,6 +9,7 @@ import os
 import pytest
 
 from node.chaos import ChaosConfig, ChaosRun
+from node.chaos_cli import render
 from node.chaos_plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
 from node.chaos_report import Outage, chaos_goodput, longest_gap, stalls
 from protocol.errors import ConfigError
@@ -126,3 +127,5 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
     assert sorted(rep["survivors"]) == sorted(set(range(4)) - {other_kill["node"]})
     assert 0.0 < rep["goodput"]["goodput"] <= 1.0
     assert rep["rounds_merged"] > 0 and rep["tokens_merged"] > 0
+    text = render(rep)
+    assert "goodput" in text and "one model hash across 3 survivors" in text
