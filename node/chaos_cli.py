@@ -178,7 +178,8 @@ def render(rep: dict) -> str:
     if "tokens_merged" in rep:
         li, lf = rep["eval_loss_initial"], rep["eval_loss_final"]
         lines.append(
-            f"tokens trained {rep.get('tokens_trained', 0):,.0f}, merged {rep['tokens_merged']:,.0f} (c_tokens); "
+            (f"tokens trained {rep['tokens_trained']:,.0f}, " if "tokens_trained" in rep else "tokens ")
+            + f"merged {rep['tokens_merged']:,.0f} (c_tokens); "
             f"rounds merged {rep['rounds_merged']}; eval loss "
             f"{'-' if li is None else f'{li:.3f}'} -> {'-' if lf is None else f'{lf:.3f}'}"
         )
