@@ -148,10 +148,11 @@ class NodeSettings:
     )
     ban_s: float = field(default=300.0, metadata={"help": "how long a ban lasts (s)"})
     agent_nice: int = field(
-        default=5,
+        default=0,
         metadata={
             "help": "niceness added to the node's network side (event loop, DHT process, p2pd) after the "
-            "learner starts, so a busy CPU serves the learner first; 0 leaves priorities alone"
+            "learner starts, so a CPU the learner fills serves it first; 0 (default) leaves priorities alone: "
+            "under load from other programs a niced network side answers late"
         },
     )
     nproc: int = field(

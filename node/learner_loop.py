@@ -191,5 +191,5 @@ class LearnerLoop(threading.Thread):
                     unit.exchange(lrn, STOP)
                 except Exception as e:  # noqa: BLE001 - a rank already gone: its group is broken
                     logger.warning("could not tell the unit's other ranks to stop: %s", e)
-                unit.close()
+                unit.close(lrn)
             self.idle.set()

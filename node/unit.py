@@ -22,6 +22,7 @@ Launch: ``torchrun --nproc-per-node N -m node node ...`` or ``ddiloco node --npr
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -81,7 +82,12 @@ class Unit:
         )
         logger.info("rank %d/%d joined the unit's %s group", self.rank, self.world, backend)
 
-    def close(self) -> None:
+    def close(self, learner=None) -> None:
+        """Leave the group. The learner's DDP wrapper goes first: destroyed after its process group, DDP's
+        reducer can block for good in its destructor (seen under heavy CPU load), and the rank never exits."""
+        if learner is not None and learner.forward_model is not learner.model:
+            learner.forward_model = learner.model
+            gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -207,4 +213,4 @@ def run_rank(cfg, unit: Unit) -> int:
         learner.attach_unit(unit)
         return follow(learner, unit)
     finally:
-        unit.close()
+        unit.close(learner)
