@@ -21,7 +21,6 @@ Two different heads are ordered by ``protocol.election.head_key``; the losing si
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -38,12 +37,13 @@ import torch
 from dht.identity import Identity
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
-from node.checkpoint import export_model, load_latest, save_checkpoint
+from node.checkpoint import export_model
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.guard import Guard
 from node.learner import Learner
 from node.learner_loop import LearnerLoop
+from node.persistence import Persistence
 from node.priority import lower_network_priority
 from node.replication import Replication
 from node.task import load_task
@@ -74,7 +74,7 @@ VERSION = "ddiloco/0.3"
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(Replication):
+class Node(Replication, Persistence):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -163,69 +163,6 @@ class Node(Replication):
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
         self._restored = self._restore()
-
-    # ---------------------------------------------------------------- persistence
-    def _restore(self) -> bool:
-        ck = load_latest(self.state_dir / "checkpoints", self.settings.swarm)
-        if ck is None:
-            return False
-        meta = ck.meta
-        if meta.get("peer_id") != self.peer_id:
-            logger.warning(
-                "checkpoint %s belongs to %s, not %s; ignored", ck.path, meta.get("peer_id"), self.peer_id
-            )
-            return False
-        for p, rep in enumerate(self.replicas):
-            r, h, n, w = meta["heads"][p]
-            theta = {k: ck.tensors[f"theta/{p}/{k}"] for k in rep.theta}
-            mom = {k: ck.tensors[f"mom/{p}/{k}"] for k in rep.theta}
-            rep.load_state(int(r), theta, mom)
-            if rep.hash != h:
-                logger.warning("checkpoint %s: fragment %d does not land on its hash; ignored", ck.path, p)
-                return False
-            self.heads[p] = (int(r), h, int(n), float(w))
-            self.syncs[p] = SyncState(fragment=p, global_round=int(r))
-        self.merged_tokens = [int(x) for x in meta["merged_tokens"]]
-        self.learner.load_state(ck.tensors, meta["learner"])
-        self.learner_loop.tokens = int(meta.get("tokens", 0))
-        self.joined_by = f"checkpoint {ck.path.name}"
-        logger.info("resumed from %s", ck.path)
-        return True
-
-    async def checkpoint(self) -> Path | None:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.learner_loop.is_alive():
-            self.learner_loop.requests.append(("state", fut))
-            try:
-                ltensors, lmeta = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
-            except TimeoutError:
-                logger.warning("checkpoint skipped: the learner did not hand over its state within 60 s")
-                return None
-        else:
-            ltensors, lmeta = self.learner.state()
-        tensors = dict(ltensors)
-        for p, rep in enumerate(self.replicas):
-            for k in rep.theta:
-                tensors[f"theta/{p}/{k}"] = rep.theta[k]
-                tensors[f"mom/{p}/{k}"] = rep.momentum[k]
-        meta = {
-            "peer_id": self.peer_id,
-            "heads": [list(h) for h in self.heads],
-            "learner": lmeta,
-            "merged_tokens": self.merged_tokens,
-            "tokens": self.learner_loop.tokens,
-        }
-        path = await asyncio.to_thread(
-            save_checkpoint,
-            self.state_dir / "checkpoints",
-            self.learner.steps,
-            tensors,
-            meta,
-            self.settings.swarm,
-        )
-        self.counters["checkpoints"] += 1
-        self.events.emit("checkpoint", t=time.time(), path=str(path), step=self.learner.steps)
-        return path
 
     # ---------------------------------------------------------------- derived views
     def global_hash(self) -> str:
@@ -449,31 +386,6 @@ class Node(Replication):
         t.add_done_callback(done)
         return t
 
-    def _write_ready(self) -> None:
-        doc = {
-            "peer_id": self.peer_id,
-            "maddrs": [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in a else a for a in self._addrs],
-            "status_url": self.status_server.url,
-            "pid": os.getpid(),
-        }
-        tmp = self.state_dir / ".ready.json.tmp"
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.state_dir / "ready.json")
-
-    def _write_final(self) -> None:
-        doc = {
-            "peer_id": self.peer_id,
-            "model_hash": self.global_hash(),
-            "rounds_merged": self.rounds_merged(),
-            "tokens_merged": self.tokens_merged(),
-            "steps": self.learner.steps,
-            "eval_loss": self.learner_loop.eval_loss,
-            "stop_reason": self.stop_reason,
-            "tokens": self.learner_loop.tokens,
-            "unit": self.unit.status() if self.unit is not None else None,
-        }
-        (self.state_dir / "final.json").write_text(json.dumps(doc, indent=1))
-
     # ---------------------------------------------------------------- membership
     async def _heartbeat_once(self) -> None:
         try:
@@ -663,12 +575,3 @@ class Node(Replication):
         """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""
         msg = f"{self.peer_id} does not hold fragment {p}'s round {self.replicas[p].round + 1}; try {who}"
         return Reply(False, RejectCode.NOT_SYNCHRONISER.value, msg, json.dumps({"try": who}).encode())
-
-    # ---------------------------------------------------------------- periodic work
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.checkpoint_every_s)
-            try:
-                await self.checkpoint()
-            except OSError as e:
-                logger.error("checkpoint failed: %s", e)
