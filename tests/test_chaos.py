@@ -129,3 +129,51 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
     assert rep["rounds_merged"] > 0 and rep["tokens_merged"] > 0
     text = render(rep)
     assert "goodput" in text and "one model hash across 3 survivors" in text
+
+
+# ------------------------------------------------------------------------------------------ namespaces
+def test_netns_lab_links_nodes_partitions_and_leaves_nothing_behind():
+    """Optional (root and iproute2): two node namespaces on a bridge, a partition and a heal, then gone."""
+    import shutil
+    import socket
+    import subprocess
+
+    from node.netns import NetLab, NetnsError
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    lab = NetLab(2, rate="100mbit", tag=f"t{os.getpid() % 100000}")
+    try:
+        lab.open()
+    except NetnsError as e:
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    try:
+
+        def serve() -> socket.socket:
+            s = socket.create_server((lab.addr(0), 0))
+            s.settimeout(5)
+            return s
+
+        def dial(port: int) -> bool:
+            try:
+                socket.create_connection((lab.addr(0), port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        srv = lab.inside(0, serve)
+        port = srv.getsockname()[1]
+        assert lab.inside(1, lambda: dial(port))
+        lab.partition({1})
+        assert not lab.inside(1, lambda: dial(port))
+        lab.heal()
+        assert lab.inside(1, lambda: dial(port))
+        srv.close()
+        qdisc = subprocess.run(
+            ["tc", "-n", lab.ns(0), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        )
+        assert "tbf" in qdisc.stdout and "100Mbit" in qdisc.stdout
+    finally:
+        lab.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert lab.ns(0) not in listed and lab.hub not in listed
