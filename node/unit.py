@@ -189,6 +189,18 @@ def follow(learner, unit: Unit) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this rank when its launcher (torchrun's agent) dies, e.g. when the
+    node's process group is killed: a rank holds no state of its own, and must not outlive its node."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        logger.debug("no PR_SET_PDEATHSIG here; this rank exits when rank 0's collectives fail")
+
+
 def run_rank(cfg, unit: Unit) -> int:
     """A rank > 0 of a node's learner unit: the learner only (no DHT, no state folder), led by rank 0.
 
@@ -201,6 +213,7 @@ def run_rank(cfg, unit: Unit) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
     s = cfg.node
     if s.threads > 0:
         torch.set_num_threads(s.threads)
