@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from dht.identity import Identity, verify
+from dht.identity import Identity, public_key_of, verify
 from protocol.errors import ConfigError, DDiLoCoError
 
 _DOMAIN = "ddiloco/admission/v1"
@@ -129,14 +129,16 @@ def _swarm_doc(folder: str | Path) -> dict:
         raise ConfigError(f"{p} cannot be read ({e}); create the swarm with 'ddiloco swarm init'") from e
 
 
-def admit(folder: str | Path, peer_id: str, days: float = 365.0, role: str = "any") -> Certificate:
-    """Sign a certificate admitting ``peer_id`` (checked to be an Ed25519 libp2p peer id)."""
-    from dht.identity import public_key_of
-
+def _check_peer_id(peer_id: str) -> None:
     try:
         public_key_of(peer_id)
     except ValueError as e:
         raise ConfigError(f"peer id {peer_id!r} is invalid: {e}") from e
+
+
+def admit(folder: str | Path, peer_id: str, days: float = 365.0, role: str = "any") -> Certificate:
+    """Sign a certificate admitting ``peer_id`` (checked to be an Ed25519 libp2p peer id)."""
+    _check_peer_id(peer_id)
     if role not in ROLES:
         raise ConfigError(f"role={role!r} is invalid: choose one of {', '.join(ROLES)}")
     if days <= 0:
@@ -149,12 +151,7 @@ def admit(folder: str | Path, peer_id: str, days: float = 365.0, role: str = "an
 
 
 def revoke(folder: str | Path, peer_id: str) -> Path:
-    from dht.identity import public_key_of
-
-    try:
-        public_key_of(peer_id)
-    except ValueError as e:
-        raise ConfigError(f"peer id {peer_id!r} is invalid: {e}") from e
+    _check_peer_id(peer_id)
     p = Path(folder) / "revoked.txt"
     _swarm_doc(folder)
     listed = set(p.read_text().split()) if p.exists() else set()
