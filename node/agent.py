@@ -30,6 +30,7 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from node.learner_loop import LearnerLoop
 from node.persistence import Persistence
 from node.priority import lower_network_priority
 from node.replication import Replication
+from node.runner import system_protocol
 from node.task import load_task
 from node.transport import Reply, Transport, TransportError
 from node.unit import Unit
@@ -73,13 +75,19 @@ logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
 
 
+ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
+
 # ------------------------------------------------------------------------------------------- the node
 class Node(Replication, Persistence):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
         self.settings = s = cfg.node
-        self.pcfg = cfg.protocol
+        # A baseline system is the same core with other settings (node.runner.system_protocol): every live
+        # learner is the quorum (K above any swarm's size waits for min(K, live)), and the learners block.
+        pcfg, self.blocking = system_protocol(s.system, cfg.protocol, ALL_LEARNERS)
+        self.cfg = cfg = replace(cfg, protocol=pcfg)
+        self.pcfg = pcfg
         self.state_dir = Path(s.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         id_path = Path(s.identity) if s.identity else self.state_dir / "identity.key"
@@ -131,6 +139,7 @@ class Node(Replication, Persistence):
         self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
         self.syncs = [SyncState(fragment=p) for p in range(P)]
         self.leases: dict[int, int] = {}
+        self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
@@ -438,7 +447,18 @@ class Node(Replication, Persistence):
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
         """Called from the learner thread; never blocks."""
+        self.last_contribution[header.fragment] = (header, enc)
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
+
+    def resend(self, p: int) -> None:
+        """Send fragment p's last contribution again, to whoever holds the open round now (learner thread).
+
+        For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
+        own learner's contribution, and with every live learner as the quorum neither would merge. The one
+        the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
+        on a chain; the replay guard refuses it once a merge record names it)."""
+        if p in self.last_contribution:
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, self.last_contribution[p])
 
     async def _sender_loop(self) -> None:
         while True:

@@ -22,6 +22,8 @@ from node.task import TaskConfig
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 
+NODE_SYSTEMS = tuple(x for x in SYSTEMS if x != "dp")  # what a real node runs
+
 
 @dataclass(frozen=True)
 class LocalRunConfig:
@@ -165,6 +167,19 @@ class NodeSettings:
     unit_timeout_s: float = field(
         default=600.0, metadata={"help": "deadline of the unit's rendezvous and of each collective"}
     )
+    system: str = field(
+        default="decoupled",
+        metadata={
+            "help": "decoupled (the paper: learners never wait) | sync-diloco (baseline: one fragment, every "
+            "live learner, plain mean, and each learner waits after contributing until the merge is back) | "
+            "streaming (baseline: fragments, every live learner, plain mean, a learner waits tau steps after "
+            "contributing a fragment until it is back); every node of a swarm must run the same system"
+        },
+    )
+    block_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "sync-diloco/streaming: give up waiting for a merge after this long and train on"},
+    )
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: until stopped)"})
     step_delay_s: float = field(default=0.0, metadata={"help": "sleep after each inner step (a slower chip)"})
     export: str = field(
@@ -183,6 +198,11 @@ class NodeSettings:
             )
         if not 0 <= self.agent_nice <= 19:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
+        if self.system not in NODE_SYSTEMS:
+            raise ConfigError(
+                f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "
+                "(data-parallel runs only in the in-process runner and bench/wan.py)"
+            )
         if self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
         for name in (
@@ -191,6 +211,7 @@ class NodeSettings:
             "failover_s",
             "rpc_timeout_s",
             "unit_timeout_s",
+            "block_timeout_s",
             "ban_after",
             "ban_s",
         ):

@@ -19,6 +19,7 @@ from protocol.messages import ContributionHeader
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
+RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
 # ------------------------------------------------------------------------------------------- learner thread
@@ -33,6 +34,12 @@ class LearnerLoop(threading.Thread):
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
         self.idle = threading.Event()  # set while paused or stopped: no step in progress
+        self.arrived = threading.Event()  # set when the agent delivers a fragment (wakes a blocked learner)
+        # Baseline systems (sync-diloco, streaming): fragment -> (round contributed against, schedule step
+        # before which the merge must be back); the learner waits rather than take that step.
+        self.awaiting: dict[int, tuple[int, int]] = {}
+        self._blocked_since: float | None = None
+        self._resent_at = 0.0
         self.tokens = 0
         self.step_s: float | None = None
         self.loss_ema: float | None = None
@@ -42,6 +49,41 @@ class LearnerLoop(threading.Thread):
         self._eval_model = node.task.new_model()
         self._next_eval = 0.0
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
+
+    def deliver(self, p: int, round_: int, theta, force: bool) -> None:
+        """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread)."""
+        self.inbox.append((p, round_, theta, force))
+        self.arrived.set()
+
+    def _must_wait(self) -> bool:
+        """Baseline systems: True while a fragment this learner contributed is due back and is not.
+
+        A fragment is back once the learner holds a round newer than the one it contributed against. While
+        it waits, it re-sends that contribution every ``RESEND_BEATS`` heartbeats (``Node.resend``). A
+        merge that never comes (``block_timeout_s``) is given up: the learner trains on, and the wait ends
+        with a ``block`` record either way, which goodput counts as blocked time."""
+        lrn, now = self.learner, time.time()
+        for p, (base, _) in list(self.awaiting.items()):
+            if lrn.book.counters[p].base_round > base:
+                del self.awaiting[p]
+        late = [p for p, (_, due) in self.awaiting.items() if lrn.book.step >= due]
+        if late and self._blocked_since is None:
+            self._blocked_since = self._resent_at = now
+        if late and now - self._resent_at >= RESEND_BEATS * self.node.settings.heartbeat_s:
+            self._resent_at = now
+            for p in late:
+                self.node.resend(p)
+        if late and now - self._blocked_since > self.node.settings.block_timeout_s:
+            logger.warning(
+                "no merge of fragment(s) %s after %.0f s of waiting: training on", late, now - self._blocked_since
+            )
+            for p in late:
+                del self.awaiting[p]
+            late = []
+        if not late and self._blocked_since is not None:
+            self.node.events.emit("block", learner=self.node.peer_id, t0=self._blocked_since, t1=now)
+            self._blocked_since = None
+        return bool(late)
 
     def tokens_per_s(self) -> float:
         if len(self._rate) < 2:
@@ -136,6 +178,12 @@ class LearnerLoop(threading.Thread):
                     self.idle.set()
                     self.stop_flag.wait(0.05)
                     continue
+                if self.node.blocking and self._must_wait():
+                    if unit is not None:  # the other ranks wait with it, and take what arrived meanwhile
+                        unit.exchange(lrn, PAUSE, adopted)
+                    self.arrived.wait(0.05)
+                    self.arrived.clear()
+                    continue
                 self.idle.clear()
                 if unit is not None:
                     unit.exchange(lrn, STEP, adopted, check_all=lrn.steps % UNIT_CHECK_EVERY == 0)
@@ -177,6 +225,8 @@ class LearnerLoop(threading.Thread):
                         c_tokens=c.c_tokens,
                     )
                     self.node.post_contribution(header, enc)
+                    if self.node.blocking:
+                        self.awaiting[p] = (c.base_round, lrn.book.step + lrn.pcfg.overlap)
                 if lrn.steps == first_step + 1:
                     self._align_schedule()
                 if s.step_delay_s:

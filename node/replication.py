@@ -131,7 +131,7 @@ class Replication:
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
         self._reset_sync(p)
         if self.learner_loop.is_alive():
-            self.learner_loop.inbox.append((p, st.round, rep.theta, True))
+            self.learner_loop.deliver(p, st.round, rep.theta, True)
 
     async def _catch_up(self, p: int, pid: str, head: list) -> None:
         if p in self._syncing:
@@ -194,7 +194,7 @@ class Replication:
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
         if self.learner_loop.is_alive():
-            self.learner_loop.inbox.append((p, rec.round, rep.theta, False))
+            self.learner_loop.deliver(p, rec.round, rep.theta, False)
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
