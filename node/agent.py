@@ -77,6 +77,7 @@ VERSION = "ddiloco/0.3"
 
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
+
 # ------------------------------------------------------------------------------------------- the node
 class Node(Replication, Persistence):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:

@@ -75,7 +75,9 @@ class LearnerLoop(threading.Thread):
                 self.node.resend(p)
         if late and now - self._blocked_since > self.node.settings.block_timeout_s:
             logger.warning(
-                "no merge of fragment(s) %s after %.0f s of waiting: training on", late, now - self._blocked_since
+                "no merge of fragment(s) %s after %.0f s of waiting: training on",
+                late,
+                now - self._blocked_since,
             )
             for p in late:
                 del self.awaiting[p]

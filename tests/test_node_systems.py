@@ -22,8 +22,11 @@ def test_sync_diloco_nodes_wait_for_every_merge_and_merge_everyone(tmp_path):
     try:
         swarm.start_many(2)
         ids = {i: c.peer_id for i, c in swarm.children.items()}
+
         def merged_together() -> int:
-            return sum(set(e["learners"]) == set(ids.values()) for e in swarm.events(0) if e["kind"] == "merge")
+            return sum(
+                set(e["learners"]) == set(ids.values()) for e in swarm.events(0) if e["kind"] == "merge"
+            )
 
         wait_until(lambda: merged_together() >= 5, 150, "5 merges holding both learners' contributions")
         swarm.settle()
