@@ -1,0 +1,219 @@
+"""Numbers and tables of ``bench/wan.py``: from each run's step and eval records and link counters to
+tokens/s, bytes per step, eval loss at the end and at equal tokens, and the targets of issue 4 item 5."""
+
+from __future__ import annotations
+
+import bisect
+
+TARGET_DP = 10.0  # ours / data-parallel tokens/s
+TARGET_SYNC = 2.0  # ours / synchronous DiLoCo tokens/s
+LABEL = {
+    "ours": "ours (decoupled)",
+    "sync": "sync DiLoCo",
+    "dp-fp32": "DP fp32 grads",
+    "dp-bf16": "DP bf16 grads",
+}
+
+
+def credit(steps: list[tuple[float, float, int]], t_a: float, t_b: float) -> float:
+    """Tokens trained in [t_a, t_b]: each step's tokens times the share of its span inside the window."""
+    total = 0.0
+    for t0, t1, k in steps:
+        if t1 <= t_a or t0 >= t_b:
+            continue
+        span = t1 - t0
+        total += k if span <= 0 else k * (min(t1, t_b) - max(t0, t_a)) / span
+    return total
+
+
+def overlap(spans: list[tuple[float, float]], t_a: float, t_b: float) -> float:
+    return sum(max(0.0, min(t1, t_b) - max(t0, t_a)) for t0, t1 in spans)
+
+
+def eval_curve(learners: list[dict]) -> list[tuple[int, float]]:
+    """(tokens every learner had trained when the evaluation ran, eval loss), by tokens; ties averaged."""
+    ends = sorted((t1, k) for lr in learners for _, t1, k in lr["steps"])
+    times = [t for t, _ in ends]
+    cum = [0]
+    for _, k in ends:
+        cum.append(cum[-1] + k)
+    by_tokens: dict[int, list[float]] = {}
+    for lr in learners:
+        for t, loss in lr["evals"]:
+            by_tokens.setdefault(cum[bisect.bisect_right(times, t)], []).append(loss)
+    return sorted((k, sum(v) / len(v)) for k, v in by_tokens.items())
+
+
+def loss_at(curve: list[tuple[int, float]], x: float) -> dict | None:
+    """Eval loss at ``x`` tokens, linear between the evaluations around it; None past the last one."""
+    for (a, la), (b, lb) in zip(curve, curve[1:]):
+        if a <= x <= b:
+            loss = la if b == a else la + (lb - la) * (x - a) / (b - a)
+            return {"tokens": x, "loss": loss, "between": [a, b]}
+    if curve and curve[-1][0] == x:
+        return {"tokens": x, "loss": curve[-1][1], "between": [x, x]}
+    return None
+
+
+def analyze(raw: dict, nodes: int) -> dict:
+    t_a, t_b = raw["t_a"], raw["t_b"]
+    span = t_b - t_a
+    learners = raw["learners"]
+    tps = raw["tokens_per_step"]  # per learner stream: a node's learner, or the whole DP group
+    win_tokens = sum(credit(lr["steps"], t_a, t_b) for lr in learners)
+    steps = win_tokens / (tps * len(learners)) if tps else 0.0  # inner steps per learner in the window
+    sent = sum(raw["sent_B"]) / nodes
+    received = sum(raw["received_B"]) / nodes
+    curve = eval_curve(learners)
+    finals = [lr["final"] for lr in learners if lr["final"]]
+    final_losses = [f["eval_loss"] for f in finals if f.get("eval_loss") is not None]
+    total = sum(k for lr in learners for _, _, k in lr["steps"])
+    first = min((t0 for lr in learners for t0, _, _ in lr["steps"]), default=t_a)
+    return {
+        "window_s": span,
+        "tokens_per_s": win_tokens / span,
+        "steps_per_learner": steps,
+        "step_s": span / steps if steps else None,
+        "sent_B_per_node": sent,
+        "received_B_per_node": received,
+        "sent_mbit_s_per_node": sent * 8 / span / 1e6,
+        "max_sent_mbit_s": max(raw["sent_B"]) * 8 / span / 1e6,
+        "sent_B_per_step_per_node": sent / steps if steps else None,
+        "blocked_share": sum(overlap(lr["blocks"], t_a, t_b) for lr in learners) / (span * len(learners)),
+        "merges_in_window": max((lr["merges"] for lr in learners), default=0),
+        "tokens_total": total,
+        "trained_s": t_b - first,
+        "final_loss": sum(final_losses) / len(final_losses) if final_losses else float("nan"),
+        "final_hashes": len({f.get("model_hash") for f in finals}),
+        "settled": raw["settled"],
+        "curve": curve,
+        "load_avg_end": raw["load_avg"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _cols(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths))) for r in rows
+    )
+
+
+def _b(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, k in (("MB", 1e6), ("KB", 1e3)):
+        if x >= k:
+            return f"{x / k:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _k(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.0f}k"
+
+
+def best_dp(row: dict) -> str | None:
+    dps = [s for s in row if s.startswith("dp")]
+    return max(dps, key=lambda s: row[s]["tokens_per_s"]) if dps else None
+
+
+def compare(row: dict, other: str) -> dict:
+    """ours against ``other`` at one cap: tokens/s ratio, and eval loss at their common token count."""
+    o, x = row["ours"], row[other]
+    common = min(o["tokens_total"], x["tokens_total"])
+    lo, lx = loss_at(o["curve"], common), loss_at(x["curve"], common)
+    return {
+        "ratio": o["tokens_per_s"] / x["tokens_per_s"] if x["tokens_per_s"] else float("inf"),
+        "tokens": common,
+        "ours_loss": lo["loss"] if lo else None,
+        "other_loss": lx["loss"] if lx else None,
+    }
+
+
+def render(res: dict) -> str:
+    cfg, results = res["config"], res["results"]
+    out = [
+        f"WAN comparison: {cfg['nodes']} nodes, one network namespace each, every link capped both ways by tc "
+        f"tbf; {cfg['duration_s']:g} s measured after {cfg['warm_s']:g} s warm-up; batch {cfg['batch_size']} "
+        f"sequences per learner, one torch thread per process, H={cfg['sync_every']}, eval every "
+        f"{cfg['eval_every_s']:g} s; {res['cpus']} CPUs",
+    ]
+    for cap, row in results.items():
+        common = min(r["tokens_total"] for r in row.values())
+        out += ["", f"== cap {cap} per link and direction"]
+        rows = [
+            [
+                "system",
+                "tokens/s",
+                "ours/this",
+                "steps",
+                "s/step",
+                "out Mbit/s",
+                "out/step",
+                "blocked",
+                "eval end",
+                "at tokens",
+                f"eval @ {_k(common)}",
+            ]  # fmt: skip
+        ]
+        for s, r in row.items():
+            at = loss_at(r["curve"], common)
+            ours = row.get("ours")
+            rows.append(
+                [
+                    LABEL[s],
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{ours['tokens_per_s'] / r['tokens_per_s']:.2f}x" if ours and r["tokens_per_s"] else "-",
+                    f"{r['steps_per_learner']:.0f}",
+                    f"{r['step_s']:.2f}" if r["step_s"] else "-",
+                    f"{r['sent_mbit_s_per_node']:.2f}",
+                    _b(r["sent_B_per_step_per_node"]),
+                    f"{100 * r['blocked_share']:.0f}%" if s in ("ours", "sync") else "-",
+                    f"{r['final_loss']:.3f}",
+                    _k(r["tokens_total"]),
+                    f"{at['loss']:.3f}" if at else "-",
+                ]
+            )
+        out.append(_cols(rows))
+    caps = list(results)
+    systems = list(next(iter(results.values())))
+    out += ["", "== tokens/s against the cap"]
+    head = ["cap", *[LABEL[s] for s in systems]]
+    if "ours" in systems and "sync" in systems:
+        head.append("ours/sync")
+    if "ours" in systems and any(s.startswith("dp") for s in systems):
+        head.append("ours/best DP")
+    rows = [head]
+    for cap in caps:
+        row = results[cap]
+        cells = [cap, *[f"{row[s]['tokens_per_s']:,.0f}" for s in systems]]
+        if "sync" in row and "ours" in row:
+            cells.append(f"{compare(row, 'sync')['ratio']:.2f}x")
+        if (dp := best_dp(row)) and "ours" in row:
+            cells.append(f"{compare(row, dp)['ratio']:.2f}x")
+        rows.append(cells)
+    out.append(_cols(rows))
+    if "ours" in systems:
+        out += ["", "targets: tokens/s ours >= 10x data-parallel's and >= 2x sync DiLoCo's, at equal or better "
+                "eval loss at equal tokens (the two runs' common token count)"]  # fmt: skip
+        for cap in caps:
+            row = results[cap]
+            for other, target in (("sync", TARGET_SYNC), (best_dp(row), TARGET_DP)):
+                if other not in row:
+                    continue
+                c = compare(row, other)
+                fast = c["ratio"] >= target
+                if c["ours_loss"] is None or c["other_loss"] is None:
+                    lq, good = "no eval loss at the common token count", False
+                else:
+                    good = c["ours_loss"] <= c["other_loss"]
+                    lq = (
+                        f"eval loss at {_k(c['tokens'])} tokens {c['ours_loss']:.3f} vs {c['other_loss']:.3f}"
+                    )
+                verdict = "HOLDS " if fast and good else "MISSED"
+                out.append(
+                    f"  [{verdict}] {cap:>8s} vs {LABEL[other]:14s} {c['ratio']:6.2f}x (target {target:g}x: "
+                    f"{'met' if fast else 'missed'}); {lq} ({'ours equal or better' if good else 'ours worse'})"
+                )
+    out += ["", f"wall time: {res['wall_s']:.0f} s; run folders under {cfg['run_dir']}"]
+    return "\n".join(out)
