@@ -79,7 +79,7 @@ class WanConfig:
     systems: tuple[str, ...] = SYSTEMS
     duration_s: float = 75.0
     """measured seconds per system and cap"""
-    warm_s: float = 15.0
+    warm_s: float = 20.0
     """seconds after every process has stepped, before the window opens"""
     eval_every_s: float = 10.0
     sync_every: int = 24
@@ -199,6 +199,19 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
             "every node training",
             check,
         )
+        if system == "sync":
+            # Node 0 trains alone until the others are up, then waits at its first contribution until they
+            # reach theirs: the window opens after the first round that merged every learner, not in that
+            # start-up wait.
+            until(
+                lambda: any(
+                    r["kind"] == "merge" and len(r.get("learners", [])) == cfg.nodes
+                    for r in read_events(children[0].state_dir / "events.jsonl")
+                ),
+                cfg.start_timeout_s,
+                f"a round merging all {cfg.nodes} learners",
+                check,
+            )
         win = window(cfg, lab, say, progress)
         tokens_per_step = children[0].last["learner"]["tokens_per_step"]
         for c in children:
@@ -242,9 +255,6 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
                     if r["kind"] == "step" and r.get("learner") == c.peer_id
                 ],
                 "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
-                "blocks": [
-                    (r["t0"], r["t1"]) for r in ev if r["kind"] == "block" and r.get("learner") == c.peer_id
-                ],
                 "merges": sum(r["kind"] == "merge" for r in ev if win["t_a"] <= r.get("t", 0) < win["t_b"]),
                 "final": json.loads(final.read_text()) if final.exists() else {},
             }
@@ -288,11 +298,10 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
     finally:
         wan_dp.kill_workers(procs)
     ev = read_events(ev_path)
-    final = run_dir / "final.json"
+    final = run_dir / "final-0.json"
     learner = {
         "steps": [(r["t0"], r["t1"], r["tokens"]) for r in ev if r["kind"] == "step"],
         "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
-        "blocks": [],
         "merges": 0,
         "final": json.loads(final.read_text()) if final.exists() else {},
     }

@@ -2,16 +2,18 @@
 process group across them, DDP over the node's default learner.
 
 Each worker is a ``node.learner.Learner`` (the embedded task's model, AdamW, lr schedule, gradient clipping,
-the same per-worker batch as a node) whose forward model is wrapped in ``DistributedDataParallel``, exactly
-as a multi-process learner unit is (``node.unit``): DDP's gradient buckets are all-reduced over gloo while
-the backward pass runs, so every step's gradients cross the capped links. ``--grads bf16`` registers the equivalent
-of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the bytes); ``fp32`` is DDP's default.
+the same per-worker batch as a node) whose forward model is wrapped in ``DistributedDataParallel``, as a
+multi-process learner unit's is (``node.unit``): DDP's gradient buckets are all-reduced over gloo while the
+backward pass runs, so every step's gradients cross the capped links. ``--grads bf16`` registers the
+equivalent of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the bytes); ``fp32`` is DDP's
+default.
 
 Rank 0 leads: it evaluates the model every ``--eval-every-s`` (the others wait in the next all-reduce, as
-they would in any DP job), writes ``events.jsonl`` (``step`` and ``eval`` records in the nodes' shape, tokens
-counted over all workers) and, when the harness creates ``STOP`` in the run folder, broadcasts the stop
-with the next step's control tensor; every rank then leaves the loop after the same step. Every collective
-runs under the process group's timeout, and a worker dies with its launcher (``PR_SET_PDEATHSIG``).
+they would in any DP job) and writes ``events.jsonl`` (``step`` and ``eval`` records in the nodes' shape,
+tokens counted over all workers). When the harness creates ``STOP`` in the run folder, rank 0 broadcasts
+the stop with the next step's control tensor, so every rank leaves the loop after the same step and writes
+``final-RANK.json`` (steps, model hash). Every collective runs under the process group's timeout, and a
+worker dies with its launcher (``PR_SET_PDEATHSIG``).
 
     ip netns exec NS python bench/wan_dp.py --rank R --world N --master ADDR:PORT --run-dir DIR
 """
@@ -115,18 +117,18 @@ def worker(a: argparse.Namespace) -> int:
         dist.broadcast(ctrl, src=0)  # one 8-byte message: every rank leaves after the same step
         if ctrl.item():
             break
-    if lead:
-        loss = do_eval()
-        params = {k: v.detach() for k, v in lrn.model.named_parameters()}
-        doc = {
-            "steps": lrn.steps,
-            "tokens": lrn.steps * lrn.tokens_per_step,
-            "eval_loss": loss,
-            "model_hash": tensors_hash(params),
-            "grads": a.grads,
-            "world": a.world,
-        }
-        (run_dir / "final.json").write_text(json.dumps(doc, indent=1))
+    params = {k: v.detach() for k, v in lrn.model.named_parameters()}
+    doc = {
+        "rank": a.rank,
+        "steps": lrn.steps,
+        "tokens": lrn.steps * lrn.tokens_per_step,
+        "eval_loss": do_eval() if lead else None,
+        "model_hash": tensors_hash(params),  # every rank's: DDP keeps them identical
+        "grads": a.grads,
+        "world": a.world,
+    }
+    (run_dir / f"final-{a.rank}.json").write_text(json.dumps(doc, indent=1))
+    if ev is not None:
         ev.close()
     dist.barrier()
     dist.destroy_process_group()

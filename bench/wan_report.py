@@ -79,7 +79,11 @@ def analyze(raw: dict, nodes: int) -> dict:
         "sent_mbit_s_per_node": sent * 8 / span / 1e6,
         "max_sent_mbit_s": max(raw["sent_B"]) * 8 / span / 1e6,
         "sent_B_per_step_per_node": sent / steps if steps else None,
-        "blocked_share": sum(overlap(lr["blocks"], t_a, t_b) for lr in learners) / (span * len(learners)),
+        # learner time in the window outside training steps: waiting for merges, evaluating, adopting (a DP
+        # step holds its own all-reduce, so there it is evaluation alone)
+        "outside_steps_share": 1.0
+        - sum(overlap([(t0, t1) for t0, t1, _ in lr["steps"]], t_a, t_b) for lr in learners)
+        / (span * len(learners)),
         "merges_in_window": max((lr["merges"] for lr in learners), default=0),
         "tokens_total": total,
         "trained_s": t_b - first,
@@ -150,7 +154,7 @@ def render(res: dict) -> str:
                 "s/step",
                 "out Mbit/s",
                 "out/step",
-                "blocked",
+                "outside steps",
                 "eval end",
                 "at tokens",
                 f"eval @ {_k(common)}",
@@ -168,7 +172,7 @@ def render(res: dict) -> str:
                     f"{r['step_s']:.2f}" if r["step_s"] else "-",
                     f"{r['sent_mbit_s_per_node']:.2f}",
                     _b(r["sent_B_per_step_per_node"]),
-                    f"{100 * r['blocked_share']:.0f}%" if s in ("ours", "sync") else "-",
+                    f"{100 * r['outside_steps_share']:.0f}%",
                     f"{r['final_loss']:.3f}",
                     _k(r["tokens_total"]),
                     f"{at['loss']:.3f}" if at else "-",
