@@ -1,5 +1,7 @@
-"""The WAN comparison (issue 4, item 5): tokens/s of Decoupled DiLoCo against synchronous DiLoCo and
-data-parallel on the same nodes, model and bandwidth caps, and how the ratio moves with the cap.
+"""The WAN comparison (issue 4, item 5): ours, synchronous DiLoCo and data-parallel under bandwidth caps.
+
+Tokens/s of Decoupled DiLoCo against synchronous DiLoCo and data-parallel on the same nodes, model and
+bandwidth caps, and how the ratio moves with the cap.
 
 For each cap of ``--caps`` and each system, N processes run in N network namespaces (``node.netns``: one
 per node on a bridge, every node's link capped by ``tc tbf`` in both directions, no added delay):
@@ -47,7 +49,7 @@ from node.config import NodeSettings
 from node.launcher import Child, LaunchError, kill_group, wait_ready
 from node.netns import NetLab
 from node.status import StatusError, fetch_status, send_control
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, DDiLoCoError
 
 SYSTEMS = ("ours", "sync", "dp-fp32", "dp-bf16")
 NODE_SYSTEM = {"ours": "decoupled", "sync": "sync-diloco"}
@@ -117,24 +119,34 @@ def until(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable
         time.sleep(1.0)
 
 
-def window(cfg: WanConfig, lab: NetLab, say: Callable[[str], None], progress: Callable[[], str]) -> dict:
-    """Warm-up, then the measured window: wall times and every link's counters at both ends."""
+def window(
+    cfg: WanConfig,
+    lab: NetLab,
+    say: Callable[[str], None],
+    progress: Callable[[], str],
+    payload: Callable[[], list[int]] | None = None,
+) -> dict:
+    """Warm-up, then the measured window: wall times and every link's counters at both ends (and, for
+    nodes, ``payload``: the bytes their transports sent, without DHT traffic or framing)."""
     end = time.monotonic() + cfg.warm_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(5.0, left))
         say(f"warm-up  {progress()}")
-    a, t_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    p_a = payload() if payload else None
+    a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
     end = time.monotonic() + cfg.duration_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(10.0, left))
         say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
     b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    p_b = payload() if payload else None
     return {
         "t_a": t_a,
         "t_b": t_b,
         "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
         "received_B": [y[1] - x[1] for x, y in zip(a, b)],
-        "load_avg": os.getloadavg()[0],
+        "payload_sent_B": [y - x for x, y in zip(p_a, p_b)] if p_a and p_b else None,
+        "load_avg": [load_a, os.getloadavg()[0]],
     }
 
 
@@ -212,7 +224,12 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
                 f"a round merging all {cfg.nodes} learners",
                 check,
             )
-        win = window(cfg, lab, say, progress)
+
+        def payload() -> list[int]:
+            docs = [status(c) for c in children]
+            return [d["bytes_sent"] for d in docs] if all(docs) else []
+
+        win = window(cfg, lab, say, progress, payload)
         tokens_per_step = children[0].last["learner"]["tokens_per_step"]
         for c in children:
             control(c, "pause")
@@ -340,19 +357,22 @@ def run_all(cfg: WanConfig) -> dict:
                     raw = run_nodes(cfg, lab, system, run_dir, say)
                 else:
                     raw = run_dp(cfg, lab, system.split("-")[1], run_dir, say)
+                res = analyze(raw, cfg.nodes)
+                say(f"{res['tokens_per_s']:,.0f} tokens/s, final eval {res['final_loss']:.3f}; {run_dir}")
+            except (DDiLoCoError, OSError) as e:  # one failed run is reported; the others still run
+                res = {"error": str(e)}
+                say(f"FAILED: {e}")
             finally:
                 lab.close()
-            res = analyze(raw, cfg.nodes)
             results[cap][system] = res
-            say(
-                f"{res['tokens_per_s']:,.0f} tokens/s, final eval {res['final_loss']:.3f}, run folder {run_dir}"
-            )
-    return {
-        "config": {**asdict(cfg), "run_dir": str(cfg.run_dir)},
-        "results": results,
-        "wall_s": time.monotonic() - t_start,
-        "cpus": os.cpu_count(),
-    }
+            doc = {
+                "config": {**asdict(cfg), "run_dir": str(cfg.run_dir)},
+                "results": results,
+                "wall_s": time.monotonic() - t_start,
+                "cpus": os.cpu_count(),
+            }
+            (cfg.run_dir / "wan.json").write_text(json.dumps(doc, indent=1))  # kept if a later run fails
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,10 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=d.sync_every, help="H of ours and of sync DiLoCo")
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step per learner")
     ap.add_argument("--node-flags", default="", help="extra flags for every node (ours and sync)")
-    ap.add_argument("--run-dir", default="", help="where runs write (default: a temporary folder, removed)")
+    ap.add_argument(
+        "--run-dir",
+        default="",
+        help="where runs write, and wan.json at the end (default: a temporary folder)",
+    )
     ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
+    ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
     a = ap.parse_args(argv)
+    if a.render:
+        print(render(json.loads(Path(a.render).read_text())))
+        return 0
     if a.quick:
         a.caps, a.duration, a.warm, a.eval_every_s = "100mbit,10mbit", 20.0, 5.0, 5.0
     run_dir = Path(a.run_dir) if a.run_dir else Path(tempfile.mkdtemp(prefix="ddiloco-wan-"))
