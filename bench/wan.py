@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import wan_dp
+from swarm import cpu_seconds
 from wan_report import analyze, render
 
 from node.config import NodeSettings
@@ -83,7 +84,7 @@ class WanConfig:
     """measured seconds per system and cap"""
     warm_s: float = 20.0
     """seconds after every process has stepped, before the window opens"""
-    eval_every_s: float = 10.0
+    eval_every_s: float = 15.0
     sync_every: int = 24
     """H of ours and of sync DiLoCo"""
     batch_size: int = 16
@@ -124,21 +125,25 @@ def window(
     lab: NetLab,
     say: Callable[[str], None],
     progress: Callable[[], str],
+    pids: list[int],
     payload: Callable[[], list[int]] | None = None,
 ) -> dict:
-    """Warm-up, then the measured window: wall times and every link's counters at both ends (and, for
-    nodes, ``payload``: the bytes their transports sent, without DHT traffic or framing)."""
+    """Warm-up, then the measured window: wall times, every link's counters and the CPU time of every
+    process tree in ``pids`` at both ends (and, for nodes, ``payload``: the bytes their transports sent,
+    without DHT traffic or framing)."""
     end = time.monotonic() + cfg.warm_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(5.0, left))
         say(f"warm-up  {progress()}")
     p_a = payload() if payload else None
+    c_a = [cpu_seconds(p) for p in pids]
     a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
     end = time.monotonic() + cfg.duration_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(10.0, left))
         say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
     b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    c_b = [cpu_seconds(p) for p in pids]
     p_b = payload() if payload else None
     return {
         "t_a": t_a,
@@ -146,6 +151,12 @@ def window(
         "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
         "received_B": [y[1] - x[1] for x, y in zip(a, b)],
         "payload_sent_B": [y - x for x, y in zip(p_a, p_b)] if p_a and p_b else None,
+        # CPU seconds in the window per process tree (node: its process, DHT process and p2pd; DP: a worker),
+        # and of its busiest thread (the training thread)
+        "cpu_s": [b[0] - a[0] for a, b in zip(c_a, c_b)],
+        "train_thread_cpu_s": [
+            max((v - a[2].get(t, 0.0) for t, v in b[2].items()), default=0.0) for a, b in zip(c_a, c_b)
+        ],
         "load_avg": [load_a, os.getloadavg()[0]],
     }
 
@@ -229,7 +240,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
             docs = [status(c) for c in children]
             return [d["bytes_sent"] for d in docs] if all(docs) else []
 
-        win = window(cfg, lab, say, progress, payload)
+        win = window(cfg, lab, say, progress, [c.proc.pid for c in children], payload)
         tokens_per_step = children[0].last["learner"]["tokens_per_step"]
         for c in children:
             control(c, "pause")
@@ -306,7 +317,7 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
 
     try:
         until(lambda: bool(steps()), cfg.start_timeout_s, "the DP group's first step", check)
-        win = window(cfg, lab, say, progress)
+        win = window(cfg, lab, say, progress, [p.pid for p in procs])
         # The last step may be long (a slow link) and is followed by an evaluation: allow for both.
         wan_dp.stop_workers(procs, run_dir, timeout_s=cfg.gloo_timeout_s)
         codes = [p.returncode for p in procs]

@@ -88,6 +88,10 @@ def analyze(raw: dict, nodes: int) -> dict:
         "outside_steps_share": 1.0
         - sum(overlap([(t0, t1) for t0, t1, _ in lr["steps"]], t_a, t_b) for lr in learners)
         / (span * len(learners)),
+        "cpu_cores_per_node": sum(raw["cpu_s"]) / nodes / span if raw.get("cpu_s") else None,
+        "train_thread_cores_per_node": sum(raw["train_thread_cpu_s"]) / nodes / span
+        if raw.get("cpu_s")
+        else None,
         "merges_in_window": max((lr["merges"] for lr in learners), default=0),
         "tokens_total": total,
         "trained_s": t_b - first,
@@ -125,6 +129,10 @@ def ok(row: dict) -> dict:
     return {s: r for s, r in row.items() if "error" not in r}
 
 
+def _missing(row: dict, system: str) -> str:
+    return "failed" if system in row else "-"  # a saved run still under way has no entry yet
+
+
 def best_dp(row: dict) -> str | None:
     dps = [s for s in ok(row) if s.startswith("dp")]
     return max(dps, key=lambda s: row[s]["tokens_per_s"]) if dps else None
@@ -152,7 +160,7 @@ def render(res: dict) -> str:
         f"{cfg['eval_every_s']:g} s; {res['cpus']} CPUs",
     ]
     head = ["system", "tokens/s", "ours/this", "steps", "s/step", "out Mbit/s", "out/step", "payload/step",
-            "outside steps", "eval end", "at tokens"]  # fmt: skip
+            "outside steps", "CPU/node", "eval end", "at tokens"]  # fmt: skip
     for cap, row in results.items():
         good = ok(row)
         common = min((r["tokens_total"] for r in good.values()), default=0)
@@ -175,6 +183,9 @@ def render(res: dict) -> str:
                     _b(r["sent_B_per_step_per_node"]),
                     _b(r.get("payload_B_per_step_per_node")),
                     f"{100 * r['outside_steps_share']:.0f}%",
+                    f"{r['cpu_cores_per_node']:.2f} ({r['train_thread_cores_per_node']:.2f})"
+                    if r.get("cpu_cores_per_node") is not None
+                    else "-",
                     f"{r['final_loss']:.3f}",
                     _k(r["tokens_total"]),
                     f"{at['loss']:.3f}" if at else "-",
@@ -187,7 +198,10 @@ def render(res: dict) -> str:
     rows = [["cap", *[LABEL[s] for s in systems], "ours/sync", "ours/best DP"]]
     for cap, row in results.items():
         good = ok(row)
-        cells = [cap, *[f"{good[s]['tokens_per_s']:,.0f}" if s in good else "failed" for s in systems]]
+        cells = [
+            cap,
+            *[f"{good[s]['tokens_per_s']:,.0f}" if s in good else _missing(row, s) for s in systems],
+        ]
         cells.append(f"{compare(good, 'sync')['ratio']:.2f}x" if {"ours", "sync"} <= set(good) else "-")
         dp = best_dp(good)
         cells.append(
