@@ -64,7 +64,7 @@ def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
         procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100)
         deadline = time.monotonic() + 120
         ev = tmp_path / "events.jsonl"
-        while not (ev.exists() and ev.read_text().count('"step"') >= 3):
+        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= 3):
             assert all(p.poll() is None for p in procs), (tmp_path / "worker-1.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the DP group did not take 3 steps within 120 s"
             time.sleep(0.5)
