@@ -211,11 +211,29 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
     settled = False
     try:
         say(f"starting {cfg.nodes} nodes ({' '.join(flags)})")
+        # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
+        # step or two first) and all resume together once every one has joined, so no node trains alone
+        # while the others download the state and the eval loss per token compares the algorithms.
         children.append(lab.start(0, run_dir, flags, []))
         wait_ready(children, cfg.start_timeout_s)
+        control(children[0], "pause")
         for i in range(1, cfg.nodes):
             children.append(lab.start(i, run_dir, flags, children[0].maddrs))
-        wait_ready(children, cfg.start_timeout_s)
+        waiting, deadline = list(children[1:]), time.monotonic() + cfg.start_timeout_s
+        while waiting:
+            check()
+            for c in [c for c in waiting if (c.state_dir / "ready.json").exists()]:
+                wait_ready([c], 10)
+                control(c, "pause")
+                waiting.remove(c)
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"nodes {[c.index for c in waiting]} not up within {cfg.start_timeout_s:g} s"
+                )
+            time.sleep(0.1)
+        t_start = time.time()
+        for c in children:
+            control(c, "resume")
         until(
             lambda: all((status(c) or {}).get("learner", {}).get("steps", 0) > 0 for c in children),
             cfg.start_timeout_s,
@@ -223,9 +241,8 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
             check,
         )
         if system == "sync":
-            # Node 0 trains alone until the others are up, then waits at its first contribution until they
-            # reach theirs: the window opens after the first round that merged every learner, not in that
-            # start-up wait.
+            # Every learner waits at its first contribution until all have made theirs: the window opens
+            # after the first round that merged every learner.
             until(
                 lambda: any(
                     r["kind"] == "merge" and len(r.get("learners", [])) == cfg.nodes
@@ -287,7 +304,13 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
                 "final": json.loads(final.read_text()) if final.exists() else {},
             }
         )
-    return {**win, "learners": learners, "settled": settled, "tokens_per_step": tokens_per_step}
+    return {
+        **win,
+        "learners": learners,
+        "settled": settled,
+        "tokens_per_step": tokens_per_step,
+        "t_start": t_start,
+    }
 
 
 # ------------------------------------------------------------------------------------------ data-parallel

@@ -94,6 +94,10 @@ def analyze(raw: dict, nodes: int) -> dict:
         else None,
         "merges_in_window": max((lr["merges"] for lr in learners), default=0),
         "tokens_total": total,
+        # nodes: tokens trained before the synchronised start (node 0's step or two before its pause)
+        "tokens_before_start": sum(k for lr in learners for _, t1, k in lr["steps"] if t1 <= raw["t_start"])
+        if raw.get("t_start")
+        else 0,
         "trained_s": t_b - first,
         "final_loss": sum(final_losses) / len(final_losses) if final_losses else float("nan"),
         "final_hashes": len({f.get("model_hash") for f in finals}),
@@ -186,7 +190,8 @@ def render(res: dict) -> str:
                     f"{r['cpu_cores_per_node']:.2f} ({r['train_thread_cores_per_node']:.2f})"
                     if r.get("cpu_cores_per_node") is not None
                     else "-",
-                    f"{r['final_loss']:.3f}",
+                    f"{r['final_loss']:.3f}"
+                    + (f" ({r['final_hashes']} hashes)" if r["final_hashes"] > 1 else ""),
                     _k(r["tokens_total"]),
                     f"{at['loss']:.3f}" if at else "-",
                 ]
