@@ -227,7 +227,10 @@ def render(res: dict) -> str:
                 lq, better = "no eval loss at the common token count", False
             else:
                 better = c["ours_loss"] <= c["other_loss"]
-                lq = f"eval loss at {_k(c['tokens'])} tokens {c['ours_loss']:.3f} vs {c['other_loss']:.3f}"
+                lq = (
+                    f"eval loss at {_k(c['tokens'])} tokens {c['ours_loss']:.3f} vs {c['other_loss']:.3f} "
+                    f"({100 * (c['ours_loss'] / c['other_loss'] - 1):+.1f}%)"
+                )
             verdict = "HOLDS " if fast and better else "MISSED"
             out.append(
                 f"  [{verdict}] {cap:>8s} vs {LABEL[other]:14s} {c['ratio']:6.2f}x (target {target:g}x: "
