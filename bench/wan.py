@@ -12,18 +12,20 @@ per node on a bridge, every node's link capped by ``tc tbf`` in both directions,
            mean, each learner waits after contributing until the merged model is back), the same H
   dp-fp32  ``bench/wan_dp.py``: N DDP workers in one gloo process group across the namespaces (DDP's
            gradient buckets all-reduced during the backward pass, fp32 gradients: DDP's default)
-  dp-bf16  the same with DDP's ``bf16_compress_hook`` (half the bytes)
+  dp-bf16  the same with gradients all-reduced in bf16, as DDP's ``bf16_compress_hook`` does (half the bytes)
 
 all with the embedded default task and model (same initial weights), the same per-learner batch and lr
-schedule, one torch thread per process. Once every process has taken a step, a warm-up, then a window of
-``--duration`` seconds: tokens/s of the whole swarm (every learner's steps, each step's tokens credited by
-the share of it inside the window) and bytes on each node's link (interface counters: all traffic, DHT and
-headers included). Every system evaluates its (global) model every ``--eval-every-s`` on the same fixed
+schedule, one torch thread per process. Nodes start together (each paused once up, all resumed when the
+last has joined), as the DP workers do. Once every process has taken a step (sync: once a round merged
+every learner), a warm-up, then a window of ``--duration`` seconds: tokens/s of the whole swarm (every
+learner's steps, each step's tokens credited by the share of it inside the window), bytes on each node's
+link (interface counters: all traffic, DHT and headers included) and CPU of each process tree. Every system evaluates its (global) model every ``--eval-every-s`` on the same fixed
 batches: eval loss is compared at the end and at equal tokens (tokens of all learners since the run's first
 step; linear interpolation between the two evaluations around the count).
 
-    python bench/wan.py                  # root (network namespaces); ~40 min on two CPU cores
-    python bench/wan.py --quick          # two caps, short windows, ~10 min
+    python bench/wan.py                  # root (network namespaces); ~45 min on two CPU cores
+    python bench/wan.py --quick          # two caps, 20 s windows, ~11 min
+    python bench/wan.py --render RUN_DIR/wan.json     # the tables of a saved run
     python bench/wan.py --caps 10mbit --systems ours,dp-bf16 --json
 """
 
