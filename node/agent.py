@@ -75,6 +75,20 @@ logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
 
 
+def process_start_time() -> float:
+    """When this process started (wall clock), from /proc; now where /proc is not there."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
@@ -165,6 +179,7 @@ class Node(Replication, Persistence):
         self._addrs: list[str] = []
         self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
         self.started_at = time.time()
+        self.startup: dict[str, float] = {"init": round(self.started_at - process_start_time(), 3)}
         self.joined_by = "fresh"
         self.stop_reason = ""
         self.dht = None
@@ -173,6 +188,11 @@ class Node(Replication, Persistence):
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
         self._restored = self._restore()
+        self._phase("restore")
+
+    def _phase(self, name: str) -> None:
+        """Seconds from the process start to the end of a start-up phase (in the ``join`` record)."""
+        self.startup[name] = round(time.time() - process_start_time(), 3)
 
     # ---------------------------------------------------------------- derived views
     def global_hash(self) -> str:
@@ -270,6 +290,7 @@ class Node(Replication, Persistence):
             swarm=s.swarm,
             admission=self.admission,
         )
+        self._phase("dht")
         try:
             import uvloop
 
@@ -304,6 +325,7 @@ class Node(Replication, Persistence):
         ):
             self.transport.register(op, h)
         await self.transport.start()
+        self._phase("transport")
         from node.status import StatusServer
 
         self.status_server = StatusServer(self)
@@ -311,14 +333,17 @@ class Node(Replication, Persistence):
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:
             await self._heartbeat_once()
+            self._phase("membership")
             if not self._restored:
                 await self._join_if_behind()
+            self._phase("state")
             self.events.emit(
                 "join",
                 t=time.time(),
                 learner=self.peer_id,
                 how=self.joined_by,
                 rounds=[r.round for r in self.replicas],
+                startup=self.startup,
             )
             self.learner_loop.start()
             if s.agent_nice > 0:
