@@ -115,6 +115,36 @@ class Node(Replication, Persistence):
 
             self.admission = Admission.load(s.swarm, s.authority, s.swarm_secret, s.certificate, s.revoked)
             self.admission.check_own(self.peer_id)
+        # The DHT process starts (p2pd, bootstrap) while this process builds the model and loads its state.
+        self._dht_launch = self._launch_dht()
+        try:
+            self._init_rest(cfg, unit)
+        except BaseException:
+            self._dht_launch.dht.shutdown()
+            raise
+
+    def _launch_dht(self):
+        """Fork the DHT process (before any thread starts: hivemind forks it); ``run`` waits for it."""
+        from dht.swarm import launch_dht
+
+        s = self.settings
+        if s.client_mode and s.announce_maddrs:
+            logger.warning(
+                "client_mode: announce_maddrs is ignored (the node accepts no inbound connections)"
+            )
+        return launch_dht(
+            self.identity_path,
+            [] if s.client_mode else NodeSettings.split(s.host_maddrs),
+            NodeSettings.split(s.initial_peers),
+            None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
+            client_mode=s.client_mode,
+            timeout_s=max(30.0, s.rpc_timeout_s),
+            swarm=s.swarm,
+            admission=self.admission,
+        )
+
+    def _init_rest(self, cfg: NodeConfig, unit: Unit | None) -> None:
+        s = self.settings
         if s.threads > 0:
             # Before any torch work on this thread: the merges and hashes on the event loop must not run
             # (and leave spinning) a second OpenMP pool next to the learner's.
@@ -272,24 +302,8 @@ class Node(Replication, Persistence):
             self.loop.call_soon_threadsafe(self._stop.set)
 
     def run(self) -> int:
-        """Start the DHT (a forked process, so before any thread), then the loop until stopped."""
-        from dht.swarm import start_dht
-
-        s = self.settings
-        if s.client_mode and s.announce_maddrs:
-            logger.warning(
-                "client_mode: announce_maddrs is ignored (the node accepts no inbound connections)"
-            )
-        self.dht = start_dht(
-            self.identity_path,
-            [] if s.client_mode else NodeSettings.split(s.host_maddrs),
-            NodeSettings.split(s.initial_peers),
-            None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
-            client_mode=s.client_mode,
-            timeout_s=max(30.0, s.rpc_timeout_s),
-            swarm=s.swarm,
-            admission=self.admission,
-        )
+        """Wait for the DHT launched in ``__init__``, then run the loop until stopped."""
+        self.dht = self._dht_launch.wait()
         self._phase("dht")
         try:
             import uvloop
