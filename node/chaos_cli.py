@@ -248,6 +248,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if not args.baseline or rep["interrupted"]:
         print(json.dumps(rep, indent=2) if args.json else render(rep))
         return 130 if rep["interrupted"] else _verdict(rep)
+    if not args.json:  # the first report as soon as it is known: the baseline takes as long again
+        print(render(rep) + "\n", flush=True)
     if not args.quiet:
         print(f"now the baseline: {args.baseline} under the same {len(plan)} faults", file=sys.stderr)
     base_cfg = replace(
@@ -258,7 +260,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(both, indent=2))
     else:
-        print(render(rep) + "\n\n" + f"-- baseline: {args.baseline} --\n" + render(base) + "\n")
+        print(f"-- baseline: {args.baseline} --\n" + render(base) + "\n")
         print(render_comparison(both["comparison"]))
     if base["interrupted"]:
         return 130
