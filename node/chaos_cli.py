@@ -264,7 +264,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         print(render_comparison(both["comparison"]))
     if base["interrupted"]:
         return 130
-    return max(_verdict(rep), _verdict(base))
+    return max(_verdict(rep), _verdict(base, stall=False))  # the baseline's stalls are what it measures
 
 
 def compare(ours: dict, base: dict, name: str) -> dict:
@@ -303,12 +303,15 @@ def render_comparison(c: dict) -> str:
     )
 
 
-def _verdict(rep: dict) -> int:
+def _verdict(rep: dict, stall: bool = True) -> int:
     good = rep.get("goodput", {}).get("goodput")
-    ok = rep.get("equal_hashes") and rep["settled"] and rep.get("stall", {}).get("ok") and good is not None
+    stalled = stall and not rep.get("stall", {}).get("ok")
+    ok = rep.get("equal_hashes") and rep["settled"] and not stalled and good is not None
     if not ok:
         print(
-            "ddiloco chaos: hashes differ, no quiet period, stall over its bound or no goodput",
+            f"ddiloco chaos ({rep['run_dir']}): hashes differ, no quiet period, "
+            + ("stall over its bound " if stall else "")
+            + "or no goodput",
             file=sys.stderr,
         )
     return 0 if ok else 1
