@@ -139,22 +139,12 @@ class Learner:
     def contribution(self, p: int) -> dict[str, Encoded]:
         return encode_tensors(self.outer_gradient(p), self.pcfg.codec, self.pcfg.codec_block)
 
-    def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor], own: bool = True) -> bool:
-        """Adopt merged global fragment p of ``round_``; False if it is older than what we hold.
-
-        ``own``: the merge holds this learner's contribution. With ``rebase``, a merge of other learners'
-        work only is taken as the change it makes to the global fragment, added to the local parameters,
-        so what this learner trained since it last took a whole fragment is kept for its next contribution
-        (a replacing adoption would overwrite it), and its counters go on counting those steps."""
-        rebase = self.pcfg.rebase and not own
-        if not self.book.on_receive(p, round_, keep=rebase):
+    def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> bool:
+        """Adopt merged global fragment p of ``round_``; False if it is older than what we hold."""
+        if not self.book.on_receive(p, round_):
             return False
         with torch.no_grad():
             for n, g in theta.items():
-                if rebase:
-                    change = g.to(torch.float32) - self.base[p][n]
-                    self.params[n].add_(change.to(self.device, self.params[n].dtype))
-                    continue
                 self.params[n].copy_(adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha))
         self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
         return True

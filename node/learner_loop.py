@@ -29,7 +29,7 @@ class LearnerLoop(threading.Thread):
     def __init__(self, node, learner: Learner) -> None:
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
-        self.inbox: deque = deque()  # (fragment, round, theta, force, own)
+        self.inbox: deque = deque()  # (fragment, round, theta, force)
         self.requests: deque = deque()  # (kind, concurrent Future)
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
@@ -50,10 +50,9 @@ class LearnerLoop(threading.Thread):
         self._next_eval = 0.0
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
 
-    def deliver(self, p: int, round_: int, theta, force: bool, own: bool = True) -> None:
-        """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread);
-        ``own``: the merge holds this learner's contribution."""
-        self.inbox.append((p, round_, theta, force, own))
+    def deliver(self, p: int, round_: int, theta, force: bool) -> None:
+        """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread)."""
+        self.inbox.append((p, round_, theta, force))
         self.arrived.set()
 
     def _must_wait(self) -> bool:
@@ -126,14 +125,14 @@ class LearnerLoop(threading.Thread):
         lrn = self.learner
         adopted = []
         while self.inbox:
-            p, round_, theta, force, own = self.inbox.popleft()
+            p, round_, theta, force = self.inbox.popleft()
             if force:
                 lrn.resync(p, round_, theta)
                 self.node.events.emit(
                     "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
                 )
                 adopted.append(p)
-            elif lrn.adopt(p, round_, theta, own):
+            elif lrn.adopt(p, round_, theta):
                 self.node.events.emit(
                     "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
                 )

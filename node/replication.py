@@ -194,8 +194,7 @@ class Replication:
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
         if self.learner_loop.is_alive():
-            own = any(c[0] == self.peer_id for c in rec.contributors)
-            self.learner_loop.deliver(p, rec.round, rep.theta, False, own)
+            self.learner_loop.deliver(p, rec.round, rep.theta, False)
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry

@@ -28,13 +28,6 @@ class ProtocolConfig:
     outer_lr: float = field(default=0.7, metadata={"help": "outer SGD learning rate"})
     outer_momentum: float = field(default=0.9, metadata={"help": "outer SGD Nesterov momentum"})
     alpha: float = field(default=0.0, metadata={"help": "adoption mix: theta <- a*theta + (1-a)*Theta"})
-    rebase: bool = field(
-        default=False,
-        metadata={
-            "help": "a learner takes a merge that does not hold its own contribution by adding the global "
-            "change to its parameters (keeping its own progress since) rather than replacing them"
-        },
-    )
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
     codec: str = field(default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4"})
     codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})

@@ -38,17 +38,13 @@ class LearnerBook:
             c.c_tokens += tokens
         return [p for p in self.plan.due(self.step) if self.counters[p].c_steps > 0]
 
-    def on_receive(self, fragment: int, round_: int, keep: bool = False) -> bool:
+    def on_receive(self, fragment: int, round_: int) -> bool:
         """A merged fragment of global round ``round_`` arrived. Returns False (ignore it) if it is older
-        than what the learner already holds. ``keep``: the learner kept its own progress (a rebase), so its
-        counters go on counting it."""
+        than what the learner already holds."""
         c = self.counters[fragment]
         if round_ <= c.base_round:
             return False
-        if keep:
-            c.base_round = round_
-        else:
-            self.counters[fragment] = FragmentCounters(base_round=round_)
+        self.counters[fragment] = FragmentCounters(base_round=round_)
         return True
 
     def state_dict(self) -> dict:
