@@ -19,6 +19,7 @@ from protocol.messages import ContributionHeader
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
+PHASE_EVERY = 4  # steps between two checks that the learner is in phase with the swarm's schedule
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
@@ -119,6 +120,25 @@ class LearnerLoop(threading.Thread):
         lrn.book.step = nxt
         if wait_s > 0:
             self.stop_flag.wait(wait_s)
+
+    def _keep_in_phase(self) -> None:
+        """Every ``PHASE_EVERY`` steps: a learner that has fallen behind the swarm's schedule by half a step or more
+        moves its schedule forward to it (never back, never waiting).
+
+        Learners of different speeds drift apart after the first alignment. Out of phase, they contribute
+        fragment p at different moments, each round merges one of them, and every learner adopts every
+        round: adoption replaces its copy of p, overwriting what it trained on p since it last received
+        it (see docs/chaos.md). Jumping the schedule only changes which fragments come due next; the
+        counters still count every step a contribution holds."""
+        target = self.node.swarm_step()
+        lrn = self.learner
+        if target is None or target - lrn.book.step < 0.5:
+            return
+        before = lrn.book.step
+        lrn.book.step = before + round(target - before)
+        self.node.events.emit(
+            "align", t=time.time(), learner=self.node.peer_id, before=before, after=lrn.book.step, wait_s=0.0
+        )
 
     def _service(self) -> list[int]:
         """Adopt what arrived, answer state requests, evaluate when due; the fragments adopted."""
@@ -231,6 +251,8 @@ class LearnerLoop(threading.Thread):
                         self.awaiting[p] = (c.base_round, lrn.book.step + lrn.pcfg.overlap)
                 if lrn.steps == first_step + 1:
                     self._align_schedule()
+                elif not self.node.blocking and (lrn.steps - first_step) % PHASE_EVERY == 0:
+                    self._keep_in_phase()
                 if s.step_delay_s:
                     self.stop_flag.wait(s.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
