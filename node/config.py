@@ -162,6 +162,14 @@ class NodeSettings:
             "(DDP; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
         },
     )
+    shard: bool = field(
+        default=False,
+        metadata={
+            "help": "with nproc > 1: shard parameters, gradients and optimizer state across the unit's "
+            "processes (FSDP2: fully_shard per block of the model's ModuleLists, then the root) instead of "
+            "replicating them (DDP), for models that do not fit one device"
+        },
+    )
     unit_timeout_s: float = field(
         default=600.0, metadata={"help": "deadline of the unit's rendezvous and of each collective"}
     )
