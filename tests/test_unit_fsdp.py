@@ -60,7 +60,7 @@ def _step(unit, lrn) -> None:
         unit.after_step(lrn, res.due)
 
 
-def _train_worker(rank: int, init_file: str, out_dir: str) -> None:
+def _train(rank: int, init_file: str, out_dir: str) -> None:
     from node.checkpoint import save_checkpoint
     from node.unit import PAUSE, STATE, STOP
     from protocol.codecs import decode_tensors
@@ -144,7 +144,7 @@ def _train_worker(rank: int, init_file: str, out_dir: str) -> None:
         json.dump(log, fh)
 
 
-def _restore_worker(rank: int, init_file: str, out_dir: str) -> None:
+def _restore(rank: int, init_file: str, out_dir: str) -> None:
     from node.checkpoint import load_latest
     from node.unit import PAUSE, STATE, STOP
 
@@ -174,10 +174,15 @@ def _restore_worker(rank: int, init_file: str, out_dir: str) -> None:
         json.dump(log, fh)
 
 
+def _worker(rank: int, out_dir: str) -> None:
+    # file rendezvous: no TCP port picked in advance that another process could take first
+    _train(rank, os.path.join(out_dir, "rendezvous-train"), out_dir)
+    # a fresh unit (new process group, new learner) restores what the first one saved
+    _restore(rank, os.path.join(out_dir, "rendezvous-restore"), out_dir)
+
+
 def test_sharded_exchange_contributes_adopts_repairs_and_round_trips_its_state(tmp_path):
-    for name, worker in (("train", _train_worker), ("restore", _restore_worker)):
-        # a file rendezvous, fresh for each pair: no TCP port picked in advance that another process could take
-        mp.spawn(worker, args=(str(tmp_path / f"rendezvous-{name}"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
     t0, t1 = (json.loads((tmp_path / f"train{r}.json").read_text()) for r in (0, 1))
     assert t0["sharded"] and t1["sharded"]
     assert t0["start"] != t1["start"]  # the ranks began from different weights...
