@@ -159,7 +159,7 @@ class NodeSettings:
         default=1,
         metadata={
             "help": "processes in this node's learner unit: >1 runs the node under torchrun, data-parallel "
-            "(DDP; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
+            "(DDP, or FSDP2 shards with shard; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
         },
     )
     shard: bool = field(

@@ -284,3 +284,27 @@ def test_models_fsdp_cannot_shard_are_named():
     m = TinyGPT(ModelConfig(dim=32, layers=3, heads=2, seq_len=32))
     check_shardable(m)
     assert shard_blocks(m) == list(reversed(m.blocks))  # the transformer blocks, then the root
+
+
+def test_a_snapshot_is_measured_from_the_step_that_made_it_due(tiny_task):
+    """An adoption that lands while a fragment's snapshot is in flight changes neither the parameters the
+    contribution measures nor the base it measures them against (the CPU run of the GPU path's logic)."""
+    from node.learner import InnerConfig, Learner
+    from protocol.codecs import decode_tensors
+    from protocol.config import ProtocolConfig
+
+    lrn = Learner(
+        "a", tiny_task, ProtocolConfig(fragments=2, sync_every=2, codec="fp32"), InnerConfig(), 10, 0
+    )
+    lrn.train_step()
+    names = lrn.plan.fragments[0].names
+    theta = {n: lrn.params[n].detach().clone() for n in names}
+    base = lrn.base[0]
+    lrn.snapshot(0, "tag")
+    assert lrn.adopt(0, 1, {n: torch.zeros_like(t) for n, t in theta.items()})  # lands before collection
+    ((tag, p, enc),) = lrn.ready_contributions()
+    got = decode_tensors(enc)
+    assert tag == "tag" and p == 0
+    assert all(torch.equal(got[n], base[n] - theta[n]) for n in names)
+    assert all(bool(lrn.params[n].abs().sum() == 0) for n in names)  # the adoption itself did happen
+    assert lrn.ready_contributions() == []
