@@ -294,7 +294,12 @@ def test_a_snapshot_is_measured_from_the_step_that_made_it_due(tiny_task):
     from protocol.config import ProtocolConfig
 
     lrn = Learner(
-        "a", tiny_task, ProtocolConfig(fragments=2, sync_every=2, codec="fp32"), InnerConfig(), 10, 0
+        "a",
+        tiny_task,
+        ProtocolConfig(fragments=2, sync_every=2, overlap=1, codec="fp32"),
+        InnerConfig(),
+        10,
+        0,
     )
     lrn.train_step()
     names = lrn.plan.fragments[0].names
