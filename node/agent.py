@@ -165,7 +165,7 @@ class Node(Replication, Persistence):
             cfg.inner,
             s.steps,
             seed=seed,
-            device=unit.device() if unit is not None else None,
+            device=unit.model_device() if unit is not None else None,
         )
         self.plan = self.learner.plan
         self.spec = {

@@ -28,6 +28,7 @@ def pytest_sessionfinish(session, exitstatus):
 
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
+
 TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)
 
 
