@@ -18,6 +18,7 @@ and on Ctrl+C. Needs root and iproute2.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -56,12 +57,14 @@ def _tc(ns: str, *args: str) -> None:
 
 
 class NetLab:
-    def __init__(self, nodes: int, rate: str = "", tag: str = "") -> None:
+    def __init__(self, nodes: int, rate: str = "", tag: str = "", burst: str = "32kbit") -> None:
+        """``burst``: the token bucket's depth. 32kbit holds rates up to ~100mbit here; a faster cap needs
+        about 1 ms of its rate (a 4 KB bucket lets 1000mbit through at ~400 Mbit/s on this machine)."""
         if os.geteuid() != 0:
             raise ConfigError("--netns needs root (it creates network namespaces); run without it otherwise")
         if not 1 <= nodes <= 250:
             raise ConfigError(f"nodes={nodes} is invalid for --netns: 1 to 250")
-        self.nodes, self.rate = nodes, rate
+        self.nodes, self.rate, self.burst = nodes, rate, burst
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"ddc{self.tag}-hub"
         self.made: list[str] = []
@@ -102,7 +105,7 @@ class NetLab:
             _ip("-n", self.hub, "link", "set", f"h{i}", "up")
             if self.rate:
                 for where, dev in ((ns, "eth0"), (self.hub, f"h{i}")):
-                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "32kbit",
+                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
                         "latency", "50ms")  # fmt: skip
 
     def close(self) -> None:
@@ -155,6 +158,16 @@ class NetLab:
         if "e" in box:
             raise box["e"]
         return box["v"]
+
+    def link_bytes(self, i: int) -> tuple[int, int]:
+        """Bytes node ``i`` has sent and received on its link so far (eth0's counters: every protocol and
+        header that crossed it)."""
+        cmd = ["ip", "-n", self.ns(i), "-s", "-j", "link", "show", "dev", "eth0"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        if out.returncode != 0:
+            raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+        st = json.loads(out.stdout)[0]["stats64"]
+        return int(st["tx"]["bytes"]), int(st["rx"]["bytes"])
 
     # ------------------------------------------------------------------ faults
     def partition(self, side: set[int]) -> None:

@@ -1,0 +1,473 @@
+"""The WAN comparison (issue 4, item 5): ours, synchronous DiLoCo and data-parallel under bandwidth caps.
+
+Tokens/s of Decoupled DiLoCo against synchronous DiLoCo and data-parallel on the same nodes, model and
+bandwidth caps, and how the ratio moves with the cap.
+
+For each cap of ``--caps`` and each system, N processes run in N network namespaces (``node.netns``: one
+per node on a bridge, every node's link capped by ``tc tbf`` in both directions, no added delay):
+
+  ours     real ``ddiloco node`` processes with default flags (decoupled: P = H = 24, tau = 2, K = 1 with
+           the grace window, int4 contributions and records)
+  sync     the same nodes with ``--system sync-diloco`` (one fragment, every live learner the quorum, plain
+           mean, each learner waits after contributing until the merged model is back), the same H
+  dp-fp32  ``bench/wan_dp.py``: N DDP workers in one gloo process group across the namespaces (DDP's
+           gradient buckets all-reduced during the backward pass, fp32 gradients: DDP's default)
+  dp-bf16  the same with DDP's ``bf16_compress_hook`` (half the bytes)
+
+all with the embedded default task and model (same initial weights), the same per-learner batch and lr
+schedule, one torch thread per process. Once every process has taken a step, a warm-up, then a window of
+``--duration`` seconds: tokens/s of the whole swarm (every learner's steps, each step's tokens credited by
+the share of it inside the window) and bytes on each node's link (interface counters: all traffic, DHT and
+headers included). Every system evaluates its (global) model every ``--eval-every-s`` on the same fixed
+batches: eval loss is compared at the end and at equal tokens (tokens of all learners since the run's first
+step; linear interpolation between the two evaluations around the count).
+
+    python bench/wan.py                  # root (network namespaces); ~40 min on two CPU cores
+    python bench/wan.py --quick          # two caps, short windows, ~10 min
+    python bench/wan.py --caps 10mbit --systems ours,dp-bf16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import wan_dp
+from swarm import cpu_seconds
+from wan_report import analyze, render
+
+from node.config import NodeSettings
+from node.launcher import Child, LaunchError, kill_group, wait_ready
+from node.netns import NetLab
+from node.status import StatusError, fetch_status, send_control
+from protocol.errors import ConfigError, DDiLoCoError
+
+SYSTEMS = ("ours", "sync", "dp-fp32", "dp-bf16")
+NODE_SYSTEM = {"ours": "decoupled", "sync": "sync-diloco"}
+DP_PORT = 29500  # rank 0's rendezvous, on node 0's address inside the lab
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def rate_bits(rate: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise ConfigError(f"cap {rate!r} is invalid: write it as tc does (e.g. 100mbit, 1gbit) or 'none'")
+    return float(m[1]) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]]
+
+
+def burst_for(rate: str) -> str:
+    """The token bucket's depth: 1 ms of the rate, at least 32kbit (``NetLab``'s default)."""
+    return f"{max(32, int(rate_bits(rate) / 1e6))}kbit"
+
+
+@dataclass
+class WanConfig:
+    run_dir: Path
+    nodes: int = 4
+    caps: tuple[str, ...] = ("1000mbit", "100mbit", "30mbit", "10mbit", "3mbit")
+    """tc rates of every node's link, each direction; 'none' for no cap"""
+    systems: tuple[str, ...] = SYSTEMS
+    duration_s: float = 75.0
+    """measured seconds per system and cap"""
+    warm_s: float = 20.0
+    """seconds after every process has stepped, before the window opens"""
+    eval_every_s: float = 15.0
+    sync_every: int = 24
+    """H of ours and of sync DiLoCo"""
+    batch_size: int = 16
+    """sequences per step per learner (and per DP worker)"""
+    steps: int = NodeSettings().steps
+    """inner steps the lr schedule spans, in every system"""
+    node_flags: list[str] = field(default_factory=list)
+    start_timeout_s: float = 300.0
+    settle_s: float = 60.0
+    """bound on the nodes' quiet period (one model hash) after the window"""
+    gloo_timeout_s: float = 300.0
+
+    def check(self) -> None:
+        if self.nodes < 2:
+            raise ConfigError(f"nodes={self.nodes} is invalid: a comparison needs at least 2")
+        for s in self.systems:
+            if s not in SYSTEMS:
+                raise ConfigError(f"system {s!r} is invalid: choose from {', '.join(SYSTEMS)}")
+        for c in self.caps:
+            if c != "none":
+                rate_bits(c)
+        if self.duration_s <= 0 or self.warm_s < 0 or self.eval_every_s <= 0:
+            raise ConfigError("duration and eval period must be > 0, warm-up >= 0")
+
+
+# ------------------------------------------------------------------------------------------------ the window
+def until(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable[[], None]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        check()
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(1.0)
+
+
+def window(
+    cfg: WanConfig,
+    lab: NetLab,
+    say: Callable[[str], None],
+    progress: Callable[[], str],
+    pids: list[int],
+    payload: Callable[[], list[int]] | None = None,
+) -> dict:
+    """Warm-up, then the measured window: wall times, every link's counters and the CPU time of every
+    process tree in ``pids`` at both ends (and, for nodes, ``payload``: the bytes their transports sent,
+    without DHT traffic or framing)."""
+    end = time.monotonic() + cfg.warm_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(5.0, left))
+        say(f"warm-up  {progress()}")
+    p_a = payload() if payload else None
+    c_a = [cpu_seconds(p) for p in pids]
+    a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
+    end = time.monotonic() + cfg.duration_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(10.0, left))
+        say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
+    b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    c_b = [cpu_seconds(p) for p in pids]
+    p_b = payload() if payload else None
+    return {
+        "t_a": t_a,
+        "t_b": t_b,
+        "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
+        "received_B": [y[1] - x[1] for x, y in zip(a, b)],
+        "payload_sent_B": [y - x for x, y in zip(p_a, p_b)] if p_a and p_b else None,
+        # CPU seconds in the window per process tree (node: its process, DHT process and p2pd; DP: a worker),
+        # and of its busiest thread (the training thread)
+        "cpu_s": [b[0] - a[0] for a, b in zip(c_a, c_b)],
+        "train_thread_cpu_s": [
+            max((v - a[2].get(t, 0.0) for t, v in b[2].items()), default=0.0) for a, b in zip(c_a, c_b)
+        ],
+        "load_avg": [load_a, os.getloadavg()[0]],
+    }
+
+
+def read_events(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+    return out
+
+
+# ------------------------------------------------------------------------------------------ node systems
+def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callable[[str], None]) -> dict:
+    flags = ["--threads", "1", "--swarm", f"wan-{os.getpid()}", "--batch-size", str(cfg.batch_size)]
+    flags += ["--eval-every-s", f"{cfg.eval_every_s:g}", "--sync-every", str(cfg.sync_every)]
+    flags += ["--steps", str(cfg.steps), "--system", NODE_SYSTEM[system], *cfg.node_flags]
+    children: list[Child] = []
+
+    def status(c: Child) -> dict | None:
+        try:
+            c.last = lab.inside(c.index, lambda: fetch_status(c.url, timeout_s=5))
+        except StatusError:
+            pass
+        return c.last
+
+    def control(c: Child, action: str) -> bool:
+        try:
+            lab.inside(c.index, lambda: send_control(c.url, action))
+            return True
+        except StatusError:
+            return False
+
+    def check() -> None:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise LaunchError(
+                    f"node {c.index} exited with code {c.proc.returncode}; its log:\n{c.tail()}"
+                )
+
+    def progress() -> str:
+        check()
+        docs = [status(c) or {} for c in children]
+        steps = " ".join(str(d.get("learner", {}).get("steps", "?")) for d in docs)
+        tps = sum(d.get("learner", {}).get("tokens_per_s", 0.0) for d in docs)
+        rounds = max((d.get("rounds_merged", 0) for d in docs), default=0)
+        return f"steps {steps}  ~{tps:,.0f} tok/s  rounds {rounds}"
+
+    settled = False
+    try:
+        say(f"starting {cfg.nodes} nodes ({' '.join(flags)})")
+        # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
+        # step or two first) and all resume together once every one has joined, so no node trains alone
+        # while the others download the state and the eval loss per token compares the algorithms.
+        children.append(lab.start(0, run_dir, flags, []))
+        wait_ready(children, cfg.start_timeout_s)
+        control(children[0], "pause")
+        for i in range(1, cfg.nodes):
+            children.append(lab.start(i, run_dir, flags, children[0].maddrs))
+        waiting, deadline = list(children[1:]), time.monotonic() + cfg.start_timeout_s
+        while waiting:
+            check()
+            for c in [c for c in waiting if (c.state_dir / "ready.json").exists()]:
+                wait_ready([c], 10)
+                control(c, "pause")
+                waiting.remove(c)
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"nodes {[c.index for c in waiting]} not up within {cfg.start_timeout_s:g} s"
+                )
+            time.sleep(0.1)
+        t_start = time.time()
+        for c in children:
+            control(c, "resume")
+        until(
+            lambda: all((status(c) or {}).get("learner", {}).get("steps", 0) > 0 for c in children),
+            cfg.start_timeout_s,
+            "every node training",
+            check,
+        )
+        if system == "sync":
+            # Every learner waits at its first contribution until all have made theirs: the window opens
+            # after the first round that merged every learner.
+            until(
+                lambda: any(
+                    r["kind"] == "merge" and len(r.get("learners", [])) == cfg.nodes
+                    for r in read_events(children[0].state_dir / "events.jsonl")
+                ),
+                cfg.start_timeout_s,
+                f"a round merging all {cfg.nodes} learners",
+                check,
+            )
+
+        def payload() -> list[int]:
+            docs = [status(c) for c in children]
+            return [d["bytes_sent"] for d in docs] if all(docs) else []
+
+        win = window(cfg, lab, say, progress, [c.proc.pid for c in children], payload)
+        tokens_per_step = children[0].last["learner"]["tokens_per_step"]
+        for c in children:
+            control(c, "pause")
+        streak, deadline = 0, time.monotonic() + cfg.settle_s
+        while time.monotonic() < deadline and streak < 2:
+            docs = [status(c) for c in children]
+            same = len({d["model_hash"] for d in docs if d}) == 1
+            streak = streak + 1 if all(d and d["learner"]["idle"] for d in docs) and same else 0
+            time.sleep(1.0)
+        settled = streak >= 2
+        say("paused; one model hash" if settled else f"paused; hashes still differ after {cfg.settle_s:g} s")
+        for c in children:
+            if not control(c, "stop"):
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - killed below
+                pass
+    finally:
+        for c in children:
+            kill_group(c)
+            try:
+                c.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - nothing more to do
+                say(f"node {c.index} (pid {c.proc.pid}) did not exit after SIGKILL")
+            base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
+            for d in Path(base).glob(f"ddiloco-dht-{c.proc.pid}-*"):  # p2pd's unix sockets
+                shutil.rmtree(d, ignore_errors=True)
+    learners = []
+    for c in children:
+        ev = read_events(c.state_dir / "events.jsonl")
+        final = c.state_dir / "final.json"
+        learners.append(
+            {
+                "steps": [
+                    (r["t0"], r["t1"], tokens_per_step)
+                    for r in ev
+                    if r["kind"] == "step" and r.get("learner") == c.peer_id
+                ],
+                "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
+                "merges": sum(r["kind"] == "merge" for r in ev if win["t_a"] <= r.get("t", 0) < win["t_b"]),
+                "final": json.loads(final.read_text()) if final.exists() else {},
+            }
+        )
+    return {
+        **win,
+        "learners": learners,
+        "settled": settled,
+        "tokens_per_step": tokens_per_step,
+        "t_start": t_start,
+    }
+
+
+# ------------------------------------------------------------------------------------------ data-parallel
+def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable[[str], None]) -> dict:
+    say(f"starting {cfg.nodes} DDP workers (gloo, {grads} gradients)")
+    procs = wan_dp.start_workers(
+        lab, run_dir, DP_PORT, grads, cfg.eval_every_s, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps
+    )
+    ev_path = run_dir / "events.jsonl"
+
+    def check() -> None:
+        for r, p in enumerate(procs):
+            if p.poll() is not None:
+                tail = (run_dir / f"worker-{r}.log").read_text(errors="replace").splitlines()[-15:]
+                raise LaunchError(
+                    f"DP worker {r} exited with code {p.returncode}; its log:\n" + "\n".join(tail)
+                )
+
+    def steps() -> list[dict]:
+        return [r for r in read_events(ev_path) if r["kind"] == "step"]
+
+    def progress() -> str:
+        check()
+        st = steps()
+        last = st[-1]["t1"] - st[-1]["t0"] if st else 0.0
+        return f"steps {len(st)}  last step {last:.2f} s"
+
+    try:
+        until(lambda: bool(steps()), cfg.start_timeout_s, "the DP group's first step", check)
+        win = window(cfg, lab, say, progress, [p.pid for p in procs])
+        # The last step may be long (a slow link) and is followed by an evaluation: allow for both.
+        wan_dp.stop_workers(procs, run_dir, timeout_s=cfg.gloo_timeout_s)
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            say(f"DP workers exited with codes {codes}")
+    finally:
+        wan_dp.kill_workers(procs)
+    ev = read_events(ev_path)
+    final = run_dir / "final-0.json"
+    learner = {
+        "steps": [(r["t0"], r["t1"], r["tokens"]) for r in ev if r["kind"] == "step"],
+        "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
+        "merges": 0,
+        "final": json.loads(final.read_text()) if final.exists() else {},
+    }
+    tokens_per_step = learner["steps"][0][2] if learner["steps"] else 0
+    # one record stream for the whole group: its steps are every worker's steps at once
+    return {
+        **win,
+        "learners": [learner],
+        "settled": True,
+        "tokens_per_step": tokens_per_step,
+        "world": cfg.nodes,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+def run_all(cfg: WanConfig) -> dict:
+    cfg.check()
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict]] = {}
+    t_start = time.monotonic()
+    tag = f"w{os.getpid() % 10000}"
+    for cap in cfg.caps:
+        results[cap] = {}
+        for system in cfg.systems:
+            run_dir = cfg.run_dir / cap / system
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+
+            def say(msg: str, cap: str = cap, system: str = system) -> None:
+                log(f"[{time.monotonic() - t_start:6.0f}s {cap} {system}] {msg}")
+
+            rate = "" if cap == "none" else cap
+            lab = NetLab(cfg.nodes, rate, tag=tag, burst=burst_for(cap) if rate else "32kbit").open()
+            try:
+                if system in NODE_SYSTEM:
+                    raw = run_nodes(cfg, lab, system, run_dir, say)
+                else:
+                    raw = run_dp(cfg, lab, system.split("-")[1], run_dir, say)
+                res = analyze(raw, cfg.nodes)
+                say(f"{res['tokens_per_s']:,.0f} tokens/s, final eval {res['final_loss']:.3f}; {run_dir}")
+            except (DDiLoCoError, OSError) as e:  # one failed run is reported; the others still run
+                res = {"error": str(e)}
+                say(f"FAILED: {e}")
+            finally:
+                lab.close()
+            results[cap][system] = res
+            doc = {
+                "config": {**asdict(cfg), "run_dir": str(cfg.run_dir)},
+                "results": results,
+                "wall_s": time.monotonic() - t_start,
+                "cpus": os.cpu_count(),
+            }
+            (cfg.run_dir / "wan.json").write_text(json.dumps(doc, indent=1))  # kept if a later run fails
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    d = WanConfig(Path("."))
+    ap.add_argument("--nodes", type=int, default=d.nodes)
+    ap.add_argument(
+        "--caps", default=",".join(d.caps), help="tc rates per link and direction ('none': no cap)"
+    )
+    ap.add_argument("--systems", default=",".join(d.systems), help=f"of: {', '.join(SYSTEMS)}")
+    ap.add_argument(
+        "--duration", type=float, default=d.duration_s, help="measured seconds per system and cap"
+    )
+    ap.add_argument("--warm", type=float, default=d.warm_s, help="warm-up seconds before the window")
+    ap.add_argument("--eval-every-s", type=float, default=d.eval_every_s)
+    ap.add_argument("--sync-every", type=int, default=d.sync_every, help="H of ours and of sync DiLoCo")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step per learner")
+    ap.add_argument("--node-flags", default="", help="extra flags for every node (ours and sync)")
+    ap.add_argument(
+        "--run-dir",
+        default="",
+        help="where runs write, and wan.json at the end (default: a temporary folder)",
+    )
+    ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
+    ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
+    a = ap.parse_args(argv)
+    if a.render:
+        print(render(json.loads(Path(a.render).read_text())))
+        return 0
+    if a.quick:
+        a.caps, a.duration, a.warm, a.eval_every_s = "100mbit,10mbit", 20.0, 5.0, 5.0
+    run_dir = Path(a.run_dir) if a.run_dir else Path(tempfile.mkdtemp(prefix="ddiloco-wan-"))
+    cfg = WanConfig(
+        run_dir=run_dir,
+        nodes=a.nodes,
+        caps=tuple(c.strip() for c in a.caps.split(",") if c.strip()),
+        systems=tuple(s.strip() for s in a.systems.split(",") if s.strip()),
+        duration_s=a.duration,
+        warm_s=a.warm,
+        eval_every_s=a.eval_every_s,
+        sync_every=a.sync_every,
+        batch_size=a.batch_size,
+        node_flags=a.node_flags.split(),
+    )
+
+    def on_term(signum, frame):  # noqa: ARG001 - SIGTERM unwinds like Ctrl+C: every finally runs
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        res = run_all(cfg)
+    except KeyboardInterrupt:
+        log("interrupted: every process stopped, every namespace deleted")
+        return 130
+    finally:
+        if not a.run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    print(json.dumps(res, indent=1) if a.json else render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The data-parallel baseline of ``bench/wan.py``: one worker process per network namespace, a real gloo
+process group across them, DDP over the node's default learner.
+
+Each worker is a ``node.learner.Learner`` (the embedded task's model, AdamW, lr schedule, gradient clipping,
+the same per-worker batch as a node) whose forward model is wrapped in ``DistributedDataParallel``, as a
+multi-process learner unit's is (``node.unit``): DDP's gradient buckets are all-reduced over gloo while the
+backward pass runs, so every step's gradients cross the capped links. ``--grads bf16`` registers the
+equivalent of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the bytes); ``fp32`` is DDP's
+default.
+
+Rank 0 leads: it evaluates the model every ``--eval-every-s`` (the others wait in the next all-reduce, as
+they would in any DP job) and writes ``events.jsonl`` (``step`` and ``eval`` records in the nodes' shape,
+tokens counted over all workers). When the harness creates ``STOP`` in the run folder, rank 0 broadcasts
+the stop with the next step's control tensor, so every rank leaves the loop after the same step and writes
+``final-RANK.json`` (steps, model hash). Every collective runs under the process group's timeout, and a
+worker dies with its launcher (``PR_SET_PDEATHSIG``).
+
+    ip netns exec NS python bench/wan_dp.py --rank R --world N --master ADDR:PORT --run-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+GRADS = ("fp32", "bf16")
+
+
+def bf16_allreduce_hook(state, bucket):
+    """DDP's ``bf16_compress_hook`` (which refuses anything but NCCL): each gradient bucket is cast to bf16,
+    divided by the world size, all-reduced, and cast back into the bucket."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    packed = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(packed, async_op=True).get_future()
+
+    def unpack(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(unpack)
+
+
+def worker(a: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from node.learner import InnerConfig, Learner
+    from node.runner import evaluate
+    from node.task import TaskConfig, load_task
+    from protocol.config import ProtocolConfig
+    from protocol.hashing import tensors_hash
+
+    torch.set_num_threads(1)
+    run_dir = Path(a.run_dir)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=timedelta(seconds=a.timeout_s),
+    )
+    task = load_task(None, TaskConfig(batch_size=a.batch_size))
+    lrn = Learner(
+        f"dp{a.rank}",
+        task,
+        ProtocolConfig(fragments=1),
+        InnerConfig(),
+        a.steps,
+        seed=a.seed * 1000 + a.rank + 1,
+        device=torch.device("cpu"),
+    )
+    ddp = DDP(lrn.model)  # broadcasts rank 0's parameters (all start from the task's one init anyway)
+    if a.grads == "bf16":
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
+    lrn.forward_model = ddp
+    lrn.tokens_per_step = task.tokens_per_batch * a.world
+    lead = a.rank == 0
+    ev = open(run_dir / "events.jsonl", "a", encoding="utf-8") if lead else None
+
+    def emit(kind: str, **rec) -> None:
+        if ev is not None:
+            ev.write(json.dumps({"kind": kind, **rec}) + "\n")
+            ev.flush()
+
+    def do_eval() -> float:
+        loss = evaluate(task, lrn.model)
+        emit("eval", t=time.time(), tokens=lrn.steps * lrn.tokens_per_step, loss=loss, step=lrn.steps)
+        return loss
+
+    if lead:
+        do_eval()
+        (run_dir / "ready.json").write_text(json.dumps({"t": time.time(), "world": a.world}))
+    next_eval = time.monotonic() + a.eval_every_s
+    ctrl = torch.zeros(1, dtype=torch.int64)
+    while True:
+        t0 = time.time()
+        res = lrn.train_step()
+        t1 = time.time()
+        emit("step", t0=t0, t1=t1, step=lrn.steps, tokens=res.tokens, loss=res.loss)
+        if lead:
+            if time.monotonic() >= next_eval:
+                do_eval()
+                next_eval = time.monotonic() + a.eval_every_s
+            ctrl[0] = int((run_dir / "STOP").exists())
+        dist.broadcast(ctrl, src=0)  # one 8-byte message: every rank leaves after the same step
+        if ctrl.item():
+            break
+    params = {k: v.detach() for k, v in lrn.model.named_parameters()}
+    doc = {
+        "rank": a.rank,
+        "steps": lrn.steps,
+        "tokens": lrn.steps * lrn.tokens_per_step,
+        "eval_loss": do_eval() if lead else None,
+        "model_hash": tensors_hash(params),  # every rank's: DDP keeps them identical
+        "grads": a.grads,
+        "world": a.world,
+    }
+    (run_dir / f"final-{a.rank}.json").write_text(json.dumps(doc, indent=1))
+    if ev is not None:
+        ev.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ the launcher side
+def start_workers(lab, run_dir: Path, port: int, grads: str, eval_every_s: float, batch: int, timeout_s: float,
+                  steps: int, seed: int = 0) -> list[subprocess.Popen]:  # fmt: skip
+    """One worker per namespace of ``lab`` (``node.netns.NetLab``); rank 0 listens on node 0's address."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+    procs = []
+    for r in range(lab.nodes):
+        cmd = ["ip", "netns", "exec", lab.ns(r), sys.executable, os.path.abspath(__file__), "--rank", str(r)]
+        cmd += ["--world", str(lab.nodes), "--master", f"{lab.addr(0)}:{port}", "--run-dir", str(run_dir)]
+        cmd += ["--grads", grads, "--eval-every-s", str(eval_every_s), "--batch-size", str(batch)]
+        cmd += ["--timeout-s", str(timeout_s), "--steps", str(steps), "--seed", str(seed)]
+        with open(run_dir / f"worker-{r}.log", "ab") as fh:
+            procs.append(
+                subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            )
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> None:
+    """Ask rank 0 to stop (the ``STOP`` file), wait up to ``timeout_s``, then kill whatever is left."""
+    (run_dir / "STOP").touch()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        kill_workers(procs)
+
+
+def kill_workers(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0's rendezvous")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--grads", choices=GRADS, default="fp32", help="gradients on the wire")
+    ap.add_argument("--eval-every-s", type=float, default=10.0)
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="process group (and collective) timeout")
+    ap.add_argument("--steps", type=int, default=5000, help="steps the lr schedule spans (a node's --steps)")
+    ap.add_argument("--seed", type=int, default=0, help="data seed base (rank r draws with seed*1000+r+1)")
+    a = ap.parse_args(argv)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+    if os.getppid() == 1:
+        return 1  # the launcher was already gone
+    return worker(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Numbers and tables of ``bench/wan.py``: from each run's step and eval records and link counters to
+tokens/s, bytes per step, eval loss at the end and at equal tokens, and the targets of issue 4 item 5."""
+
+from __future__ import annotations
+
+import bisect
+
+TARGET_DP = 10.0  # ours / data-parallel tokens/s
+TARGET_SYNC = 2.0  # ours / synchronous DiLoCo tokens/s
+LABEL = {
+    "ours": "ours (decoupled)",
+    "sync": "sync DiLoCo",
+    "dp-fp32": "DP fp32 grads",
+    "dp-bf16": "DP bf16 grads",
+}
+
+
+def credit(steps: list[tuple[float, float, int]], t_a: float, t_b: float) -> float:
+    """Tokens trained in [t_a, t_b]: each step's tokens times the share of its span inside the window."""
+    total = 0.0
+    for t0, t1, k in steps:
+        if t1 <= t_a or t0 >= t_b:
+            continue
+        span = t1 - t0
+        total += k if span <= 0 else k * (min(t1, t_b) - max(t0, t_a)) / span
+    return total
+
+
+def overlap(spans: list[tuple[float, float]], t_a: float, t_b: float) -> float:
+    return sum(max(0.0, min(t1, t_b) - max(t0, t_a)) for t0, t1 in spans)
+
+
+def eval_curve(learners: list[dict]) -> list[tuple[int, float]]:
+    """(tokens every learner had trained when the evaluation ran, eval loss), by tokens; ties averaged."""
+    ends = sorted((t1, k) for lr in learners for _, t1, k in lr["steps"])
+    times = [t for t, _ in ends]
+    cum = [0]
+    for _, k in ends:
+        cum.append(cum[-1] + k)
+    by_tokens: dict[int, list[float]] = {}
+    for lr in learners:
+        for t, loss in lr["evals"]:
+            by_tokens.setdefault(cum[bisect.bisect_right(times, t)], []).append(loss)
+    return sorted((k, sum(v) / len(v)) for k, v in by_tokens.items())
+
+
+def loss_at(curve: list[tuple[int, float]], x: float) -> dict | None:
+    """Eval loss at ``x`` tokens, linear between the evaluations around it; None past the last one."""
+    for (a, la), (b, lb) in zip(curve, curve[1:]):
+        if a <= x <= b:
+            loss = la if b == a else la + (lb - la) * (x - a) / (b - a)
+            return {"tokens": x, "loss": loss, "between": [a, b]}
+    if curve and curve[-1][0] == x:
+        return {"tokens": x, "loss": curve[-1][1], "between": [x, x]}
+    return None
+
+
+def analyze(raw: dict, nodes: int) -> dict:
+    t_a, t_b = raw["t_a"], raw["t_b"]
+    span = t_b - t_a
+    learners = raw["learners"]
+    tps = raw["tokens_per_step"]  # per learner stream: a node's learner, or the whole DP group
+    win_tokens = sum(credit(lr["steps"], t_a, t_b) for lr in learners)
+    steps = win_tokens / (tps * len(learners)) if tps else 0.0  # inner steps per learner in the window
+    sent = sum(raw["sent_B"]) / nodes
+    received = sum(raw["received_B"]) / nodes
+    curve = eval_curve(learners)
+    finals = [lr["final"] for lr in learners if lr["final"]]
+    final_losses = [f["eval_loss"] for f in finals if f.get("eval_loss") is not None]
+    total = sum(k for lr in learners for _, _, k in lr["steps"])
+    first = min((t0 for lr in learners for t0, _, _ in lr["steps"]), default=t_a)
+    return {
+        "window_s": span,
+        "tokens_per_s": win_tokens / span,
+        "steps_per_learner": steps,
+        "step_s": span / steps if steps else None,
+        "sent_B_per_node": sent,
+        "received_B_per_node": received,
+        "sent_mbit_s_per_node": sent * 8 / span / 1e6,
+        "max_sent_mbit_s": max(raw["sent_B"]) * 8 / span / 1e6,
+        "sent_B_per_step_per_node": sent / steps if steps else None,
+        # nodes only: what their transports sent (contributions, records, pulls), no DHT traffic or framing
+        "payload_B_per_step_per_node": sum(raw["payload_sent_B"]) / nodes / steps
+        if raw.get("payload_sent_B") and steps
+        else None,
+        # learner time in the window outside training steps: waiting for merges, evaluating, adopting (a DP
+        # step holds its own all-reduce, so there it is evaluation alone)
+        "outside_steps_share": 1.0
+        - sum(overlap([(t0, t1) for t0, t1, _ in lr["steps"]], t_a, t_b) for lr in learners)
+        / (span * len(learners)),
+        "cpu_cores_per_node": sum(raw["cpu_s"]) / nodes / span if raw.get("cpu_s") else None,
+        "train_thread_cores_per_node": sum(raw["train_thread_cpu_s"]) / nodes / span
+        if raw.get("cpu_s")
+        else None,
+        "merges_in_window": max((lr["merges"] for lr in learners), default=0),
+        "tokens_total": total,
+        # nodes: tokens trained before the synchronised start (node 0's step or two before its pause)
+        "tokens_before_start": sum(k for lr in learners for _, t1, k in lr["steps"] if t1 <= raw["t_start"])
+        if raw.get("t_start")
+        else 0,
+        "trained_s": t_b - first,
+        "final_loss": sum(final_losses) / len(final_losses) if final_losses else float("nan"),
+        "final_hashes": len({f.get("model_hash") for f in finals}),
+        "settled": raw["settled"],
+        "curve": curve,
+        "load_avg": raw["load_avg"],  # 1-minute load average when the window opened and closed
+    }
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _cols(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths))) for r in rows
+    )
+
+
+def _b(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, k in (("MB", 1e6), ("KB", 1e3)):
+        if x >= k:
+            return f"{x / k:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _k(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.0f}k"
+
+
+def ok(row: dict) -> dict:
+    """The runs of one cap that produced numbers (a failed run carries only its error)."""
+    return {s: r for s, r in row.items() if "error" not in r}
+
+
+def _missing(row: dict, system: str) -> str:
+    return "failed" if system in row else "-"  # a saved run still under way has no entry yet
+
+
+def best_dp(row: dict) -> str | None:
+    dps = [s for s in ok(row) if s.startswith("dp")]
+    return max(dps, key=lambda s: row[s]["tokens_per_s"]) if dps else None
+
+
+def compare(row: dict, other: str) -> dict:
+    """ours against ``other`` at one cap: tokens/s ratio, and eval loss at their common token count."""
+    o, x = row["ours"], row[other]
+    common = min(o["tokens_total"], x["tokens_total"])
+    lo, lx = loss_at(o["curve"], common), loss_at(x["curve"], common)
+    return {
+        "ratio": o["tokens_per_s"] / x["tokens_per_s"] if x["tokens_per_s"] else float("inf"),
+        "tokens": common,
+        "ours_loss": lo["loss"] if lo else None,
+        "other_loss": lx["loss"] if lx else None,
+    }
+
+
+def render(res: dict) -> str:
+    cfg, results = res["config"], res["results"]
+    out = [
+        f"WAN comparison: {cfg['nodes']} nodes, one network namespace each, every link capped both ways by tc "
+        f"tbf; {cfg['duration_s']:g} s measured after {cfg['warm_s']:g} s warm-up; batch {cfg['batch_size']} "
+        f"sequences per learner, one torch thread per process, H={cfg['sync_every']}, eval every "
+        f"{cfg['eval_every_s']:g} s; {res['cpus']} CPUs",
+    ]
+    head = ["system", "tokens/s", "ours/this", "steps", "s/step", "out Mbit/s", "out/step", "payload/step",
+            "outside steps", "CPU/node", "eval end", "at tokens"]  # fmt: skip
+    for cap, row in results.items():
+        good = ok(row)
+        common = min((r["tokens_total"] for r in good.values()), default=0)
+        ours = good.get("ours")
+        out += ["", f"== cap {cap} per link and direction"]
+        rows = [[*head, f"eval @ {_k(common)}"]]
+        for s, r in row.items():
+            if "error" in r:
+                rows.append([LABEL[s], "failed"] + [""] * (len(head) - 1))
+                continue
+            at = loss_at(r["curve"], common)
+            rows.append(
+                [
+                    LABEL[s],
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{ours['tokens_per_s'] / r['tokens_per_s']:.2f}x" if ours and r["tokens_per_s"] else "-",
+                    f"{r['steps_per_learner']:.0f}",
+                    f"{r['step_s']:.2f}" if r["step_s"] else "-",
+                    f"{r['sent_mbit_s_per_node']:.2f}",
+                    _b(r["sent_B_per_step_per_node"]),
+                    _b(r.get("payload_B_per_step_per_node")),
+                    f"{100 * r['outside_steps_share']:.0f}%",
+                    f"{r['cpu_cores_per_node']:.2f} ({r['train_thread_cores_per_node']:.2f})"
+                    if r.get("cpu_cores_per_node") is not None
+                    else "-",
+                    f"{r['final_loss']:.3f}"
+                    + (f" ({r['final_hashes']} hashes)" if r["final_hashes"] > 1 else ""),
+                    _k(r["tokens_total"]),
+                    f"{at['loss']:.3f}" if at else "-",
+                ]
+            )
+        out.append(_cols(rows))
+        out += [f"  {LABEL[s]} failed: {r['error'].splitlines()[0]}" for s, r in row.items() if "error" in r]
+    systems = list(next(iter(results.values()), {}))
+    out += ["", "== tokens/s against the cap"]
+    rows = [["cap", *[LABEL[s] for s in systems], "ours/sync", "ours/best DP"]]
+    for cap, row in results.items():
+        good = ok(row)
+        cells = [
+            cap,
+            *[f"{good[s]['tokens_per_s']:,.0f}" if s in good else _missing(row, s) for s in systems],
+        ]
+        cells.append(f"{compare(good, 'sync')['ratio']:.2f}x" if {"ours", "sync"} <= set(good) else "-")
+        dp = best_dp(good)
+        cells.append(
+            f"{compare(good, dp)['ratio']:.2f}x ({LABEL[dp][3:7]})" if dp and "ours" in good else "-"
+        )
+        rows.append(cells)
+    out.append(_cols(rows))
+    out += ["", "targets: tokens/s ours >= 10x data-parallel's (its faster variant) and >= 2x sync DiLoCo's, at "
+            "equal or better eval loss at equal tokens (the two runs' common token count)"]  # fmt: skip
+    for cap, row in results.items():
+        good = ok(row)
+        for other, target in (("sync", TARGET_SYNC), (best_dp(good), TARGET_DP)):
+            if other not in good or "ours" not in good:
+                continue
+            c = compare(good, other)
+            fast = c["ratio"] >= target
+            if c["ours_loss"] is None or c["other_loss"] is None:
+                lq, better = "no eval loss at the common token count", False
+            else:
+                better = c["ours_loss"] <= c["other_loss"]
+                lq = f"eval loss at {_k(c['tokens'])} tokens {c['ours_loss']:.3f} vs {c['other_loss']:.3f}"
+            verdict = "HOLDS " if fast and better else "MISSED"
+            out.append(
+                f"  [{verdict}] {cap:>8s} vs {LABEL[other]:14s} {c['ratio']:6.2f}x (target {target:g}x: "
+                f"{'met' if fast else 'missed'}); {lq} ({'ours equal or better' if better else 'ours worse'})"
+            )
+    out += ["", f"wall time: {res['wall_s']:.0f} s; run folders under {cfg['run_dir']}"]
+    return "\n".join(out)

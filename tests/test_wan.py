@@ -1,0 +1,84 @@
+"""The WAN comparison's parts (``bench/wan.py``): its token and eval-loss accounting on hand-built records,
+and (root only) the data-parallel baseline's gloo group across two capped network namespaces."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _load("wan_report")
+
+
+def test_a_step_is_credited_by_its_share_inside_the_window():
+    steps = [(0.0, 2.0, 100), (2.0, 4.0, 100), (4.0, 6.0, 100)]
+    assert report.credit(steps, 1.0, 5.0) == pytest.approx(50 + 100 + 50)
+    assert report.credit(steps, 6.0, 9.0) == 0.0
+
+
+def test_eval_loss_is_read_at_all_learners_tokens_and_interpolated():
+    learners = [
+        {"steps": [(0.0, 1.0, 10), (1.0, 2.0, 10)], "evals": [(0.5, 5.0), (2.5, 3.0)]},
+        {"steps": [(0.0, 1.5, 10)], "evals": [(2.5, 3.2)]},
+    ]
+    # at t=0.5 nothing has ended; at t=2.5 all three steps (30 tokens) have: the two evaluations there average
+    assert report.eval_curve(learners) == [(0, 5.0), (30, pytest.approx(3.1))]
+    at = report.loss_at(report.eval_curve(learners), 15)
+    assert at["loss"] == pytest.approx(4.05) and at["between"] == [0, 30]
+    assert report.loss_at(report.eval_curve(learners), 31) is None
+
+
+# ------------------------------------------------------------------------------------------ namespaces
+def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
+    """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
+    different data both ranks hold the same model, and the gradients' bytes crossed the link."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    from node.netns import NetLab, NetnsError
+
+    wan_dp = _load("wan_dp")
+    lab = NetLab(2, rate="100mbit", tag=f"d{os.getpid() % 100000}")
+    try:
+        lab.open()
+    except NetnsError as e:
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    procs = []
+    try:
+        procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100)
+        deadline = time.monotonic() + 120
+        ev = tmp_path / "events.jsonl"
+        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= 3):
+            assert all(p.poll() is None for p in procs), (tmp_path / "worker-1.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the DP group did not take 3 steps within 120 s"
+            time.sleep(0.5)
+        wan_dp.stop_workers(procs, tmp_path, timeout_s=60)
+        sent, received = lab.link_bytes(1)
+    finally:
+        wan_dp.kill_workers(procs)
+        lab.close()
+    assert [p.returncode for p in procs] == [0, 0]
+    finals = [json.loads((tmp_path / f"final-{r}.json").read_text()) for r in range(2)]
+    assert finals[0]["steps"] == finals[1]["steps"] >= 3
+    assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one model: averaged
+    # every step all-reduces the fp32 gradients: with 2 ranks each sends and receives the whole model
+    from node.task import TaskConfig, load_task
+
+    params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
+    assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
