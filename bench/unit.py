@@ -1,18 +1,25 @@
 """Learner-unit benchmark (issue 6): a 2-process unit's throughput inside a swarm against the same unit alone.
 
 The swarm has two nodes of different speeds: node 0 is a learner unit of ``--nproc`` processes
-(``ddiloco node --nproc N``: torchrun, DDP over gloo on CPU, one torch thread per rank), node 1 a single
-learner that sleeps ``--slow-delay`` seconds after each step (a slower chip). Alone, the same two run side by
-side without any network: the unit as a plain DDP loop of ``Learner.train_step`` over the same gloo group
-(``--nproc`` spawned ranks), and the single learner with the same sleep, so both measurements share the CPU
-the same way. Half of the alone time runs before the swarm and half after; throughput is the unit's tokens
-per second (all ranks' tokens) in the swarm over alone.
+(``ddiloco node --nproc N``: torchrun, DDP over gloo on CPU, one torch thread per rank; with ``--shard``,
+FSDP2 shards instead of DDP replicas), node 1 a single learner that sleeps ``--slow-delay`` seconds after
+each step (a slower chip). Alone, the same two run side by side without any network: the unit as a plain
+loop of ``Learner.train_step`` over the same kind of group (``--nproc`` spawned ranks, DDP or FSDP2), and
+the single learner with the same sleep, so both measurements share the CPU the same way. Half of the alone
+time runs before the swarm and half after; throughput is the unit's tokens per second (all ranks' tokens)
+in the swarm over alone. In the swarm the unit also gathers and encodes each due fragment (sharded: an
+all-gather of the fragment per step) and broadcasts adopted ones; alone it only trains, so the ratio
+includes that cost.
 
     python bench/unit.py             # ~2.5 min on two CPU cores (50 s measured after 10 s warm-up)
+    python bench/unit.py --shard     # the same with an FSDP2 unit
     python bench/unit.py --quick     # smoke run, ~1.5 min (16 s measured)
     python bench/unit.py --json
 
-On a GPU machine the same command runs the unit on NCCL (one GPU per rank).
+GPUs: ``--device cuda`` runs every rank and the slow node on GPUs (NCCL, one GPU per rank, bf16 autocast,
+fragment snapshots copied to the host on a side stream) and refuses to start without them; pick a model
+that keeps a GPU busy, e.g. ``python bench/unit.py --device cuda --nproc 8 --shard --dim 2048 --layers 24
+--seq-len 1024 --batch-size 8``. This mode has not been run by the authors (no GPU where it was written).
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,44 +39,66 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from swarm import TARGET_THROUGHPUT, _snapshot, log  # noqa: E402  (the sibling benchmark's helpers)
 
 from node.launcher import start_node, stop_all, wait_ready  # noqa: E402
+from node.model import ModelConfig  # noqa: E402
+
+
+def _task_config(a: argparse.Namespace):
+    from node.model import ModelConfig
+    from node.task import TaskConfig
+
+    return TaskConfig(
+        batch_size=a.batch_size, model=ModelConfig(dim=a.dim, layers=a.layers, seq_len=a.seq_len)
+    )
+
+
+def _model_flags(a: argparse.Namespace) -> list[str]:
+    return ["--batch-size", str(a.batch_size), "--dim", str(a.dim), "--layers", str(a.layers)] + [
+        "--seq-len",
+        str(a.seq_len),
+    ]
 
 
 # ------------------------------------------------------------------------------------------- alone workers
-def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, out: str, batch: int) -> None:
+def _rank_main(rank: int, a: argparse.Namespace, init_file: str, out: str) -> None:
     import torch
 
     from node.config import NodeSettings
     from node.learner import InnerConfig, Learner
-    from node.task import TaskConfig, load_task
-    from node.unit import Unit
+    from node.task import load_task
+    from node.unit import STATE, Unit
+    from node.unit_fsdp import ShardedUnit
     from protocol.config import ProtocolConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    unit = Unit(rank=rank, world=world, local_rank=rank, timeout_s=300)
+    world, seconds, warm_s = a.nproc, a.duration, a.warm
+    cls = ShardedUnit if a.shard else Unit
+    unit = cls(rank=rank, world=world, local_rank=rank, timeout_s=300, init_method=f"file://{init_file}")
     unit.init()
-    task = load_task(None, TaskConfig(batch_size=batch))
+    task = load_task(None, _task_config(a))
     lrn = Learner(
-        "alone", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 1 + rank, unit.device()
+        "alone", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 1 + rank, unit.model_device()
     )
     lrn.attach_unit(unit)
-    t_warm = time.perf_counter() + warm_s
-    while time.perf_counter() < t_warm:
-        lrn.train_step()
-    # every rank must run the same number of steps (DDP): rank 0 decides when the time is up
+    unit.exchange(lrn, STATE)  # rank 0's model and optimizer on every rank, as a node's unit starts
+    # Every rank must run the same number of steps (their collectives pair up): rank 0 decides, for the
+    # warm-up as for the measured window, and broadcasts its decision before each step.
     import torch.distributed as dist
 
-    steps, t0 = 0, time.perf_counter()
     go = torch.ones(1, dtype=torch.int64, device=unit.device())
-    while True:
-        go.fill_(int(time.perf_counter() - t0 < seconds))
-        dist.broadcast(go, 0)
-        if not go.item():
-            break
-        lrn.train_step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    unit.close()
+
+    def steps_for(limit_s: float) -> tuple[int, float]:
+        n, t0 = 0, time.perf_counter()
+        while True:
+            go.fill_(int(time.perf_counter() - t0 < limit_s))
+            dist.broadcast(go, 0)
+            if not go.item():
+                return n, time.perf_counter() - t0
+            lrn.train_step()
+            n += 1
+
+    steps_for(warm_s)
+    steps, elapsed = steps_for(seconds)
+    unit.close(lrn)
     if rank == 0:
         tokens = steps * lrn.tokens_per_step
         with open(out, "w") as fh:
@@ -79,30 +107,28 @@ def _rank_main(rank: int, world: int, port: int, seconds: float, warm_s: float, 
             )
 
 
-def alone_unit(world: int, seconds: float, warm_s: float, batch: int) -> int:
+def alone_unit(a: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
-        mp.spawn(_rank_main, args=(world, port, seconds, warm_s, out, batch), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(a, os.path.join(d, "rendezvous"), out), nprocs=a.nproc, join=True)
         print(Path(out).read_text())
     return 0
 
 
-def alone_single(seconds: float, warm_s: float, delay: float, batch: int) -> int:
+def alone_single(a: argparse.Namespace) -> int:
     import torch
 
     from node.config import NodeSettings
-    from node.learner import InnerConfig, Learner
-    from node.task import TaskConfig, load_task
+    from node.learner import InnerConfig, Learner, default_device
+    from node.task import load_task
     from protocol.config import ProtocolConfig
 
     torch.set_num_threads(1)
-    task = load_task(None, TaskConfig(batch_size=batch))
-    lrn = Learner("slow", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 9, torch.device("cpu"))
+    seconds, warm_s, delay = a.duration, a.warm, a.slow_delay
+    task = load_task(None, _task_config(a))
+    lrn = Learner("slow", task, ProtocolConfig(), InnerConfig(), NodeSettings().steps, 9, default_device())
     t0 = time.perf_counter()
     steps = 0
     while time.perf_counter() - t0 < seconds + warm_s:
@@ -117,14 +143,8 @@ def run_alone(a: argparse.Namespace, seconds: float, label: str) -> dict:
     log(
         f"[alone {label}] {a.nproc}-process unit + slow learner side by side, {a.warm:g} s warm-up + {seconds:g} s"
     )
-    me = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--warm",
-        str(min(3.0, a.warm)),
-        "--batch-size",
-        str(a.batch_size),
-    ]
+    me = [sys.executable, os.path.abspath(__file__), "--warm", str(min(3.0, a.warm)), *_model_flags(a)]
+    me += ["--device", a.device, *(["--shard"] if a.shard else [])]
     unit = subprocess.Popen(
         [*me, "--alone", "unit", "--nproc", str(a.nproc), "--duration", str(seconds)],
         stdout=subprocess.PIPE,
@@ -155,10 +175,11 @@ def run_alone(a: argparse.Namespace, seconds: float, label: str) -> dict:
 
 # --------------------------------------------------------------------------------------------- the swarm
 def run_swarm(a: argparse.Namespace, run_dir: Path) -> dict:
-    flags = ["--threads", "1", "--swarm", f"bench-unit-{os.getpid()}", "--batch-size", str(a.batch_size)]
+    flags = ["--threads", "1", "--swarm", f"bench-unit-{os.getpid()}", *_model_flags(a)]
+    unit_flags = ["--nproc", str(a.nproc), *(["--shard"] if a.shard else [])]
     children = []
     try:
-        children.append(start_node(0, run_dir, [*flags, "--nproc", str(a.nproc)], []))
+        children.append(start_node(0, run_dir, [*flags, *unit_flags], []))
         wait_ready(children, 240)
         children.append(
             start_node(1, run_dir, [*flags, "--step-delay-s", str(a.slow_delay)], children[0].maddrs)
@@ -196,13 +217,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=float, default=10.0, help="warm-up seconds before measuring")
     ap.add_argument("--quick", action="store_true", help="short run: 16 s measured, 5 s warm-up")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per inner step per rank")
+    ap.add_argument("--shard", action="store_true", help="node 0's unit shards with FSDP2 instead of DDP")
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda: every rank on its own GPU (refused without GPUs); cpu: GPUs hidden; auto: GPUs if any",
+    )
+    ap.add_argument("--dim", type=int, default=ModelConfig.dim, help="model width")
+    ap.add_argument("--layers", type=int, default=ModelConfig.layers, help="transformer blocks")
+    ap.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="context length")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--alone", choices=("unit", "single"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # for this process and every process it starts
+    if a.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < a.nproc:
+            ap.error(
+                f"--device cuda needs {a.nproc} GPUs (one per rank); this machine has {torch.cuda.device_count()}"
+            )
     if a.alone == "unit":
-        return alone_unit(a.nproc, a.duration, a.warm, a.batch_size)
+        return alone_unit(a)
     if a.alone == "single":
-        return alone_single(a.duration, a.warm, a.slow_delay, a.batch_size)
+        return alone_single(a)
     if a.quick:
         a.duration, a.warm = 16.0, 5.0
     t_start = time.monotonic()
@@ -218,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "settings": {
             "nproc": a.nproc,
+            "shard": a.shard,
+            "device": a.device,
+            "model": {"dim": a.dim, "layers": a.layers, "seq_len": a.seq_len},
+            "batch_size": a.batch_size,
             "slow_delay_s": a.slow_delay,
             "duration_s": a.duration,
             "warm_s": a.warm,
@@ -231,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
+    kind = "FSDP2" if a.shard else "DDP"
     print(
-        f"{a.nproc}-process learner unit (DDP, gloo, one torch thread per rank, batch {a.batch_size} per rank) + a "
-        f"slow node ({a.slow_delay:g} s sleep/step)"
+        f"{a.nproc}-process learner unit ({kind}, {sw['unit']['backend']}, one torch thread per rank, batch "
+        f"{a.batch_size} per rank) + a slow node ({a.slow_delay:g} s sleep/step)"
     )
     print(f"alone, before swarm : {before['tokens_per_s']:.0f} tokens/s")
     print(f"alone, after swarm  : {after['tokens_per_s']:.0f} tokens/s")

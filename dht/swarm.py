@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,54 @@ def start_dht(
     malformed address or identity file, ``SwarmUnreachable`` when no initial peer answers, and
     ``DHTStartError`` for anything else (port in use, timeout).
     """
+    return launch_dht(
+        identity_path, host_maddrs, initial_peers, announce_maddrs, client_mode, timeout_s, swarm, admission
+    ).wait()
+
+
+@dataclass
+class DHTLaunch:
+    """A DHT process forked and starting (p2pd, bootstrap) while the caller does other work; ``wait()``."""
+
+    dht: NodeDHT
+    peer_id: str
+    identity_path: str
+    tried: str
+    initial_peers: Sequence[str]
+    timeout_s: float
+    hosts: list
+
+    def wait(self) -> NodeDHT:
+        """The started DHT, or the error ``start_dht`` documents (the process is shut down then)."""
+        try:
+            self.dht.wait_until_ready(self.timeout_s)
+            got = self.dht.peer_id.to_base58()
+        except BaseException as e:
+            self.dht.shutdown()
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise _explain(e, self.tried, self.initial_peers, self.timeout_s) from e
+        if got != self.peer_id:
+            self.dht.shutdown()
+            raise DHTStartError(
+                f"{self.tried}: the DHT runs as {got}, not as {self.peer_id} from {self.identity_path}"
+            )
+        logger.info("DHT started as %s on %s", got, [str(m) for m in self.hosts])
+        return self.dht
+
+
+def launch_dht(
+    identity_path: str | Path,
+    host_maddrs: Sequence[str],
+    initial_peers: Sequence[str] = (),
+    announce_maddrs: Sequence[str] | None = None,
+    client_mode: bool = False,
+    timeout_s: float = 30.0,
+    swarm: str | None = None,
+    admission=None,
+) -> DHTLaunch:
+    """Fork the DHT process and return at once; arguments and errors as ``start_dht`` (bad addresses and
+    identity files are refused here, before anything starts)."""
     ident = Identity.load(identity_path)
     hosts = _parse_maddrs("host_maddrs", host_maddrs)
     _parse_maddrs("initial_peers", initial_peers, need_peer_id=True)
@@ -191,18 +240,13 @@ def start_dht(
         record_validators=[OwnerValidator(swarm, admission)] if swarm else (),
     )
     try:
-        dht.run_in_background(await_ready=True, timeout=timeout_s)
-        got = dht.peer_id.to_base58()
+        dht.run_in_background(await_ready=False)
     except BaseException as e:
         dht.shutdown()
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
         raise _explain(e, tried, initial_peers, timeout_s) from e
-    if got != ident.peer_id:
-        dht.shutdown()
-        raise DHTStartError(f"{tried}: the DHT runs as {got}, not as {ident.peer_id} from {identity_path}")
-    logger.info("DHT started as %s on %s", got, [str(m) for m in hosts])
-    return dht
+    return DHTLaunch(dht, ident.peer_id, str(identity_path), tried, list(initial_peers), timeout_s, hosts)
 
 
 class OwnerValidator(RecordValidatorBase):

@@ -75,6 +75,20 @@ logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
 
 
+def process_start_time() -> float:
+    """When this process started (wall clock), from /proc; now where /proc is not there."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
@@ -101,6 +115,36 @@ class Node(Replication, Persistence):
 
             self.admission = Admission.load(s.swarm, s.authority, s.swarm_secret, s.certificate, s.revoked)
             self.admission.check_own(self.peer_id)
+        # The DHT process starts (p2pd, bootstrap) while this process builds the model and loads its state.
+        self._dht_launch = self._launch_dht()
+        try:
+            self._init_rest(cfg, unit)
+        except BaseException:
+            self._dht_launch.dht.shutdown()
+            raise
+
+    def _launch_dht(self):
+        """Fork the DHT process (before any thread starts: hivemind forks it); ``run`` waits for it."""
+        from dht.swarm import launch_dht
+
+        s = self.settings
+        if s.client_mode and s.announce_maddrs:
+            logger.warning(
+                "client_mode: announce_maddrs is ignored (the node accepts no inbound connections)"
+            )
+        return launch_dht(
+            self.identity_path,
+            [] if s.client_mode else NodeSettings.split(s.host_maddrs),
+            NodeSettings.split(s.initial_peers),
+            None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
+            client_mode=s.client_mode,
+            timeout_s=max(30.0, s.rpc_timeout_s),
+            swarm=s.swarm,
+            admission=self.admission,
+        )
+
+    def _init_rest(self, cfg: NodeConfig, unit: Unit | None) -> None:
+        s = self.settings
         if s.threads > 0:
             # Before any torch work on this thread: the merges and hashes on the event loop must not run
             # (and leave spinning) a second OpenMP pool next to the learner's.
@@ -121,7 +165,7 @@ class Node(Replication, Persistence):
             cfg.inner,
             s.steps,
             seed=seed,
-            device=unit.device() if unit is not None else None,
+            device=unit.model_device() if unit is not None else None,
         )
         self.plan = self.learner.plan
         self.spec = {
@@ -165,6 +209,7 @@ class Node(Replication, Persistence):
         self._addrs: list[str] = []
         self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
         self.started_at = time.time()
+        self.startup: dict[str, float] = {"init": round(self.started_at - process_start_time(), 3)}
         self.joined_by = "fresh"
         self.stop_reason = ""
         self.dht = None
@@ -173,6 +218,11 @@ class Node(Replication, Persistence):
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
         self._restored = self._restore()
+        self._phase("restore")
+
+    def _phase(self, name: str) -> None:
+        """Seconds from the process start to the end of a start-up phase (in the ``join`` record)."""
+        self.startup[name] = round(time.time() - process_start_time(), 3)
 
     # ---------------------------------------------------------------- derived views
     def global_hash(self) -> str:
@@ -252,24 +302,9 @@ class Node(Replication, Persistence):
             self.loop.call_soon_threadsafe(self._stop.set)
 
     def run(self) -> int:
-        """Start the DHT (a forked process, so before any thread), then the loop until stopped."""
-        from dht.swarm import start_dht
-
-        s = self.settings
-        if s.client_mode and s.announce_maddrs:
-            logger.warning(
-                "client_mode: announce_maddrs is ignored (the node accepts no inbound connections)"
-            )
-        self.dht = start_dht(
-            self.identity_path,
-            [] if s.client_mode else NodeSettings.split(s.host_maddrs),
-            NodeSettings.split(s.initial_peers),
-            None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
-            client_mode=s.client_mode,
-            timeout_s=max(30.0, s.rpc_timeout_s),
-            swarm=s.swarm,
-            admission=self.admission,
-        )
+        """Wait for the DHT launched in ``__init__``, then run the loop until stopped."""
+        self.dht = self._dht_launch.wait()
+        self._phase("dht")
         try:
             import uvloop
 
@@ -304,6 +339,7 @@ class Node(Replication, Persistence):
         ):
             self.transport.register(op, h)
         await self.transport.start()
+        self._phase("transport")
         from node.status import StatusServer
 
         self.status_server = StatusServer(self)
@@ -311,14 +347,17 @@ class Node(Replication, Persistence):
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:
             await self._heartbeat_once()
+            self._phase("membership")
             if not self._restored:
                 await self._join_if_behind()
+            self._phase("state")
             self.events.emit(
                 "join",
                 t=time.time(),
                 learner=self.peer_id,
                 how=self.joined_by,
                 rounds=[r.round for r in self.replicas],
+                startup=self.startup,
             )
             self.learner_loop.start()
             if s.agent_nice > 0:

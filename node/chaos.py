@@ -161,13 +161,15 @@ class ChaosRun:
             votes: dict[str, int] = {}
             for observer in run:
                 st = self.status(observer)
-                if st is not None and fault.fragment < len(st["fragments"]):
-                    sync = st["fragments"][fault.fragment]["synchroniser"]
+                if st is not None and st["fragments"]:
+                    # A plan drawn for P fragments also runs against a swarm of fewer (a baseline system).
+                    sync = st["fragments"][fault.fragment % len(st["fragments"])]["synchroniser"]
                     if sync in by_peer:
                         votes[sync] = votes.get(sync, 0) + 1
             if votes:
                 sync = max(votes, key=lambda p: (votes[p], -by_peer[p].index))
-                why = f"fragment {fault.fragment}'s synchroniser in {votes[sync]} of {len(run)} views"
+                frag = fault.fragment % len(st["fragments"]) if st and st["fragments"] else fault.fragment
+                why = f"fragment {frag}'s synchroniser in {votes[sync]} of {len(run)} views"
                 return by_peer[sync], why
             note = "no running synchroniser in view; "
         for k in range(self.cfg.nodes):
@@ -482,6 +484,7 @@ class ChaosRun:
         return rep
 
 
-def run_chaos(cfg: ChaosConfig) -> dict:
-    """Run the plan against a fresh swarm and return the report (see ``ChaosRun.report``)."""
-    return ChaosRun(cfg).run()
+def run_chaos(cfg: ChaosConfig) -> tuple[dict, list[Fault]]:
+    """Run the plan against a fresh swarm; the report (see ``ChaosRun.report``) and the plan it ran."""
+    run = ChaosRun(cfg)
+    return run.run(), list(run.plan or [])

@@ -16,7 +16,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from node.chaos_plan import FailureModel, plan_from_json
@@ -89,6 +89,12 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
         "--netns-rate",
         default="",
         help="with --netns: tc tbf cap of each node's link, each way, e.g. 100mbit",
+    )
+    cp.add_argument(
+        "--baseline",
+        choices=("sync-diloco", "streaming"),
+        help="then run the same failure plan against a swarm of this system (the same nodes with --system) "
+        "and compare goodput and eval loss",
     )
     cp.add_argument("--json", action="store_true", help="print the report as one JSON object")
     cp.add_argument("--quiet", action="store_true", help="no progress on stderr")  # fmt: skip
@@ -236,15 +242,76 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         netns_rate=args.netns_rate,
         quiet=args.quiet,
     )
-    rep = _with_stop_signals(lambda: run_chaos(cfg))
-    print(json.dumps(rep, indent=2) if args.json else render(rep))
-    if rep["interrupted"]:
+    if args.baseline:
+        cfg = replace(cfg, run_dir=run_dir / "decoupled")
+    rep, plan = _with_stop_signals(lambda: run_chaos(cfg))
+    if not args.baseline or rep["interrupted"]:
+        print(json.dumps(rep, indent=2) if args.json else render(rep))
+        return 130 if rep["interrupted"] else _verdict(rep)
+    if not args.json:  # the first report as soon as it is known: the baseline takes as long again
+        print(render(rep) + "\n", flush=True)
+    if not args.quiet:
+        print(f"now the baseline: {args.baseline} under the same {len(plan)} faults", file=sys.stderr)
+    base_cfg = replace(
+        cfg, run_dir=run_dir / args.baseline, plan=plan, node_flags=[*flags, "--system", args.baseline]
+    )
+    base, _ = _with_stop_signals(lambda: run_chaos(base_cfg))
+    both = {"decoupled": rep, args.baseline: base, "comparison": compare(rep, base, args.baseline)}
+    if args.json:
+        print(json.dumps(both, indent=2))
+    else:
+        print(f"-- baseline: {args.baseline} --\n" + render(base) + "\n")
+        print(render_comparison(both["comparison"]))
+    if base["interrupted"]:
         return 130
+    return max(_verdict(rep), _verdict(base, stall=False))  # the baseline's stalls are what it measures
+
+
+def compare(ours: dict, base: dict, name: str) -> dict:
+    """Goodput, tokens and final eval loss of the two runs of one plan, and their ratios."""
+
+    def pick(rep: dict) -> dict:
+        g = rep.get("goodput", {}).get("goodput")
+        return {
+            "goodput": g,
+            "tokens_trained": rep.get("tokens_trained"),
+            "eval_loss_final": rep.get("eval_loss_final"),
+            "faults_applied": sum(
+                1 for f in rep.get("faults", []) if not f.get("note", "").startswith("skip")
+            ),
+        }
+
+    a, b = pick(ours), pick(base)
+    ratio = a["goodput"] / b["goodput"] if a["goodput"] and b["goodput"] else None
+    tok = a["tokens_trained"] / b["tokens_trained"] if a["tokens_trained"] and b["tokens_trained"] else None
+    return {"baseline": name, "decoupled": a, name: b, "goodput_ratio": ratio, "tokens_ratio": tok}
+
+
+def render_comparison(c: dict) -> str:
+    name, a, b = c["baseline"], c["decoupled"], c[c["baseline"]]
+
+    def loss(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    ratio = "-" if c["goodput_ratio"] is None else f"{c['goodput_ratio']:.2f}x"
+    tok = "-" if c["tokens_ratio"] is None else f"{c['tokens_ratio']:.2f}x"
+    return (
+        f"same plan, decoupled against {name}: goodput {_pct(a['goodput'])} vs {_pct(b['goodput'])} "
+        f"({ratio}); tokens trained {a['tokens_trained'] or 0:,.0f} vs {b['tokens_trained'] or 0:,.0f} ({tok}); "
+        f"final eval loss {loss(a['eval_loss_final'])} vs {loss(b['eval_loss_final'])}; faults applied "
+        f"{a['faults_applied']} vs {b['faults_applied']}"
+    )
+
+
+def _verdict(rep: dict, stall: bool = True) -> int:
     good = rep.get("goodput", {}).get("goodput")
-    ok = rep.get("equal_hashes") and rep["settled"] and rep.get("stall", {}).get("ok") and good is not None
+    stalled = stall and not rep.get("stall", {}).get("ok")
+    ok = rep.get("equal_hashes") and rep["settled"] and not stalled and good is not None
     if not ok:
         print(
-            "ddiloco chaos: hashes differ, no quiet period, stall over its bound or no goodput",
+            f"ddiloco chaos ({rep['run_dir']}): hashes differ, no quiet period, "
+            + ("stall over its bound " if stall else "")
+            + "or no goodput",
             file=sys.stderr,
         )
     return 0 if ok else 1

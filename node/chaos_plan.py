@@ -60,8 +60,10 @@ class FailureModel:
     """share of failures that are network partitions (needs network namespaces)"""
     sync_share: float = 0.5
     """share of kills aimed at the synchroniser of a fragment"""
-    return_s: float = 20.0
-    """mean time before a killed node restarts (drawn uniformly in [0.5, 1.5] x this)"""
+    return_s: float = 5.0
+    """mean time before a killed node restarts (drawn uniformly in [0.5, 1.5] x this): a supervisor
+    restarting the process (systemd's RestartSec defaults to 0.1 s, Kubernetes' first crash back-off is
+    10 s); the restart itself (imports, model, checkpoint or download, DHT) is measured, not drawn"""
     pause_s: float = 10.0
     """mean length of a SIGSTOP or a partition (drawn uniformly in [0.5, 1.5] x this)"""
     quiet_end_s: float = 20.0

@@ -247,6 +247,18 @@ def cmd_node(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = build_config(args, args.config, root=NodeConfig)
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
+    unit_cls = Unit
+    if cfg.node.shard:
+        from node.task import load_task
+        from node.unit_fsdp import ShardedUnit, check_shardable
+
+        if max(n, int(world or 1)) < 2:
+            raise ConfigError(
+                "shard=True is invalid for a single-process learner: FSDP2 shards across the processes of a "
+                "learner unit; add --nproc N with N >= 2 (or start the node under torchrun)"
+            )
+        check_shardable(load_task(None, cfg.task_config()).new_model())
+        unit_cls = ShardedUnit
     if n > 1 and world is None:
         # A multi-process learner unit: torchrun starts n copies of this command, ranks in the environment.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
@@ -256,7 +268,7 @@ def cmd_node(args: argparse.Namespace, argv: list[str]) -> int:
         os.execv(sys.executable, cmd)
     if n > 1 and int(world) != n:
         raise ConfigError(f"nproc={n} is invalid: torchrun started {world} processes (WORLD_SIZE)")
-    unit = Unit.from_env(cfg.node.unit_timeout_s)
+    unit = unit_cls.from_env(cfg.node.unit_timeout_s)
     if unit is not None and not unit.lead:
         return run_rank(cfg, unit)
     print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
@@ -289,7 +301,8 @@ def _status_table(s: dict) -> str:
         f"{'  PAUSED' if lr['paused'] else ''}",
         *(
             [
-                f"learner unit: {u['world']} processes ({u['backend']}), {lr['tokens_per_step']:,} tokens/step, "
+                f"learner unit: {u['world']} processes ({u['backend']}"
+                f"{', FSDP2 shards' if u.get('mode') == 'fsdp' else ''}), {lr['tokens_per_step']:,} tokens/step, "
                 f"rank checks {u['checks']}, mismatches {u['mismatches']}"
             ]
             if (u := lr.get("unit"))

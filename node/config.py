@@ -161,7 +161,15 @@ class NodeSettings:
         default=1,
         metadata={
             "help": "processes in this node's learner unit: >1 runs the node under torchrun, data-parallel "
-            "(DDP; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
+            "(DDP, or FSDP2 shards with shard; gloo on CPU, NCCL on GPUs), rank 0 speaking for the unit"
+        },
+    )
+    shard: bool = field(
+        default=False,
+        metadata={
+            "help": "with nproc > 1: shard parameters, gradients and optimizer state across the unit's "
+            "processes (FSDP2: fully_shard per block of the model's ModuleLists, then the root) instead of "
+            "replicating them (DDP), for models that do not fit one device"
         },
     )
     unit_timeout_s: float = field(

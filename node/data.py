@@ -10,6 +10,8 @@ split is the last 5% of the text and its batches are fixed, so every system is e
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,45 @@ def generated_text(n_bytes: int = 2_000_000, seed: int = 1234) -> bytes:
     return "".join(out).encode()[:n_bytes]
 
 
+GENERATOR_VERSION = 1  # bump when generated_text changes what it makes
+
+
+def cache_dir() -> Path:
+    """Where generated text is kept between runs: $DDILOCO_CACHE, else ~/.cache/ddiloco."""
+    env = os.environ.get("DDILOCO_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ddiloco"
+
+
+def cached_generated_text(n_bytes: int = 2_000_000, seed: int = 1234) -> bytes:
+    """``generated_text``, read from the cache when a copy there is whole (its SHA-256 beside it matches).
+
+    Making the text takes seconds of pure Python, which every node start (and every restart after a crash)
+    would pay again; a copy that is missing, cut short or altered is made anew. The cache is an
+    optimisation only: where it cannot be read or written, the text is made in memory."""
+    path = cache_dir() / f"generated-v{GENERATOR_VERSION}-{seed}-{n_bytes}.bin"
+    digest_path = path.with_suffix(".sha256")
+    try:
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() == digest_path.read_text().strip():
+            return data
+    except OSError:
+        pass
+    data = generated_text(n_bytes, seed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tag = f".{os.getpid()}.tmp"
+        for target, content in ((path, data), (digest_path, hashlib.sha256(data).hexdigest().encode())):
+            tmp = target.with_name(target.name + tag)
+            tmp.write_bytes(content)
+            os.replace(tmp, target)
+    except OSError:
+        pass
+    return data
+
+
 class TextData:
     """Byte-level train/eval splits of one text."""
 
@@ -60,7 +101,7 @@ class TextData:
     @classmethod
     def from_source(cls, path: str | None, seq_len: int, seed: int = 1234) -> TextData:
         if path is None:
-            return cls(generated_text(seed=seed), seq_len)
+            return cls(cached_generated_text(seed=seed), seq_len)
         p = Path(path)
         if not p.is_file():
             raise ConfigError(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.snapshot import Snapshots
 from node.task import Task
 from protocol.codecs import Encoded, encode_tensors
 from protocol.config import ProtocolConfig
@@ -89,6 +90,8 @@ class Learner:
         self.seed = seed
         self.gen = torch.Generator().manual_seed(seed)
         self.forward_model: torch.nn.Module = self.model  # a DDP wrapper when the learner spans processes
+        self.sharded = False  # set by an FSDP2 unit: ``params`` are this rank's shards (DTensors)
+        self.snaps = Snapshots(self.device)  # due fragments on their way to the host
         self.tokens_per_step = task.tokens_per_batch  # the whole unit's tokens in one inner step
         self.book = LearnerBook(self.plan)
         self.steps = 0  # inner steps over the learner's life; drives the lr schedule, survives rejoins
@@ -99,9 +102,24 @@ class Learner:
         self.last_loss = float("nan")
 
     def attach_unit(self, unit) -> None:
-        """Span a ``node.unit.Unit``: gradients averaged over its ranks, steps count the unit's tokens."""
-        self.forward_model = unit.wrap(self.model)
+        """Span a ``node.unit.Unit``: gradients averaged over its ranks (DDP, or FSDP2 shards), steps count
+        the unit's tokens."""
+        unit.attach(self)
         self.tokens_per_step = self.task.tokens_per_batch * unit.world
+
+    def unshard(self, params: dict[str, torch.Tensor], opt_state: dict) -> None:
+        """Become a single-process learner on the CPU again, from the unit's gathered whole state (rank 0 of
+        a sharded unit at its stop, so the final checkpoint and adoptions need no collective)."""
+        model = self.task.new_model()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+        self.model = self.forward_model = model
+        self.params = dict(model.named_parameters())
+        self.device = torch.device("cpu")
+        self.snaps = Snapshots(self.device)
+        self.sharded = False
+        self.load_optimizer(opt_state)
 
     def load_optimizer(self, state: dict) -> None:
         self._new_optimizer()
@@ -125,6 +143,7 @@ class Learner:
         loss.backward()
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        self.snaps.fence()  # a GPU copy of a due fragment may still be reading the parameters
         self.opt.step()
         self.steps += 1
         self.last_loss = loss.item()
@@ -132,20 +151,47 @@ class Learner:
         return StepResult(self.last_loss, self.tokens_per_step, due)
 
     def outer_gradient(self, p: int) -> dict[str, torch.Tensor]:
-        """base - theta for fragment p, fp32 on the CPU."""
+        """base - theta for fragment p, fp32 on the CPU, now (the in-process runner's synchronous path)."""
         base = self.base[p]
-        return {n: (base[n] - self.params[n].detach().to("cpu", torch.float32)) for n in base}
+        full = self.fragment_params(p)
+        return {n: (base[n] - full[n].to("cpu", torch.float32)) for n in base}
 
     def contribution(self, p: int) -> dict[str, Encoded]:
         return encode_tensors(self.outer_gradient(p), self.pcfg.codec, self.pcfg.codec_block)
+
+    def fragment_params(self, p: int) -> dict[str, torch.Tensor]:
+        """Fragment p's whole parameters on the learner's device: the live parameters themselves, or, when
+        sharded, gathered from every rank's shard (a collective: every rank of the unit calls this at the
+        same point, see ``Unit.after_step``)."""
+        names = self.plan.fragments[p].names
+        if self.sharded:
+            return {n: self.params[n].full_tensor() for n in names}
+        return {n: self.params[n].detach() for n in names}
+
+    def snapshot(self, p: int, tag: object = None) -> None:
+        """Start taking fragment p's contribution as of now; ``ready_contributions`` hands it out once its
+        copy to the host is done (at once on the CPU). The base it is measured against is the one held now."""
+        self.snaps.take(p, self.fragment_params(p), self.base[p], tag, live=not self.sharded)
+
+    def ready_contributions(self, wait: bool = False) -> list[tuple[object, int, dict[str, Encoded]]]:
+        """(tag, fragment, encoded base - theta) of every snapshot whose copy is done, oldest first."""
+        out = []
+        for s in self.snaps.collect(wait):
+            delta = {n: s.base[n] - s.host[n].to(torch.float32) for n in s.base}
+            out.append((s.tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
+        return out
 
     def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> bool:
         """Adopt merged global fragment p of ``round_``; False if it is older than what we hold."""
         if not self.book.on_receive(p, round_):
             return False
-        with torch.no_grad():
-            for n, g in theta.items():
-                self.params[n].copy_(adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha))
+        # A sharded learner holds a slice of each tensor: its unit writes every rank's slice in its next
+        # exchange, from the base set here (so of two rounds adopted between steps, only the newer is mixed).
+        if not self.sharded:
+            self.snaps.fence()
+            with torch.no_grad():
+                for n, g in theta.items():
+                    self.params[n].copy_(adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha))
         self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
         return True
 
@@ -155,7 +201,9 @@ class Learner:
         ``schedule_step`` puts the learner's fragment schedule in phase with the swarm's (a donor's step), so
         systems whose learners wait for each other's fragments keep contributing the same fragment together.
         """
+        self._whole("join the swarm")
         self.book = LearnerBook(self.plan, step=schedule_step)
+        self.snaps.fence()
         with torch.no_grad():
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
                 for n, g in theta.items():
@@ -169,13 +217,31 @@ class Learner:
         self.book.counters[p].base_round = round_ - 1
         self.adopt(p, round_, theta)
 
+    def _whole(self, what: str) -> None:
+        if self.sharded:
+            raise RuntimeError(
+                f"cannot {what} while the learner is sharded: a sharded unit takes whole state at its start "
+                "exchange (STATE) and gathers it with exchange(save=True)"
+            )
+
     # ---- checkpoints: tensors (flat names) and JSON metadata
-    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {f"learner/{n}": p.detach().to("cpu").clone() for n, p in self.params.items()}
+    def state(
+        self, full: tuple[dict[str, torch.Tensor], dict] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """The learner's checkpoint. ``full``: (parameters, optimizer state dict) gathered by a sharded unit;
+        a sharded learner has no whole state of its own to give."""
+        if full is None:
+            self._whole("hand out its state")
+            params, opt = (
+                {n: p.detach().to("cpu").clone() for n, p in self.params.items()},
+                self.opt.state_dict(),
+            )
+        else:
+            params, opt = full
+        tensors = {f"learner/{n}": t for n, t in params.items()}
         for p, base in enumerate(self.base):
             for n, t in base.items():
                 tensors[f"base/{p}/{n}"] = t.clone()
-        opt = self.opt.state_dict()
         for i, st in opt["state"].items():
             for k, v in st.items():
                 tensors[f"opt/{i}/{k}"] = torch.as_tensor(v).detach().to("cpu").clone()
@@ -184,6 +250,8 @@ class Learner:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self._whole("load a checkpoint")
+        self.snaps.fence()
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(tensors[f"learner/{n}"].to(self.device))

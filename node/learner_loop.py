@@ -19,6 +19,7 @@ from protocol.messages import ContributionHeader
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
+PHASE_EVERY = 4  # steps between two checks that the learner is in phase with the swarm's schedule
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
@@ -120,8 +121,29 @@ class LearnerLoop(threading.Thread):
         if wait_s > 0:
             self.stop_flag.wait(wait_s)
 
-    def _service(self) -> list[int]:
-        """Adopt what arrived, answer state requests, evaluate when due; the fragments adopted."""
+    def _keep_in_phase(self) -> None:
+        """Every ``PHASE_EVERY`` steps: a learner that has fallen behind the swarm's schedule by half a step or more
+        moves its schedule forward to it (never back, never waiting).
+
+        Learners of different speeds drift apart after the first alignment. Out of phase, they contribute
+        fragment p at different moments, each round merges one of them, and every learner adopts every
+        round: adoption replaces its copy of p, overwriting what it trained on p since it last received
+        it (see docs/chaos.md). Jumping the schedule only changes which fragments come due next; the
+        counters still count every step a contribution holds."""
+        target = self.node.swarm_step()
+        lrn = self.learner
+        if target is None or target - lrn.book.step < 0.5:
+            return
+        before = lrn.book.step
+        lrn.book.step = before + round(target - before)
+        self.node.events.emit(
+            "align", t=time.time(), learner=self.node.peer_id, before=before, after=lrn.book.step, wait_s=0.0
+        )
+
+    def _service(self) -> tuple[list[int], list]:
+        """Adopt what arrived, answer state requests, evaluate when due. Returns the fragments adopted and
+        the state requests left for after the unit's next exchange (a sharded learner's state is gathered
+        there, with every rank)."""
         lrn = self.learner
         adopted = []
         while self.inbox:
@@ -137,17 +159,61 @@ class LearnerLoop(threading.Thread):
                     "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
                 )
                 adopted.append(p)
+        asks = []
         while self.requests:
             kind, fut = self.requests.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue  # the asking side gave up (e.g. its task was cancelled at shutdown)
-            try:
-                fut.set_result(self.learner.state() if kind == "state" else None)
-            except Exception as e:  # noqa: BLE001 - handed to the waiting side
-                fut.set_exception(e)
+            if (
+                fut.set_running_or_notify_cancel()
+            ):  # else the asking side gave up (e.g. cancelled at shutdown)
+                asks.append((kind, fut))
+        if not lrn.sharded:
+            self._answer(asks)
+            asks = []
         if time.monotonic() >= self._next_eval:
             self.evaluate()
-        return adopted
+        return adopted, asks
+
+    def _answer(self, asks: list) -> None:
+        """Answer state requests; a sharded unit gathered the whole state in the exchange just made."""
+        for kind, fut in asks:
+            try:
+                if kind != "state":
+                    fut.set_result(None)
+                elif self.learner.sharded:
+                    fut.set_result(self.learner.state(self.node.unit.take_saved()))
+                else:
+                    fut.set_result(self.learner.state())
+            except Exception as e:  # noqa: BLE001 - handed to the waiting side
+                fut.set_exception(e)
+
+    def _post_ready(self, wait: bool = False) -> None:
+        """Hand the agent every contribution whose snapshot has reached the host (all of them with ``wait``)."""
+        s, lrn = self.node.settings, self.learner
+        for (base_round, c_steps, c_tokens, step, t), p, enc in lrn.ready_contributions(wait):
+            cid = f"{self.node.peer_id[-10:]}:{p}:{step}"
+            header = ContributionHeader(
+                learner=self.node.peer_id,
+                fragment=p,
+                base_round=base_round,
+                c_steps=c_steps,
+                c_tokens=c_tokens,
+                step_time_s=(self.step_s or 0.0) + s.step_delay_s,
+                codec=lrn.pcfg.codec,
+                block=lrn.pcfg.codec_block,
+                cid=cid,
+            )
+            self.node.events.emit(
+                "contribute",
+                t=t,
+                learner=self.node.peer_id,
+                fragment=p,
+                step=step,
+                cid=cid,
+                bytes=wire_bytes(enc),
+                c_steps=c_steps,
+                c_tokens=c_tokens,
+            )
+            self.node.post_contribution(header, enc)
 
     def evaluate(self) -> float:
         """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
@@ -173,22 +239,28 @@ class LearnerLoop(threading.Thread):
                 lrn.attach_unit(unit)
                 unit.exchange(lrn, STATE)
             while not self.stop_flag.is_set():
-                adopted = self._service()
+                adopted, asks = self._service()
                 if self.paused.is_set():
                     if unit is not None:
-                        unit.exchange(lrn, PAUSE, adopted)
+                        unit.exchange(lrn, PAUSE, adopted, save=bool(asks))
+                    self._answer(asks)
+                    self._post_ready()
                     self.idle.set()
                     self.stop_flag.wait(0.05)
                     continue
                 if self.node.blocking and self._must_wait():
                     if unit is not None:  # the other ranks wait with it, and take what arrived meanwhile
-                        unit.exchange(lrn, PAUSE, adopted)
+                        unit.exchange(lrn, PAUSE, adopted, save=bool(asks))
+                    self._answer(asks)
+                    self._post_ready()
                     self.arrived.wait(0.05)
                     self.arrived.clear()
                     continue
                 self.idle.clear()
                 if unit is not None:
-                    unit.exchange(lrn, STEP, adopted, check_all=lrn.steps % UNIT_CHECK_EVERY == 0)
+                    check_all = lrn.steps % UNIT_CHECK_EVERY == 0
+                    unit.exchange(lrn, STEP, adopted, check_all=check_all, save=bool(asks))
+                self._answer(asks)
                 t0 = time.time()
                 res = lrn.train_step()
                 t1 = time.time()
@@ -200,37 +272,16 @@ class LearnerLoop(threading.Thread):
                 self.node.events.emit(
                     "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
                 )
-                for p in res.due:
+                for p in res.due:  # a sharded unit's other ranks join each gather (Unit.after_step)
                     c = lrn.book.counters[p]
-                    enc = lrn.contribution(p)
-                    cid = f"{self.node.peer_id[-10:]}:{p}:{lrn.steps}"
-                    header = ContributionHeader(
-                        learner=self.node.peer_id,
-                        fragment=p,
-                        base_round=c.base_round,
-                        c_steps=c.c_steps,
-                        c_tokens=c.c_tokens,
-                        step_time_s=self.step_s + s.step_delay_s,
-                        codec=lrn.pcfg.codec,
-                        block=lrn.pcfg.codec_block,
-                        cid=cid,
-                    )
-                    self.node.events.emit(
-                        "contribute",
-                        t=t1,
-                        learner=self.node.peer_id,
-                        fragment=p,
-                        step=lrn.steps,
-                        cid=cid,
-                        bytes=wire_bytes(enc),
-                        c_steps=c.c_steps,
-                        c_tokens=c.c_tokens,
-                    )
-                    self.node.post_contribution(header, enc)
+                    lrn.snapshot(p, (c.base_round, c.c_steps, c.c_tokens, lrn.steps, t1))
                     if self.node.blocking:
                         self.awaiting[p] = (c.base_round, lrn.book.step + lrn.pcfg.overlap)
+                self._post_ready()  # on a GPU, those whose copy to the host is done; on the CPU, all
                 if lrn.steps == first_step + 1:
                     self._align_schedule()
+                elif not self.node.blocking and (lrn.steps - first_step) % PHASE_EVERY == 0:
+                    self._keep_in_phase()
                 if s.step_delay_s:
                     self.stop_flag.wait(s.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
@@ -238,6 +289,10 @@ class LearnerLoop(threading.Thread):
             self.error = e
             self.node.request_stop("learner thread failed")
         finally:
+            try:
+                self._post_ready(wait=True)
+            except Exception as e:  # noqa: BLE001 - the stop below must still reach the other ranks
+                logger.warning("could not hand over the last contributions: %s", e)
             if unit is not None:
                 try:
                     unit.exchange(lrn, STOP)

@@ -7,15 +7,17 @@ learner thread that contributes fragments and adopts merged ones.
 
 Rank 0 leads every step with one small control broadcast, so the other ranks never decide anything:
 
-    [op, step, check_all, n, p_1 .. p_n]      op: STATE | STEP | PAUSE | STOP
+    [op, step, schedule_step, check_all, save, n, p_1 .. p_n]      op: STATE | STEP | PAUSE | STOP
 
 followed by the tensors of the fragments p_1..p_n that rank 0 adopted since the last step (rank 0's values,
 broadcast). Every rank then digests the parameters of those fragments (all fragments when ``check_all``)
 and the digests are gathered on rank 0; a rank that differs is counted and logged, and its fragments are
 sent again with the next step, so a mismatch is repaired, never ignored. ``STATE`` carries the whole
 model, the inner optimizer's state and the lr-schedule step (at the start, after a join or a restore).
+``schedule_step`` keeps every rank's fragment schedule on rank 0's, so all ranks know which fragments fall
+due after a step; ``save`` asks every rank to join the gather of a checkpoint (sharded units only).
 Followers wait on the control broadcast, so a paused node keeps them idle with ``PAUSE`` every 50 ms and
-no collective outlives its deadline.
+no collective outlives its deadline. ``node.unit_fsdp.ShardedUnit`` is the same exchange over FSDP2 shards.
 
 Launch: ``torchrun --nproc-per-node N -m node node ...`` or ``ddiloco node --nproc N`` (which runs torchrun).
 """
@@ -28,6 +30,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,16 +41,31 @@ STATE, STEP, PAUSE, STOP = 0, 1, 2, 3
 _OPS = {STATE: "state", STEP: "step", PAUSE: "pause", STOP: "stop"}
 
 
+def digest(tensors) -> torch.Tensor:
+    """16-byte blake2b of the tensors' bytes, in order, as two int64s (what the ranks gather)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        h.update(t.numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.int64)
+
+
 @dataclass
 class Unit:
+    """A data-parallel (DDP) unit: every rank holds the whole model."""
+
     rank: int
     world: int
     local_rank: int
     timeout_s: float = 600.0
+    init_method: str | None = None  # torch.distributed rendezvous; None: torchrun's env:// (MASTER_ADDR/PORT)
     backend: str = ""
     checks: int = 0  # digest comparisons made on rank 0
     mismatches: int = 0  # ranks found to differ (each repaired by a re-broadcast)
     _repair: set[int] = field(default_factory=set)
+    mode: ClassVar[str] = "ddp"
 
     @classmethod
     def from_env(cls, timeout_s: float = 600.0) -> Unit | None:
@@ -71,6 +89,10 @@ class Unit:
             return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
+    def model_device(self) -> torch.device:
+        """Where the learner builds its model before ``attach`` (a sharded unit builds it on the CPU)."""
+        return self.device()
+
     def init(self) -> None:
         """Join the unit's process group (rank 0 calls this after forking its DHT process)."""
         dev = self.device()
@@ -78,7 +100,11 @@ class Unit:
             torch.cuda.set_device(dev)
         self.backend = backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.timeout_s)
+            backend,
+            init_method=self.init_method,
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=self.timeout_s),
         )
         logger.info("rank %d/%d joined the unit's %s group", self.rank, self.world, backend)
 
@@ -97,35 +123,62 @@ class Unit:
         dev = self.device()
         return DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
 
+    def attach(self, learner) -> None:
+        learner.forward_model = self.wrap(learner.model)
+
+    def after_step(self, learner, due: list[int]) -> None:
+        """A rank > 0, after each step: its part in taking the fragments due (nothing: rank 0 holds them)."""
+
     # ------------------------------------------------------------------ one step's exchange
-    def _ctrl(self, learner, op: int, frags: list[int], check_all: bool) -> tuple[int, int, bool, list[int]]:
+    def _ctrl(self, learner, op: int, frags: list[int], check_all: bool, save: bool) -> tuple:
         P = len(learner.plan.fragments)
-        t = torch.zeros(4 + P, dtype=torch.int64, device=self.device())
+        t = torch.zeros(6 + P, dtype=torch.int64, device=self.device())
         if self.lead:
-            t[0], t[1], t[2], t[3] = op, learner.steps, int(check_all), len(frags)
+            t[:6] = torch.tensor(
+                [op, learner.steps, learner.book.step, check_all, save, len(frags)], dtype=torch.int64
+            )
             if frags:
-                t[4 : 4 + len(frags)] = torch.tensor(frags, dtype=torch.int64)
+                t[6 : 6 + len(frags)] = torch.tensor(frags, dtype=torch.int64)
         dist.broadcast(t, 0)
         v = t.tolist()
-        return v[0], v[1], bool(v[2]), v[4 : 4 + v[3]]
+        return v[0], v[1], v[2], bool(v[3]), bool(v[4]), v[6 : 6 + v[5]]
 
-    def exchange(self, learner, op: int, adopted: list[int] = (), check_all: bool = False) -> int:
+    def exchange(
+        self, learner, op: int, adopted: list[int] = (), check_all: bool = False, save: bool = False
+    ) -> int:
         """Rank 0: lead one exchange. Other ranks: follow one (arguments ignored). Returns the op."""
         frags = sorted(set(adopted) | self._repair) if self.lead else []
         self._repair = set()
-        op, step, check_all, frags = self._ctrl(learner, op, frags, check_all)
+        op, step, schedule_step, check_all, save, frags = self._ctrl(learner, op, frags, check_all, save)
+        self._send(learner, frags, set(adopted) if self.lead else set())
+        if op == STATE:
+            self._state(learner)
+        learner.steps = step
+        learner.book.step = schedule_step
+        checked = self._to_check(learner, op, frags, check_all)
+        if checked:
+            self._check(learner, checked)
+        if save:
+            self._save(learner)
+        if op == STOP:
+            self._stop(learner)
+        return op
+
+    def _send(self, learner, frags: list[int], fresh: set[int]) -> None:
         with torch.no_grad():
             for p in frags:
                 for n in learner.plan.fragments[p].names:
                     dist.broadcast(learner.params[n].data, 0)
-        if op == STATE:
-            self._state(learner)
-        learner.steps = step
+
+    def _to_check(self, learner, op: int, frags: list[int], check_all: bool) -> list[int]:
         whole = check_all or op in (STATE, STOP)
-        checked = list(range(len(learner.plan.fragments))) if whole else frags
-        if checked:
-            self._check(learner, checked)
-        return op
+        return list(range(len(learner.plan.fragments))) if whole else frags
+
+    def _save(self, learner) -> None:
+        """Every rank holds the whole model: rank 0's ``Learner.state()`` needs no help."""
+
+    def _stop(self, learner) -> None:
+        """Nothing to gather: rank 0 holds the whole model."""
 
     def _state(self, learner) -> None:
         with torch.no_grad():
@@ -139,36 +192,41 @@ class Unit:
             learner.gen.manual_seed(seed + 1_000_003 * self.rank)  # each rank its own batches
 
     def _digest(self, learner, frags: list[int]) -> torch.Tensor:
-        h = hashlib.blake2b(digest_size=16)
-        for p in frags:
-            for n in learner.plan.fragments[p].names:
-                t = learner.params[n].detach().to("cpu").contiguous()
-                if t.dtype == torch.bfloat16:
-                    t = t.view(torch.int16)
-                h.update(t.numpy().tobytes())
-        return torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).to(self.device())
+        """This rank's digest of the parameters of ``frags``."""
+        return digest(learner.params[n] for p in frags for n in learner.plan.fragments[p].names)
+
+    def _expect(self, learner, frags: list[int], got: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rank 0: the digest each rank should have sent: rank 0's own, every rank holding the whole model."""
+        return [got[0]] * self.world
 
     def _check(self, learner, frags: list[int]) -> None:
-        mine = self._digest(learner, frags)
+        mine = self._digest(learner, frags).to(self.device())
         got = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(got, mine)
         if not self.lead:
             return
         self.checks += 1
-        bad = [r for r, d in enumerate(got) if not torch.equal(d, got[0])]
-        if bad:
-            self.mismatches += len(bad)
-            self._repair |= set(frags)
-            logger.error(
-                "unit ranks %s hold other parameters than rank 0 for fragments %s; re-sending them",
-                bad,
-                frags if len(frags) <= 8 else f"{frags[:8]}...",
-            )
+        want = self._expect(learner, frags, [g.cpu() for g in got])
+        bad = [r for r, (d, w) in enumerate(zip(got, want)) if not torch.equal(d.cpu(), w)]
+        if not bad:
+            self._checked(frags)
+            return
+        self.mismatches += len(bad)
+        self._repair |= set(frags)
+        logger.error(
+            "unit ranks %s hold other parameters than rank 0 sent for fragments %s; re-sending them",
+            bad,
+            frags if len(frags) <= 8 else f"{frags[:8]}...",
+        )
+
+    def _checked(self, frags: list[int]) -> None:
+        """Rank 0: ``frags`` were found as they should be on every rank."""
 
     def status(self) -> dict:
         return {
             "world": self.world,
             "rank": self.rank,
+            "mode": self.mode,
             "backend": self.backend,
             "checks": self.checks,
             "mismatches": self.mismatches,
@@ -183,7 +241,8 @@ def follow(learner, unit: Unit) -> int:
         if op == STOP:
             break
         if op == STEP:
-            learner.train_step()
+            res = learner.train_step()
+            unit.after_step(learner, res.due)
             steps += 1
     logger.info("rank %d stops after %d steps", unit.rank, steps)
     return 0
@@ -219,7 +278,7 @@ def run_rank(cfg, unit: Unit) -> int:
         torch.set_num_threads(s.threads)
     task = load_task(None, cfg.task_config())
     learner = Learner(
-        f"rank{unit.rank}", task, cfg.protocol, cfg.inner, s.steps, seed=0, device=unit.device()
+        f"rank{unit.rank}", task, cfg.protocol, cfg.inner, s.steps, seed=0, device=unit.model_device()
     )
     unit.init()
     try:

@@ -36,6 +36,9 @@ _DOMAIN = "ddiloco/merge/v1"
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # the codecs' parts and snapshots
 
 
+MAX_WIRE_DIMS = 16  # dimensions of one tensor in a message
+
+
 def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         tensors = st_load(raw)
@@ -45,11 +48,17 @@ def _meta(raw: bytes) -> tuple[dict[str, torch.Tensor], dict]:
         raise ProtocolError(
             RejectCode.MALFORMED, f"not a safetensors message: {type(e).__name__}: {str(e)[:200]}"
         ) from e
-    # Before anything hashes them: tensors_hash cannot view float8/float4 tensors (numpy has no such dtype).
+    # Before anything hashes them: tensors_hash cannot view float8/float4 tensors (numpy has no such dtype)
+    # nor tensors of more than 64 dimensions (numpy's limit); no tensor of ours has more than a few.
     for k, t in tensors.items():
         if t.dtype not in _WIRE_DTYPES:
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE, f"tensor {k[:80]!r} has dtype {t.dtype}, not a wire dtype"
+            )
+        if t.dim() > MAX_WIRE_DIMS:
+            raise ProtocolError(
+                RejectCode.WRONG_SHAPE,
+                f"tensor {k[:80]!r} has {t.dim()} dimensions, more than the {MAX_WIRE_DIMS} a message may hold",
             )
     return tensors, meta
 

@@ -13,6 +13,22 @@ from node.task import TaskConfig, load_task
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Generated text is made once per test session, in a folder of the session's (node processes inherit it),
+# rather than read from or left in the user's cache.
+_OWN_CACHE = None
+if "DDILOCO_CACHE" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = os.environ["DDILOCO_CACHE"] = tempfile.mkdtemp(prefix="ddiloco-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
 TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from node.chaos import ChaosConfig, ChaosRun
-from node.chaos_cli import render
+from node.chaos_cli import compare, render, render_comparison
 from node.chaos_plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
 from node.chaos_report import Outage, chaos_goodput, longest_gap, stalls
 from protocol.errors import ConfigError
@@ -93,6 +93,26 @@ def test_stalls_are_read_from_merges_anywhere():
 
 # ------------------------------------------------------------------------------------------ real nodes
 @pytest.mark.timeout(300)
+def test_the_baseline_comparison_divides_goodput_and_tokens_of_one_plan():
+    def rep(g, tokens, loss, notes):
+        faults = [{"note": n} for n in notes]
+        return {
+            "goodput": {"goodput": g},
+            "tokens_trained": tokens,
+            "eval_loss_final": loss,
+            "faults": faults,
+        }
+
+    ours = rep(0.8, 3000, 0.6, ["", "", "skipped: 2 running, min_alive 2"])
+    base = rep(0.5, 2000, 0.7, ["", "", ""])
+    c = compare(ours, base, "sync-diloco")
+    assert c["goodput_ratio"] == pytest.approx(1.6) and c["tokens_ratio"] == pytest.approx(1.5)
+    assert c["decoupled"]["faults_applied"] == 2 and c["sync-diloco"]["faults_applied"] == 3
+    line = render_comparison(c)
+    assert "80.0% vs 50.0% (1.60x)" in line and "0.600 vs 0.700" in line
+    assert compare(ours, rep(None, 0, None, []), "sync-diloco")["goodput_ratio"] is None
+
+
 def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_path):
     plan = [
         Fault(at_s=5.0, kind="kill_sync", node=1, fragment=0, hold_s=12.0),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,26 +19,20 @@ import torch.multiprocessing as mp
 from tests.swarm_util import Swarm, wait_until
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from node.learner import InnerConfig, Learner
     from node.task import load_task
     from node.unit import PAUSE, STATE, STEP, STOP, Unit
     from protocol.config import ProtocolConfig
     from tests.conftest import tiny_task_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    unit = Unit(rank=rank, world=2, local_rank=rank, timeout_s=60)
+    # a file rendezvous: no TCP port picked in advance that another process could take first
+    unit = Unit(rank=rank, world=2, local_rank=rank, timeout_s=60, init_method=f"file://{init_file}")
     unit.init()
     task = load_task(None, tiny_task_config())
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
-    # different seeds: without the STATE exchange the ranks would start from different weights
+    # different seeds: each rank draws its own batches, so only the exchange keeps the ranks identical
     lrn = Learner(f"r{rank}", task, pcfg, InnerConfig(), 100, seed=10 + rank)
     lrn.attach_unit(unit)
     log = {}
@@ -74,7 +67,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_unit_exchange_keeps_ranks_identical_and_repairs_a_rank_that_drifts(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["after_steps"] == 0 and r0["after_adopt"] == 0

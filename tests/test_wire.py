@@ -159,3 +159,21 @@ def test_garbage_never_decodes_silently(raw):
 @given(st.lists(st.binary(max_size=50), max_size=10))
 def test_list_frames_round_trip(items):
     assert unpack_list(pack_list(items)) == items
+
+
+@pytest.mark.parametrize("dims", [17, 65])
+def test_a_tensor_of_too_many_dimensions_is_refused_before_it_is_hashed(dims):
+    """Found by tests/test_fuzz.py: a mutated record with a 65-dimension tensor crashed the hashing."""
+    import json
+    import struct
+
+    header = json.dumps(
+        {
+            "__metadata__": {"record": "{}", "signer": "x", "sig": ""},
+            "w": {"dtype": "F32", "shape": [1] * dims, "data_offsets": [0, 4]},
+        }  # fmt: skip
+    ).encode()
+    raw = struct.pack("<Q", len(header)) + header + b"\0\0\0\0"
+    with pytest.raises(ProtocolError) as e:
+        decode_record(raw, "s", SPEC)
+    assert e.value.code is RejectCode.WRONG_SHAPE and f"{dims} dimensions" in str(e.value)
