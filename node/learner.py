@@ -99,6 +99,9 @@ class Learner:
         self._new_optimizer()
         # The global fragment last received, per fragment: contributions are measured against it.
         self.base = [self._fragment_fp32(f.index) for f in self.plan.fragments]
+        # Sharded + carry: per adopted fragment, the global change the unit must still add to every slice
+        # (None: the fragment was overwritten, the unit writes the base).
+        self.shift: dict[int, dict[str, torch.Tensor] | None] = {}
         self.last_loss = float("nan")
 
     def attach_unit(self, unit) -> None:
@@ -181,17 +184,36 @@ class Learner:
             out.append((s.tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
         return out
 
-    def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> bool:
-        """Adopt merged global fragment p of ``round_``; False if it is older than what we hold."""
-        if not self.book.on_receive(p, round_):
+    def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor], mine: bool = True) -> bool:
+        """Adopt merged global fragment p of ``round_``; False if it is older than what we hold.
+
+        ``mine``: the round merged this learner's contribution. With ``carry`` on, a round that left it out
+        moves the learner's copy by the global change instead (theta += Theta_new - base), so what it trained
+        since its last merged contribution stays and goes out with its next one."""
+        keep = self.pcfg.carry and not mine
+        if not self.book.on_receive(p, round_, keep=keep):
             return False
         # A sharded learner holds a slice of each tensor: its unit writes every rank's slice in its next
-        # exchange, from the base set here (so of two rounds adopted between steps, only the newer is mixed).
-        if not self.sharded:
+        # exchange, from the base set here (so of two rounds adopted between steps, only the newer is mixed)
+        # and, when carrying, the summed global change kept in ``shift``.
+        if self.sharded:
+            if not keep:
+                self.shift[p] = None  # overwritten: the unit writes the base, whatever is carried after
+            elif self.shift.get(p, {}) is not None:
+                moved = self.shift.setdefault(p, {})
+                for n, g in theta.items():
+                    moved[n] = moved.get(n, 0) + (g.detach().to("cpu", torch.float32) - self.base[p][n])
+        else:
             self.snaps.fence()
             with torch.no_grad():
                 for n, g in theta.items():
-                    self.params[n].copy_(adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha))
+                    if keep:
+                        change = g.detach().to("cpu", torch.float32) - self.base[p][n]
+                        self.params[n].add_(change.to(self.device, self.params[n].dtype))
+                    else:
+                        self.params[n].copy_(
+                            adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha)
+                        )
         self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
         return True
 

@@ -30,7 +30,7 @@ class LearnerLoop(threading.Thread):
     def __init__(self, node, learner: Learner) -> None:
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
-        self.inbox: deque = deque()  # (fragment, round, theta, force)
+        self.inbox: deque = deque()  # (fragment, round, theta, force, mine)
         self.requests: deque = deque()  # (kind, concurrent Future)
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
@@ -51,9 +51,10 @@ class LearnerLoop(threading.Thread):
         self._next_eval = 0.0
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
 
-    def deliver(self, p: int, round_: int, theta, force: bool) -> None:
-        """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread)."""
-        self.inbox.append((p, round_, theta, force))
+    def deliver(self, p: int, round_: int, theta, force: bool, mine: bool = True) -> None:
+        """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread);
+        ``mine``: the round merged this learner's contribution."""
+        self.inbox.append((p, round_, theta, force, mine))
         self.arrived.set()
 
     def _must_wait(self) -> bool:
@@ -147,18 +148,23 @@ class LearnerLoop(threading.Thread):
         lrn = self.learner
         adopted = []
         while self.inbox:
-            p, round_, theta, force = self.inbox.popleft()
+            p, round_, theta, force, mine = self.inbox.popleft()
             if force:
                 lrn.resync(p, round_, theta)
-                self.node.events.emit(
-                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_, resync=True
-                )
-                adopted.append(p)
-            elif lrn.adopt(p, round_, theta):
-                self.node.events.emit(
-                    "adopt", t=time.time(), learner=self.node.peer_id, fragment=p, round=round_
-                )
-                adopted.append(p)
+            elif not lrn.adopt(p, round_, theta, mine):
+                continue
+            kept = lrn.pcfg.carry and not mine and not force
+            self.node.events.emit(
+                "adopt",
+                t=time.time(),
+                learner=self.node.peer_id,
+                fragment=p,
+                round=round_,
+                step=lrn.steps,
+                kept=kept,
+                **({"resync": True} if force else {}),
+            )
+            adopted.append(p)
         asks = []
         while self.requests:
             kind, fut = self.requests.popleft()

@@ -194,7 +194,8 @@ class Replication:
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
         if self.learner_loop.is_alive():
-            self.learner_loop.deliver(p, rec.round, rep.theta, False)
+            mine = any(c[0] == self.peer_id for c in rec.contributors)
+            self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
@@ -232,7 +233,7 @@ class Replication:
         rep = self.replicas[p]
         t0 = self.loop.time()
         try:
-            rec = rep.make_record(a.round, a.contributions, self.pcfg)
+            rec = rep.make_record(a.round, a.contributions, self.pcfg, live=len(self.syncs[p].live))
         except ProtocolError as e:  # the replica moved under us (a record from elsewhere): start over
             logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, e)
             self._reset_sync(p)

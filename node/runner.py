@@ -160,7 +160,7 @@ class _LearnerSlot:
         # Fragments whose rounds count on this learner. A learner that rejoins is waited for on fragment p
         # only from its first contribution of p: rounds already under way must not stall for it.
         self.members_of: set[int] = set()
-        self.inbox: list[tuple[int, int, dict]] = []
+        self.inbox: list[tuple[int, int, dict, bool]] = []  # (fragment, round, theta, mine)
 
 
 class VirtualSwarm:
@@ -297,9 +297,12 @@ class VirtualSwarm:
         lrn = s.learner
         if s.down or s.blocked_since is not None:
             return
-        for p, round_, theta in s.inbox:
-            if lrn.adopt(p, round_, theta):
-                self.events.emit("adopt", t=now, learner=lrn.name, fragment=p, round=round_)
+        for p, round_, theta, mine in s.inbox:
+            if lrn.adopt(p, round_, theta, mine):
+                kept = self.cfg.carry and not mine
+                self.events.emit(
+                    "adopt", t=now, learner=lrn.name, fragment=p, round=round_, step=lrn.steps, kept=kept
+                )
         s.inbox.clear()
         if any(lrn.book.step >= deadline for _, deadline in s.awaiting.values()):
             s.blocked_since = now
@@ -369,7 +372,7 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep = self.replicas[p]
-        rec = rep.make_record(a.round, a.contributions, self.cfg)
+        rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(self.syncs[p].live))
         rep.apply_record(rec, self.cfg)
         self.merges += 1
         cids = [c.cid for c in a.contributions]
@@ -387,7 +390,8 @@ class VirtualSwarm:
         arrive = now + self.run_cfg.net.merge_s + self.run_cfg.net.transfer_s(nbytes)
         for m, s in enumerate(self.slots):
             if not s.down:
-                self._push(arrive, "arrive", (m, p, a.round, rep.theta, frozenset(cids)))
+                mine = any(c.learner == s.learner.name for c in a.contributions)
+                self._push(arrive, "arrive", (m, p, a.round, rep.theta, frozenset(cids), mine))
         self._push(arrive, "merged", (p, arrive - now))
 
     def _on_merged(self, now: float, payload) -> None:
@@ -395,11 +399,11 @@ class VirtualSwarm:
         self._decide(p, on_merged(self.cfg, self.syncs[p], now, sync_s), now)
 
     def _on_arrive(self, now: float, payload) -> None:
-        m, p, round_, theta, cids = payload
+        m, p, round_, theta, cids, mine = payload
         s = self.slots[m]
         if s.down:
             return
-        s.inbox.append((p, round_, theta))
+        s.inbox.append((p, round_, theta, mine))
         if p in s.awaiting and s.awaiting[p][0] in cids:
             del s.awaiting[p]
         self._maybe_unblock(m, now)

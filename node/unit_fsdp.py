@@ -153,15 +153,20 @@ class ShardedUnit(Unit):
         if not frags:
             return
         alpha = learner.pcfg.alpha
-        old = {p: learner.fragment_params(p) for p in frags} if alpha != 0.0 else {}  # every rank joins
+        mixed = alpha != 0.0 or learner.pcfg.carry  # the new values depend on the old: every rank gathers
+        old = {p: learner.fragment_params(p) for p in frags} if mixed else {}
         if self.lead:
             for p in frags:
                 if p in fresh or p not in self._expected:  # else a repair: the values already sent
                     theta = learner.base[p]
+                    moved = learner.shift.pop(p, None)  # carried: keep this rank's progress, add the change
+                    dtype = {n: learner.params[n].dtype for n in theta}
                     self._expected[p] = {
-                        n: adopt(old[p][n].cpu(), theta[n], alpha)
+                        n: (old[p][n].cpu().float() + moved[n]).to(dtype[n])
+                        if moved
+                        else adopt(old[p][n].cpu(), theta[n], alpha)
                         if alpha != 0.0
-                        else theta[n].to(learner.params[n].dtype)
+                        else theta[n].to(dtype[n])
                         for n in learner.plan.fragments[p].names
                     }
         learner.snaps.fence()

@@ -28,6 +28,14 @@ class ProtocolConfig:
     outer_lr: float = field(default=0.7, metadata={"help": "outer SGD learning rate"})
     outer_momentum: float = field(default=0.9, metadata={"help": "outer SGD Nesterov momentum"})
     alpha: float = field(default=0.0, metadata={"help": "adoption mix: theta <- a*theta + (1-a)*Theta"})
+    carry: bool = field(
+        default=False,
+        metadata={
+            "help": "a learner left out of a merged round keeps its unmerged progress (rebased onto the new "
+            "global) instead of overwriting it, and a round's outer gradient is scaled by the share of the "
+            "live learners' expected steps it holds (at most 1)"
+        },
+    )
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
     codec: str = field(default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4"})
     codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})

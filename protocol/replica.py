@@ -41,6 +41,20 @@ def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
 
 
+def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
+    """The share of one full round that these contributions hold, at most 1.
+
+    A full round is every live learner's work since its last merged contribution, about H - tau steps
+    each. When learners are out of phase (``carry``), fragment p is merged several times per H steps, each
+    time with a few learners' work; scaling each such round by its share keeps the global's movement per H
+    steps what one round of every learner would give, instead of one full outer step per contributor."""
+    if live <= 0:
+        return 1.0
+    steps = sum(c.c_steps for c in contributions)
+    full = live * max(1, cfg.sync_every - cfg.overlap)
+    return min(1.0, steps / full)
+
+
 class NormBook:
     """Each learner's recent outer-gradient size, as RMS per parameter over whatever fragments it sent.
 
@@ -154,8 +168,10 @@ class FragmentReplica:
             )
 
     def make_record(
-        self, round_: int, contributions: Sequence[Contribution], cfg: ProtocolConfig
+        self, round_: int, contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int = 0
     ) -> MergeRecord:
+        """Merge ``contributions`` into round ``round_`` (DESIGN §1 steps 3-6). With ``cfg.carry`` and
+        ``live`` learners known, the merged outer gradient is scaled by ``round_share``."""
         if round_ != self.round + 1:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
@@ -171,6 +187,9 @@ class FragmentReplica:
             self.norms.add(c.learner, n / math.sqrt(max(1, self.numel)))
         method = "mean" if self.is_embedding else cfg.merge
         grad = merge_deltas(deltas, weights, method)
+        share = round_share(contributions, cfg, live) if cfg.carry else 1.0
+        if share < 1.0:
+            grad = {k: t * share for k, t in grad.items()}
         wire = None
         if cfg.record_codec != "fp32":
             # Quantise once here; every replica, this one included, steps with the decoded values, so the
