@@ -89,7 +89,7 @@ def goodput_records(
                 out.append(
                     {"kind": "merge", "fragment": r["fragment"], "round": r["round"], "cids": r["cids"]}
                 )
-            elif kind == "contribute":
+            elif kind == "contribute" or (kind == "adopt" and "step" in r):
                 seg = bisect.bisect_left(kills, r["t"])
                 out.append({**r, "step": seg * SEGMENT + r["step"]})
             elif kind == "step":
@@ -110,6 +110,8 @@ def goodput_records(
                     out.append(
                         {"kind": "contribute", "learner": learner, "fragment": p, "step": step, "cid": cid}
                     )
+                    # and nothing of this life carries over to the next one
+                    out.append({"kind": "adopt", "learner": learner, "fragment": p, "step": step, "kept": False})
     return out
 
 

@@ -9,10 +9,15 @@ Records are dicts (one JSON line each). The ones read here:
   merge      {fragment, round, cids: [...]}
   down / up  {learner, t}        block {learner, t0, t1}
 
-A step's work on fragment p reaches the global model through the learner's next contribution of p at or
-after that step; the step counts as useful for p's share of parameters if that contribution was merged.
-Steps whose next contribution had not been sent when the run ended are pending: they are left out of both
-sides of the ratio rather than guessed.
+  adopt      {learner, fragment, step, kept}   (optional; older records without ``step`` are ignored)
+
+A step's work on fragment p reaches the global model through the learner's contributions of p at or
+after that step, up to the first adoption of p that overwrites the learner's copy (an adopt record with
+``kept`` false, at or after the step: whatever the learner had not contributed by then is gone). The step
+counts as useful for p's share of parameters if one of those contributions was merged, and as dropped
+if none was (sent and left out, or overwritten before it was sent). Steps with neither a contribution nor
+an overwrite after them when the run ended are pending: they are left out of both sides of the ratio
+rather than guessed.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         list
     )  # (learner, p) -> [(step, cid)]
     merged: set[str] = set()
+    overwrites: dict[tuple[str, int], list[int]] = defaultdict(list)  # (learner, p) -> [step]
     down_s = blocked_s = 0.0
     down_at: dict[str, float] = {}
     for r in records:
@@ -57,6 +63,8 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             contribs[(r["learner"], r["fragment"])].append((r["step"], r["cid"]))
         elif kind == "merge":
             merged.update(r["cids"])
+        elif kind == "adopt" and "step" in r and not r.get("kept", False):
+            overwrites[(r["learner"], r["fragment"])].append(r["step"])
         elif kind == "down":
             down_at[r["learner"]] = r["t"]
         elif kind == "up" and r["learner"] in down_at:
@@ -74,14 +82,20 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         for p, share in enumerate(shares):
             cl = sorted(contribs.get((learner, p), []))
             keys = [s for s, _ in cl]
+            reached = [0]  # reached[i]: how many of the contributions cl[:i] were merged
+            for _, cid in cl:
+                reached.append(reached[-1] + (cid in merged))
+            ow = sorted(overwrites.get((learner, p), []))
             for step, dur in lst:
-                i = bisect.bisect_left(keys, step)
-                if i == len(keys):
-                    pending += dur * share
-                elif cl[i][1] in merged:
+                i = bisect.bisect_left(keys, step)  # first contribution at or after the step
+                k = bisect.bisect_left(ow, step)  # first overwrite at or after it
+                j = bisect.bisect_right(keys, ow[k]) if k < len(ow) else len(keys)  # contributions before it
+                if j > i and reached[j] > reached[i]:
                     useful += dur * share
-                else:
+                elif j > i or k < len(ow):
                     dropped += dur * share
+                else:
+                    pending += dur * share
         n_steps += len(lst)
     allocated = (run["t1"] - run["t0"]) * len(run["learners"]) - pending
     return Goodput(

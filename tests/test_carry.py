@@ -1,0 +1,95 @@
+"""``ProtocolConfig.carry``: a learner left out of a merged round keeps its unmerged progress, and a round
+holding part of the swarm's work moves the global by its share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.learner import InnerConfig, Learner
+from protocol.config import ProtocolConfig
+from protocol.goodput import compute_goodput
+from protocol.replica import FragmentReplica, round_share
+from protocol.synchroniser import Contribution
+
+
+def _learner(tiny_task, carry: bool) -> Learner:
+    torch.manual_seed(0)
+    pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1, carry=carry)
+    return Learner("a", tiny_task, pcfg, InnerConfig(), 100, seed=3)
+
+
+def _global_after(lrn: Learner, p: int, shift: float) -> dict[str, torch.Tensor]:
+    return {n: t + shift for n, t in lrn.base[p].items()}
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_a_round_without_this_learner_keeps_its_progress_only_with_carry(tiny_task, carry):
+    lrn = _learner(tiny_task, carry)
+    for _ in range(3):
+        lrn.train_step()
+    before = lrn.outer_gradient(0)  # base - theta: what this learner has not contributed yet
+    counters = (lrn.book.counters[0].c_steps, lrn.book.counters[0].c_tokens)
+    theta = _global_after(lrn, 0, 0.01)  # another learner's round moved the global fragment
+    assert lrn.adopt(0, 1, theta, mine=False)
+    after = lrn.outer_gradient(0)
+    assert lrn.book.counters[0].base_round == 1
+    if carry:  # the same progress, now measured from the new global; the counters still count it
+        for n in before:
+            torch.testing.assert_close(after[n], before[n], atol=1e-6, rtol=0)
+        assert (lrn.book.counters[0].c_steps, lrn.book.counters[0].c_tokens) == counters
+    else:  # overwritten: nothing left to contribute
+        assert all(float(t.abs().max()) == 0.0 for t in after.values())
+        assert lrn.book.counters[0].c_steps == 0
+    # the other fragment is untouched either way
+    assert lrn.book.counters[1].c_steps == 3
+
+
+def test_a_round_with_this_learner_overwrites_even_with_carry(tiny_task):
+    lrn = _learner(tiny_task, carry=True)
+    for _ in range(3):
+        lrn.train_step()
+    theta = _global_after(lrn, 0, 0.01)
+    assert lrn.adopt(0, 1, theta, mine=True)
+    for n, t in theta.items():
+        assert torch.equal(lrn.params[n].detach(), t)
+    assert lrn.book.counters[0].c_steps == 0
+    assert not lrn.adopt(0, 1, theta, mine=False)  # an old round changes nothing
+
+
+def _contribution(learner: str, steps: int, value: float) -> Contribution:
+    delta = {"w": torch.full((4, 4), value)}
+    return Contribution(learner, 0, 0, steps, steps * 10, 0.1, delta, cid=f"{learner}{steps}")
+
+
+def test_round_share_scales_a_partial_round_and_caps_at_one():
+    cfg = ProtocolConfig(sync_every=8, overlap=2, carry=True)
+    one = [_contribution("a", 6, 0.1)]
+    assert round_share(one, cfg, live=4) == pytest.approx(0.25)
+    assert round_share(one * 4, cfg, live=4) == 1.0
+    assert round_share([_contribution("a", 30, 0.1)], cfg, live=4) == 1.0
+    assert round_share(one, cfg, live=0) == 1.0  # no membership known: a plain round
+
+    def grad(carry: bool) -> torch.Tensor:
+        c = ProtocolConfig(sync_every=8, overlap=2, carry=carry, record_codec="fp32", clip_factor=0)
+        rep = FragmentReplica(0, {"w": torch.zeros(4, 4)}, is_embedding=False)
+        return rep.make_record(1, one, c, live=4).grad["w"]
+
+    torch.testing.assert_close(grad(True), grad(False) * 0.25)
+
+
+def test_goodput_counts_carried_work_once_a_later_contribution_merges():
+    recs = [{"kind": "run", "t0": 0.0, "t1": 12.0, "learners": ["a"], "shares": [1.0]}]
+    recs += [{"kind": "step", "learner": "a", "step": s, "t0": s - 1.0, "t1": float(s)} for s in range(1, 13)]
+    recs += [
+        {"kind": "contribute", "learner": "a", "fragment": 0, "step": 4, "cid": "a4"},  # left out
+        {"kind": "adopt", "learner": "a", "fragment": 0, "step": 5, "kept": True},  # carried past a round
+        {"kind": "contribute", "learner": "a", "fragment": 0, "step": 8, "cid": "a8"},  # merged: 1-8 useful
+        {"kind": "adopt", "learner": "a", "fragment": 0, "step": 8, "kept": False},  # its own round
+        {"kind": "adopt", "learner": "a", "fragment": 0, "step": 10, "kept": False},  # overwrites 9-10
+        {"kind": "merge", "fragment": 0, "round": 2, "cids": ["a8"]},
+    ]
+    g = compute_goodput(recs)
+    assert g.useful_s == pytest.approx(8.0)
+    assert g.dropped_s == pytest.approx(2.0)  # steps 9 and 10, overwritten before they were sent
+    assert g.pending_s == pytest.approx(2.0)  # steps 11 and 12
