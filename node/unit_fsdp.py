@@ -154,7 +154,8 @@ class ShardedUnit(Unit):
             return
         alpha = learner.pcfg.alpha
         mixed = alpha != 0.0 or learner.pcfg.carry  # the new values depend on the old: every rank gathers
-        old = {p: learner.fragment_params(p) for p in frags} if mixed else {}
+        with torch.no_grad():
+            old = {p: learner.fragment_params(p) for p in frags} if mixed else {}
         if self.lead:
             for p in frags:
                 if p in fresh or p not in self._expected:  # else a repair: the values already sent

@@ -8,6 +8,7 @@ is ``--nproc 2 --shard``. The last tests check the clear errors for what cannot 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -105,6 +106,19 @@ def _train(rank: int, init_file: str, out_dir: str) -> None:
     log["adopted"] = _hex(theta1[n] for n in names1)
     log["after_adopt"] = _hex(_whole(lrn)[n] for n in names1)
     log["mismatches_adopt"] = unit.mismatches
+    # with carry, a round that left this learner out moves every slice by the global change, keeping
+    # the unit's own progress (what it trained since the last merged contribution)
+    lrn.pcfg = dataclasses.replace(lrn.pcfg, carry=True)  # every rank: the unit gathers the old values
+    _step(unit, lrn)
+    lrn.ready_contributions()
+    before = {n: t.float() for n, t in _whole(lrn).items() if n in names1}
+    if unit.lead:
+        assert lrn.adopt(1, 6, {n: lrn.base[1][n] + 0.25 for n in names1}, mine=False)
+    unit.exchange(lrn, PAUSE, adopted=[1])
+    after = _whole(lrn)
+    log["carried"] = all(torch.allclose(after[n].float(), before[n] + 0.25, atol=1e-5) for n in names1)
+    log["mismatches_carry"] = unit.mismatches
+    lrn.pcfg = dataclasses.replace(lrn.pcfg, carry=False)
     # rank 1's slice of the next adopted fragment goes wrong after it was written: found, then repaired
     names0 = lrn.plan.fragments[0].names
     theta0 = {n: torch.randn(lrn.params[n].shape, generator=g) for n in names0}
@@ -119,7 +133,7 @@ def _train(rank: int, init_file: str, out_dir: str) -> None:
 
         unit._digest = drifted
     if unit.lead:
-        assert lrn.adopt(0, 6, theta0)
+        assert lrn.adopt(0, 7, theta0)
     unit.exchange(lrn, PAUSE, adopted=[0])
     log["mismatches_drift"] = unit.mismatches
     unit.exchange(lrn, PAUSE)  # carries the repair, checked again
@@ -197,17 +211,18 @@ def test_sharded_exchange_contributes_adopts_repairs_and_round_trips_its_state(t
     # adoption: the gathered fragment is the adopted values on every rank
     assert t0["after_adopt"] == t1["after_adopt"] == t0["adopted"]
     assert t0["mismatches_adopt"] == 0
+    assert t0["carried"] and t1["carried"] and t0["mismatches_carry"] == 0
     # a wrong slice on rank 1 is found once, and the repair holds
     assert t0["mismatches_drift"] == 1 and t0["mismatches_repair"] == 1
     assert t0["after_repair"] == t1["after_repair"] == t0["adopted0"]
-    assert t0["checks"] == 4  # STATE, the adoption, the drift, the repair
+    assert t0["checks"] == 5  # STATE, the adoption, the carried one, the drift, the repair
     assert t0["whole_at_save"] == t1["whole_at_save"] and t0["unsharded"]
-    assert t0["opt_keys"] > 0 and t0["steps"] == t1["steps"] == 4
+    assert t0["opt_keys"] > 0 and t0["steps"] == t1["steps"] == 5
     # restore into a fresh unit: same parameters, optimizer state, base and step
     r0, r1 = (json.loads((tmp_path / f"restore{r}.json").read_text()) for r in (0, 1))
     assert r0["whole"] == r1["whole"] == t0["whole_at_save"]
-    assert r0["same_keys"] and r0["equal"] == [] and r0["meta_steps"] == 4
-    assert r0["steps"] == r1["steps"] == 4 and r0["mismatches"] == 0
+    assert r0["same_keys"] and r0["equal"] == [] and r0["meta_steps"] == 5
+    assert r0["steps"] == r1["steps"] == 5 and r0["mismatches"] == 0
 
 
 # ------------------------------------------------------------------------------------------- the swarm
