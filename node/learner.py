@@ -102,6 +102,9 @@ class Learner:
         # Sharded + carry: per adopted fragment, the global change the unit must still add to every slice
         # (None: the fragment was overwritten, the unit writes the base).
         self.shift: dict[int, dict[str, torch.Tensor] | None] = {}
+        # Carry: per fragment, the parameters of its latest contribution and the counters it held.
+        self.sent: dict[int, tuple[dict[str, torch.Tensor], int, int]] = {}
+        self.kept = False  # the last adoption kept the learner's unmerged progress (carry)
         self.last_loss = float("nan")
 
     def attach_unit(self, unit) -> None:
@@ -160,7 +163,14 @@ class Learner:
         return {n: (base[n] - full[n].to("cpu", torch.float32)) for n in base}
 
     def contribution(self, p: int) -> dict[str, Encoded]:
-        return encode_tensors(self.outer_gradient(p), self.pcfg.codec, self.pcfg.codec_block)
+        delta = self.outer_gradient(p)
+        c = self.book.counters[p]
+        self._remember(p, {n: self.base[p][n] - d for n, d in delta.items()}, c.c_steps, c.c_tokens)
+        return encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)
+
+    def _remember(self, p: int, theta: dict[str, torch.Tensor], c_steps: int, c_tokens: int) -> None:
+        if self.pcfg.carry:
+            self.sent[p] = (theta, c_steps, c_tokens)
 
     def fragment_params(self, p: int) -> dict[str, torch.Tensor]:
         """Fragment p's whole parameters on the learner's device: the live parameters themselves, or, when
@@ -174,41 +184,53 @@ class Learner:
     def snapshot(self, p: int, tag: object = None) -> None:
         """Start taking fragment p's contribution as of now; ``ready_contributions`` hands it out once its
         copy to the host is done (at once on the CPU). The base it is measured against is the one held now."""
-        self.snaps.take(p, self.fragment_params(p), self.base[p], tag, live=not self.sharded)
+        c = self.book.counters[p]
+        self.snaps.take(p, self.fragment_params(p), self.base[p], (tag, c.c_steps, c.c_tokens), live=not self.sharded)
 
     def ready_contributions(self, wait: bool = False) -> list[tuple[object, int, dict[str, Encoded]]]:
         """(tag, fragment, encoded base - theta) of every snapshot whose copy is done, oldest first."""
         out = []
         for s in self.snaps.collect(wait):
-            delta = {n: s.base[n] - s.host[n].to(torch.float32) for n in s.base}
-            out.append((s.tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
+            tag, c_steps, c_tokens = s.tag
+            theta = {n: s.host[n].to(torch.float32) for n in s.base}
+            self._remember(s.fragment, theta, c_steps, c_tokens)
+            delta = {n: s.base[n] - theta[n] for n in s.base}
+            out.append((tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
         return out
 
     def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor], mine: bool = True) -> bool:
         """Adopt merged global fragment p of ``round_``; False if it is older than what we hold.
 
-        ``mine``: the round merged this learner's contribution. With ``carry`` on, a round that left it out
-        moves the learner's copy by the global change instead (theta += Theta_new - base), so what it trained
-        since its last merged contribution stays and goes out with its next one."""
-        keep = self.pcfg.carry and not mine
-        if not self.book.on_receive(p, round_, keep=keep):
+        ``mine``: the round merged this learner's contribution. With ``carry`` on, the learner keeps what
+        the global does not hold yet: after a round that left it out, theta += Theta_new - base (all its
+        progress since its last merged contribution stays); after its own round, theta += Theta_new -
+        theta_sent (the steps trained since that contribution stay). Without ``carry``, or when what it
+        sent is unknown, the global overwrites (alpha = 0) or mixes in."""
+        sent = self.sent.get(p) if mine and self.pcfg.carry else None
+        keep = self.pcfg.carry and (not mine or sent is not None)
+        spent = (sent[1], sent[2]) if sent is not None else (0, 0)
+        if not self.book.on_receive(p, round_, keep=keep, spent=spent):
             return False
+        self.kept = keep
+        if mine:
+            self.sent.pop(p, None)
+        ref = sent[0] if sent is not None else self.base[p]
         # A sharded learner holds a slice of each tensor: its unit writes every rank's slice in its next
         # exchange, from the base set here (so of two rounds adopted between steps, only the newer is mixed)
-        # and, when carrying, the summed global change kept in ``shift``.
+        # or, when carrying, by adding the summed change kept in ``shift``.
         if self.sharded:
             if not keep:
                 self.shift[p] = None  # overwritten: the unit writes the base, whatever is carried after
             elif self.shift.get(p, {}) is not None:
                 moved = self.shift.setdefault(p, {})
                 for n, g in theta.items():
-                    moved[n] = moved.get(n, 0) + (g.detach().to("cpu", torch.float32) - self.base[p][n])
+                    moved[n] = moved.get(n, 0) + (g.detach().to("cpu", torch.float32) - ref[n])
         else:
             self.snaps.fence()
             with torch.no_grad():
                 for n, g in theta.items():
                     if keep:
-                        change = g.detach().to("cpu", torch.float32) - self.base[p][n]
+                        change = g.detach().to("cpu", torch.float32) - ref[n]
                         self.params[n].add_(change.to(self.device, self.params[n].dtype))
                     else:
                         self.params[n].copy_(
@@ -225,6 +247,7 @@ class Learner:
         """
         self._whole("join the swarm")
         self.book = LearnerBook(self.plan, step=schedule_step)
+        self.sent.clear()
         self.snaps.fence()
         with torch.no_grad():
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
@@ -237,6 +260,7 @@ class Learner:
     def resync(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> None:
         """Take global fragment p of ``round_`` whatever round we hold (the swarm settled on another chain)."""
         self.book.counters[p].base_round = round_ - 1
+        self.sent.pop(p, None)  # overwrite: what was sent was measured on the other chain
         self.adopt(p, round_, theta)
 
     def _whole(self, what: str) -> None:

@@ -153,7 +153,7 @@ class LearnerLoop(threading.Thread):
                 lrn.resync(p, round_, theta)
             elif not lrn.adopt(p, round_, theta, mine):
                 continue
-            kept = lrn.pcfg.carry and not mine and not force
+            kept = lrn.kept and not force
             self.node.events.emit(
                 "adopt",
                 t=time.time(),

@@ -129,10 +129,14 @@ def run_system(
 
 def system_protocol(system: str, pcfg: ProtocolConfig, learners: int) -> tuple[ProtocolConfig, bool]:
     """The protocol settings and blocking mode that make ``system`` out of the one core."""
+    # The baselines as published: every learner in every round, each adopting what it waited for.
     if system == "streaming":
-        return replace(pcfg, quorum=learners, grace=False, merge="mean"), True
+        return replace(pcfg, quorum=learners, grace=False, merge="mean", carry=False), True
     if system == "sync-diloco":
-        return replace(pcfg, fragments=1, overlap=0, quorum=learners, grace=False, merge="mean"), True
+        return (
+            replace(pcfg, fragments=1, overlap=0, quorum=learners, grace=False, merge="mean", carry=False),
+            True,
+        )
     return pcfg, False
 
 
@@ -299,9 +303,8 @@ class VirtualSwarm:
             return
         for p, round_, theta, mine in s.inbox:
             if lrn.adopt(p, round_, theta, mine):
-                kept = self.cfg.carry and not mine
                 self.events.emit(
-                    "adopt", t=now, learner=lrn.name, fragment=p, round=round_, step=lrn.steps, kept=kept
+                    "adopt", t=now, learner=lrn.name, fragment=p, round=round_, step=lrn.steps, kept=lrn.kept
                 )
         s.inbox.clear()
         if any(lrn.book.step >= deadline for _, deadline in s.awaiting.values()):

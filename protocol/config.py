@@ -29,7 +29,7 @@ class ProtocolConfig:
     outer_momentum: float = field(default=0.9, metadata={"help": "outer SGD Nesterov momentum"})
     alpha: float = field(default=0.0, metadata={"help": "adoption mix: theta <- a*theta + (1-a)*Theta"})
     carry: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "a learner left out of a merged round keeps its unmerged progress (rebased onto the new "
             "global) instead of overwriting it, and a round's outer gradient is scaled by the share of the "

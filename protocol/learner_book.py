@@ -2,8 +2,8 @@
 
 Counters count since the learner last *received* fragment p: ``c_steps`` inner steps and ``c_tokens``
 tokens. The learner contributes fragment p when the schedule says it is due, and keeps counting; when a
-merged fragment arrives, it adopts it and the counters for p restart from zero (with ``carry``, only when
-the round merged this learner's contribution: otherwise its progress is kept and still unmerged). ``base_round`` is the global
+merged fragment arrives, it adopts it and the counters for p restart from zero (with ``carry`` they keep
+what the learner trained that the round did not merge). ``base_round`` is the global
 round of the fragment the learner last received, which its contribution is measured against.
 """
 
@@ -39,15 +39,18 @@ class LearnerBook:
             c.c_tokens += tokens
         return [p for p in self.plan.due(self.step) if self.counters[p].c_steps > 0]
 
-    def on_receive(self, fragment: int, round_: int, keep: bool = False) -> bool:
+    def on_receive(self, fragment: int, round_: int, keep: bool = False, spent: tuple[int, int] = (0, 0)) -> bool:
         """A merged fragment of global round ``round_`` arrived. Returns False (ignore it) if it is older
         than what the learner already holds. ``keep``: the learner carries its unmerged progress onto the
-        new global (``ProtocolConfig.carry``), so its counters keep counting; only the base moves."""
+        new global (``ProtocolConfig.carry``), so its counters keep counting, less ``spent`` (the steps and
+        tokens of its own contribution that this round merged); only the base moves."""
         c = self.counters[fragment]
         if round_ <= c.base_round:
             return False
         if keep:
             c.base_round = round_
+            c.c_steps = max(0, c.c_steps - spent[0])
+            c.c_tokens = max(0, c.c_tokens - spent[1])
         else:
             self.counters[fragment] = FragmentCounters(base_round=round_)
         return True

@@ -45,16 +45,27 @@ def test_a_round_without_this_learner_keeps_its_progress_only_with_carry(tiny_ta
     assert lrn.book.counters[1].c_steps == 3
 
 
-def test_a_round_with_this_learner_overwrites_even_with_carry(tiny_task):
+def test_its_own_round_keeps_the_steps_trained_since_it_contributed(tiny_task):
     lrn = _learner(tiny_task, carry=True)
     for _ in range(3):
         lrn.train_step()
+    lrn.snapshot(0, "t")
+    [(tag, p, _)] = lrn.ready_contributions()
+    assert (tag, p) == ("t", 0)
+    sent = {n: t.detach().clone() for n, t in lrn.params.items()}
+    lrn.train_step()  # one more step before the merged round comes back
+    since = {n: lrn.params[n].detach() - sent[n] for n in lrn.plan.fragments[0].names}
     theta = _global_after(lrn, 0, 0.01)
     assert lrn.adopt(0, 1, theta, mine=True)
-    for n, t in theta.items():
-        assert torch.equal(lrn.params[n].detach(), t)
-    assert lrn.book.counters[0].c_steps == 0
+    for n, t in theta.items():  # the global, plus the step it has not seen
+        torch.testing.assert_close(lrn.params[n].detach(), t + since[n], atol=1e-6, rtol=0)
+    c = lrn.book.counters[0]
+    assert (c.c_steps, c.c_tokens) == (1, lrn.tokens_per_step)
     assert not lrn.adopt(0, 1, theta, mine=False)  # an old round changes nothing
+    # unknown what it sent (say, a round made before a restart): the global overwrites
+    assert lrn.adopt(0, 2, _global_after(lrn, 0, 0.01), mine=True)
+    assert lrn.book.counters[0].c_steps == 0
+    torch.testing.assert_close(lrn.outer_gradient(0)[n], torch.zeros_like(theta[n]))
 
 
 def _contribution(learner: str, steps: int, value: float) -> Contribution:
