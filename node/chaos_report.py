@@ -111,7 +111,9 @@ def goodput_records(
                         {"kind": "contribute", "learner": learner, "fragment": p, "step": step, "cid": cid}
                     )
                     # and nothing of this life carries over to the next one
-                    out.append({"kind": "adopt", "learner": learner, "fragment": p, "step": step, "kept": False})
+                    out.append(
+                        {"kind": "adopt", "learner": learner, "fragment": p, "step": step, "kept": False}
+                    )
     return out
 
 

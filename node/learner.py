@@ -38,6 +38,9 @@ class InnerConfig:
             raise ConfigError(f"warmup_frac={self.warmup_frac} is invalid: must be in [0, 1)")
 
 
+SENT_KEPT = 4  # carry: contributions per fragment remembered until a round merges them
+
+
 def lr_lambda(total_steps: int, inner: InnerConfig):
     warm = max(1, int(total_steps * inner.warmup_frac))
 
@@ -102,8 +105,9 @@ class Learner:
         # Sharded + carry: per adopted fragment, the global change the unit must still add to every slice
         # (None: the fragment was overwritten, the unit writes the base).
         self.shift: dict[int, dict[str, torch.Tensor] | None] = {}
-        # Carry: per fragment, the parameters of its latest contribution and the counters it held.
-        self.sent: dict[int, tuple[dict[str, torch.Tensor], int, int]] = {}
+        # Carry: per fragment, its latest contributions not known to be merged: (c_steps, c_tokens, delta).
+        self.sent: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
+        self.overwrites = [0] * len(self.plan.fragments)  # per fragment: adoptions that did not keep
         self.kept = False  # the last adoption kept the learner's unmerged progress (carry)
         self.last_loss = float("nan")
 
@@ -165,12 +169,8 @@ class Learner:
     def contribution(self, p: int) -> dict[str, Encoded]:
         delta = self.outer_gradient(p)
         c = self.book.counters[p]
-        self._remember(p, {n: self.base[p][n] - d for n, d in delta.items()}, c.c_steps, c.c_tokens)
+        self._remember(p, delta, c.c_steps, c.c_tokens)
         return encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)
-
-    def _remember(self, p: int, theta: dict[str, torch.Tensor], c_steps: int, c_tokens: int) -> None:
-        if self.pcfg.carry:
-            self.sent[p] = (theta, c_steps, c_tokens)
 
     def fragment_params(self, p: int) -> dict[str, torch.Tensor]:
         """Fragment p's whole parameters on the learner's device: the live parameters themselves, or, when
@@ -185,36 +185,66 @@ class Learner:
         """Start taking fragment p's contribution as of now; ``ready_contributions`` hands it out once its
         copy to the host is done (at once on the CPU). The base it is measured against is the one held now."""
         c = self.book.counters[p]
-        self.snaps.take(p, self.fragment_params(p), self.base[p], (tag, c.c_steps, c.c_tokens), live=not self.sharded)
+        mark = (tag, c.c_steps, c.c_tokens, self.overwrites[p])
+        self.snaps.take(p, self.fragment_params(p), self.base[p], mark, live=not self.sharded)
 
     def ready_contributions(self, wait: bool = False) -> list[tuple[object, int, dict[str, Encoded]]]:
         """(tag, fragment, encoded base - theta) of every snapshot whose copy is done, oldest first."""
         out = []
         for s in self.snaps.collect(wait):
-            tag, c_steps, c_tokens = s.tag
-            theta = {n: s.host[n].to(torch.float32) for n in s.base}
-            self._remember(s.fragment, theta, c_steps, c_tokens)
-            delta = {n: s.base[n] - theta[n] for n in s.base}
+            tag, c_steps, c_tokens, overwrites = s.tag
+            delta = {n: s.base[n] - s.host[n].to(torch.float32) for n in s.base}
+            if overwrites == self.overwrites[s.fragment]:  # else what it measured is gone already
+                self._remember(s.fragment, delta, c_steps, c_tokens)
             out.append((tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
         return out
 
-    def adopt(self, p: int, round_: int, theta: dict[str, torch.Tensor], mine: bool = True) -> bool:
+    def _remember(self, p: int, delta: dict[str, torch.Tensor], c_steps: int, c_tokens: int) -> None:
+        """Carry: keep what this contribution of p holds (its progress and counters), until a round merges
+        it; the last ``SENT_KEPT`` per fragment."""
+        if self.pcfg.carry:
+            kept = self.sent.setdefault(p, [])
+            kept.append((c_steps, c_tokens, delta))
+            del kept[:-SENT_KEPT]
+
+    def _merged_share(self, p: int, merged: list[tuple[int, int]]) -> tuple[int, int, dict | None]:
+        """Of this learner's contributions of p, the newest that ``merged`` (its (c_steps, c_tokens) in a
+        round) names: its counters and progress. It and older ones leave ``sent``; newer ones, which hold
+        its progress too, drop that part (the global has it now)."""
+        kept = self.sent.get(p, [])
+        hit = max((i for i, (cs, ct, _) in enumerate(kept) if (cs, ct) in merged), default=None)
+        if hit is None:
+            return 0, 0, None
+        cs, ct, delta = kept[hit]
+        rest = [(a - cs, b - ct, {n: d[n] - delta[n] for n in d}) for a, b, d in kept[hit + 1 :]]
+        self.sent[p] = [r for r in rest if r[0] > 0]
+        return cs, ct, delta
+
+    def adopt(
+        self, p: int, round_: int, theta: dict[str, torch.Tensor], merged: list[tuple[int, int]] | None = None
+    ) -> bool:
         """Adopt merged global fragment p of ``round_``; False if it is older than what we hold.
 
-        ``mine``: the round merged this learner's contribution. With ``carry`` on, the learner keeps what
-        the global does not hold yet: after a round that left it out, theta += Theta_new - base (all its
-        progress since its last merged contribution stays); after its own round, theta += Theta_new -
-        theta_sent (the steps trained since that contribution stay). Without ``carry``, or when what it
-        sent is unknown, the global overwrites (alpha = 0) or mixes in."""
-        sent = self.sent.get(p) if mine and self.pcfg.carry else None
-        keep = self.pcfg.carry and (not mine or sent is not None)
-        spent = (sent[1], sent[2]) if sent is not None else (0, 0)
-        if not self.book.on_receive(p, round_, keep=keep, spent=spent):
+        ``merged``: the (c_steps, c_tokens) of each of this learner's contributions the round merged (empty:
+        none; None: unknown). With ``carry`` on and ``merged`` known, the learner keeps what the global does
+        not hold yet: theta += (Theta_new - base) + delta_merged, where delta_merged = base - theta at the
+        merged contribution (zero when the round left this learner out). Its counters keep counting, less
+        the merged contribution's. Otherwise the global overwrites (alpha = 0) or mixes in."""
+        keep = self.pcfg.carry and merged is not None
+        if round_ <= self.book.counters[p].base_round:
             return False
+        cs, ct, delta = self._merged_share(p, merged) if keep and merged else (0, 0, None)
+        self.book.on_receive(p, round_, keep=keep, spent=(cs, ct))
         self.kept = keep
-        if mine:
+        if not keep:
+            self.overwrites[p] += 1
             self.sent.pop(p, None)
-        ref = sent[0] if sent is not None else self.base[p]
+        change = {}
+        if keep:
+            for n, g in theta.items():
+                change[n] = g.detach().to("cpu", torch.float32) - self.base[p][n]
+                if delta is not None:
+                    change[n] += delta[n]
         # A sharded learner holds a slice of each tensor: its unit writes every rank's slice in its next
         # exchange, from the base set here (so of two rounds adopted between steps, only the newer is mixed)
         # or, when carrying, by adding the summed change kept in ``shift``.
@@ -223,15 +253,14 @@ class Learner:
                 self.shift[p] = None  # overwritten: the unit writes the base, whatever is carried after
             elif self.shift.get(p, {}) is not None:
                 moved = self.shift.setdefault(p, {})
-                for n, g in theta.items():
-                    moved[n] = moved.get(n, 0) + (g.detach().to("cpu", torch.float32) - ref[n])
+                for n, c in change.items():
+                    moved[n] = moved.get(n, 0) + c
         else:
             self.snaps.fence()
             with torch.no_grad():
                 for n, g in theta.items():
                     if keep:
-                        change = g.detach().to("cpu", torch.float32) - ref[n]
-                        self.params[n].add_(change.to(self.device, self.params[n].dtype))
+                        self.params[n].add_(change[n].to(self.device, self.params[n].dtype))
                     else:
                         self.params[n].copy_(
                             adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha)
@@ -248,6 +277,7 @@ class Learner:
         self._whole("join the swarm")
         self.book = LearnerBook(self.plan, step=schedule_step)
         self.sent.clear()
+        self.overwrites = [n + 1 for n in self.overwrites]
         self.snaps.fence()
         with torch.no_grad():
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
@@ -260,8 +290,7 @@ class Learner:
     def resync(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> None:
         """Take global fragment p of ``round_`` whatever round we hold (the swarm settled on another chain)."""
         self.book.counters[p].base_round = round_ - 1
-        self.sent.pop(p, None)  # overwrite: what was sent was measured on the other chain
-        self.adopt(p, round_, theta)
+        self.adopt(p, round_, theta)  # merged unknown: overwrites
 
     def _whole(self, what: str) -> None:
         if self.sharded:

@@ -30,7 +30,7 @@ class LearnerLoop(threading.Thread):
     def __init__(self, node, learner: Learner) -> None:
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
-        self.inbox: deque = deque()  # (fragment, round, theta, force, mine)
+        self.inbox: deque = deque()  # (fragment, round, theta, force, merged)
         self.requests: deque = deque()  # (kind, concurrent Future)
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
@@ -51,10 +51,10 @@ class LearnerLoop(threading.Thread):
         self._next_eval = 0.0
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
 
-    def deliver(self, p: int, round_: int, theta, force: bool, mine: bool = True) -> None:
+    def deliver(self, p: int, round_: int, theta, force: bool, merged: list | None = None) -> None:
         """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread);
-        ``mine``: the round merged this learner's contribution."""
-        self.inbox.append((p, round_, theta, force, mine))
+        ``merged``: (c_steps, c_tokens) of each of this learner's contributions the round merged."""
+        self.inbox.append((p, round_, theta, force, merged))
         self.arrived.set()
 
     def _must_wait(self) -> bool:
@@ -148,10 +148,10 @@ class LearnerLoop(threading.Thread):
         lrn = self.learner
         adopted = []
         while self.inbox:
-            p, round_, theta, force, mine = self.inbox.popleft()
+            p, round_, theta, force, merged = self.inbox.popleft()
             if force:
                 lrn.resync(p, round_, theta)
-            elif not lrn.adopt(p, round_, theta, mine):
+            elif not lrn.adopt(p, round_, theta, merged):
                 continue
             kept = lrn.kept and not force
             self.node.events.emit(

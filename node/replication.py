@@ -194,7 +194,7 @@ class Replication:
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
         if self.learner_loop.is_alive():
-            mine = any(c[0] == self.peer_id for c in rec.contributors)
+            mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:

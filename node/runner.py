@@ -164,7 +164,7 @@ class _LearnerSlot:
         # Fragments whose rounds count on this learner. A learner that rejoins is waited for on fragment p
         # only from its first contribution of p: rounds already under way must not stall for it.
         self.members_of: set[int] = set()
-        self.inbox: list[tuple[int, int, dict, bool]] = []  # (fragment, round, theta, mine)
+        self.inbox: list[tuple[int, int, dict, list]] = []  # (fragment, round, theta, merged of its own)
 
 
 class VirtualSwarm:
@@ -393,7 +393,7 @@ class VirtualSwarm:
         arrive = now + self.run_cfg.net.merge_s + self.run_cfg.net.transfer_s(nbytes)
         for m, s in enumerate(self.slots):
             if not s.down:
-                mine = any(c.learner == s.learner.name for c in a.contributions)
+                mine = [(c.c_steps, c.c_tokens) for c in a.contributions if c.learner == s.learner.name]
                 self._push(arrive, "arrive", (m, p, a.round, rep.theta, frozenset(cids), mine))
         self._push(arrive, "merged", (p, arrive - now))
 
@@ -443,6 +443,17 @@ class VirtualSwarm:
         )
         s.down = False
         s.members_of = set()
+        for p in range(len(self.replicas)):  # what it had not contributed before it went down is gone
+            self.events.emit(
+                "adopt",
+                t=now,
+                learner=s.learner.name,
+                fragment=p,
+                round=self.replicas[p].round,
+                step=s.learner.steps,
+                kept=False,
+                join=True,
+            )
         self.events.emit("up", t=now, learner=s.learner.name)
         self._membership(now)
         self._push(now, "step", m)

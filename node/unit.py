@@ -149,8 +149,14 @@ class Unit:
         """Rank 0: lead one exchange. Other ranks: follow one (arguments ignored). Returns the op."""
         frags = sorted(set(adopted) | self._repair) if self.lead else []
         self._repair = set()
+        P = len(learner.plan.fragments)
+        # a fragment whose adoption carried the unit's progress travels as p + P: every rank then knows to
+        # join the gather of its old values (``ShardedUnit._send``)
+        frags = [p + P if learner.shift.get(p) else p for p in frags]
         op, step, schedule_step, check_all, save, frags = self._ctrl(learner, op, frags, check_all, save)
-        self._send(learner, frags, set(adopted) if self.lead else set())
+        carried = {p - P for p in frags if p >= P}
+        frags = [p % P for p in frags]
+        self._send(learner, frags, set(adopted) if self.lead else set(), carried)
         if op == STATE:
             self._state(learner)
         learner.steps = step
@@ -164,7 +170,9 @@ class Unit:
             self._stop(learner)
         return op
 
-    def _send(self, learner, frags: list[int], fresh: set[int]) -> None:
+    def _send(self, learner, frags: list[int], fresh: set[int], carried: set[int]) -> None:
+        """Rank 0's values of ``frags`` to every rank (``fresh``: adopted since the last exchange;
+        ``carried``: adopted by adding a change, see ``Learner.adopt``): rank 0 holds them whole."""
         with torch.no_grad():
             for p in frags:
                 for n in learner.plan.fragments[p].names:
@@ -277,9 +285,11 @@ def run_rank(cfg, unit: Unit) -> int:
     if s.threads > 0:
         torch.set_num_threads(s.threads)
     task = load_task(None, cfg.task_config())
-    learner = Learner(
-        f"rank{unit.rank}", task, cfg.protocol, cfg.inner, s.steps, seed=0, device=unit.model_device()
-    )
+    from node.runner import system_protocol
+
+    # the same protocol settings as rank 0's learner (the agent's): the same fragments, the same rules
+    pcfg, _ = system_protocol(s.system, cfg.protocol, 1 << 16)
+    learner = Learner(f"rank{unit.rank}", task, pcfg, cfg.inner, s.steps, seed=0, device=unit.model_device())
     unit.init()
     try:
         learner.attach_unit(unit)

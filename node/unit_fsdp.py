@@ -149,27 +149,27 @@ class ShardedUnit(Unit):
         dist.broadcast(buf, 0)
         return distribute_tensor(buf, param.device_mesh, param.placements, src_data_rank=None)
 
-    def _send(self, learner, frags: list[int], fresh: set[int]) -> None:
+    def _send(self, learner, frags: list[int], fresh: set[int], carried: set[int]) -> None:
         if not frags:
             return
         alpha = learner.pcfg.alpha
-        mixed = alpha != 0.0 or learner.pcfg.carry  # the new values depend on the old: every rank gathers
-        with torch.no_grad():
-            old = {p: learner.fragment_params(p) for p in frags} if mixed else {}
-        if self.lead:
-            for p in frags:
-                if p in fresh or p not in self._expected:  # else a repair: the values already sent
-                    theta = learner.base[p]
-                    moved = learner.shift.pop(p, None)  # carried: keep this rank's progress, add the change
-                    dtype = {n: learner.params[n].dtype for n in theta}
-                    self._expected[p] = {
-                        n: (old[p][n].cpu().float() + moved[n]).to(dtype[n])
-                        if moved
-                        else adopt(old[p][n].cpu(), theta[n], alpha)
-                        if alpha != 0.0
-                        else theta[n].to(dtype[n])
-                        for n in learner.plan.fragments[p].names
-                    }
+        for p in frags:
+            # the new values depend on the old ones: every rank joins the gather, one fragment at a time
+            with torch.no_grad():
+                old = learner.fragment_params(p) if p in carried or alpha != 0.0 else None
+            if self.lead and (p in fresh or p not in self._expected):  # else a repair: values already sent
+                theta = learner.base[p]
+                moved = learner.shift.pop(p, None)  # carried: keep the unit's progress, add the change
+                dtype = {n: learner.params[n].dtype for n in theta}
+                self._expected[p] = {
+                    n: (old[n].cpu().float() + moved[n]).to(dtype[n])
+                    if moved
+                    else adopt(old[n].cpu(), theta[n], alpha)
+                    if alpha != 0.0
+                    else theta[n].to(dtype[n])
+                    for n in learner.plan.fragments[p].names
+                }
+            del old
         learner.snaps.fence()
         with torch.no_grad():
             for p in frags:
@@ -179,7 +179,7 @@ class ShardedUnit(Unit):
                     param.to_local().copy_(mine.to_local())
 
     def _state(self, learner) -> None:
-        self._send(learner, list(range(len(learner.plan.fragments))), set())
+        self._send(learner, list(range(len(learner.plan.fragments))), set(), set())
         names = list(learner.params)
         head, opt = None, None
         if self.lead:

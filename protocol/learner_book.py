@@ -39,7 +39,9 @@ class LearnerBook:
             c.c_tokens += tokens
         return [p for p in self.plan.due(self.step) if self.counters[p].c_steps > 0]
 
-    def on_receive(self, fragment: int, round_: int, keep: bool = False, spent: tuple[int, int] = (0, 0)) -> bool:
+    def on_receive(
+        self, fragment: int, round_: int, keep: bool = False, spent: tuple[int, int] = (0, 0)
+    ) -> bool:
         """A merged fragment of global round ``round_`` arrived. Returns False (ignore it) if it is older
         than what the learner already holds. ``keep``: the learner carries its unmerged progress onto the
         new global (``ProtocolConfig.carry``), so its counters keep counting, less ``spent`` (the steps and

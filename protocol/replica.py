@@ -44,14 +44,14 @@ def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
     """The share of one full round that these contributions hold, at most 1.
 
-    A full round is every live learner's work since its last merged contribution, about H - tau steps
-    each. When learners are out of phase (``carry``), fragment p is merged several times per H steps, each
+    A full round is every live learner's work since its last merged contribution, about H steps each
+    (with carry, the steps trained while a round is on its way back count toward the next contribution). When learners are out of phase (``carry``), fragment p is merged several times per H steps, each
     time with a few learners' work; scaling each such round by its share keeps the global's movement per H
     steps what one round of every learner would give, instead of one full outer step per contributor."""
     if live <= 0:
         return 1.0
     steps = sum(c.c_steps for c in contributions)
-    full = live * max(1, cfg.sync_every - cfg.overlap)
+    full = live * cfg.sync_every
     return min(1.0, steps / full)
 
 

@@ -2,7 +2,8 @@
 
 ``protocol.goodput.compute_goodput`` reads event records: one learner's steps, its contributions of each
 fragment, and the merges. A step's work on fragment p is useful (for p's share of parameters) if the
-learner's next contribution of p at or after that step was merged; steps with no later contribution are
+learner's next contribution of p at or after that step was merged (the simulated learners overwrite on
+adoption, the paper's rule, and their records say so); steps with no later contribution are
 pending and leave both sides of the ratio. The simulator's unit of allocated time is a chip, so its records
 name every chip ("learner" ``L3.17`` is chip 17 of block 3), and at a million chips for a week that would
 be billions of records. ``Tally`` keeps the same sums in chip-seconds instead:
@@ -106,6 +107,11 @@ class RecordSink:
         for name in self.names[b]:
             self.records.append(
                 {"kind": "contribute", "learner": name, "fragment": p, "step": step, "cid": cid, **extra}
+            )
+            # The simulated learners follow the paper's rule (no carry): the merge they adopt next
+            # overwrites fragment p, so this contribution is the only one that can carry these steps.
+            self.records.append(
+                {"kind": "adopt", "learner": name, "fragment": p, "step": step, "kept": False}
             )
 
     def merge(self, p: int, round_: int, cids: list[str], t: float) -> None:

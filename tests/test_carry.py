@@ -31,7 +31,7 @@ def test_a_round_without_this_learner_keeps_its_progress_only_with_carry(tiny_ta
     before = lrn.outer_gradient(0)  # base - theta: what this learner has not contributed yet
     counters = (lrn.book.counters[0].c_steps, lrn.book.counters[0].c_tokens)
     theta = _global_after(lrn, 0, 0.01)  # another learner's round moved the global fragment
-    assert lrn.adopt(0, 1, theta, mine=False)
+    assert lrn.adopt(0, 1, theta, merged=[] if carry else None)
     after = lrn.outer_gradient(0)
     assert lrn.book.counters[0].base_round == 1
     if carry:  # the same progress, now measured from the new global; the counters still count it
@@ -45,27 +45,54 @@ def test_a_round_without_this_learner_keeps_its_progress_only_with_carry(tiny_ta
     assert lrn.book.counters[1].c_steps == 3
 
 
+def _send(lrn: Learner, p: int) -> tuple[int, int]:
+    lrn.snapshot(p, "t")
+    [(tag, q, _)] = lrn.ready_contributions()
+    assert (tag, q) == ("t", p)
+    return lrn.book.counters[p].c_steps, lrn.book.counters[p].c_tokens
+
+
 def test_its_own_round_keeps_the_steps_trained_since_it_contributed(tiny_task):
     lrn = _learner(tiny_task, carry=True)
     for _ in range(3):
         lrn.train_step()
-    lrn.snapshot(0, "t")
-    [(tag, p, _)] = lrn.ready_contributions()
-    assert (tag, p) == ("t", 0)
-    sent = {n: t.detach().clone() for n, t in lrn.params.items()}
+    sent = _send(lrn, 0)
+    at_send = {n: t.detach().clone() for n, t in lrn.params.items()}
     lrn.train_step()  # one more step before the merged round comes back
-    since = {n: lrn.params[n].detach() - sent[n] for n in lrn.plan.fragments[0].names}
+    since = {n: lrn.params[n].detach() - at_send[n] for n in lrn.plan.fragments[0].names}
     theta = _global_after(lrn, 0, 0.01)
-    assert lrn.adopt(0, 1, theta, mine=True)
+    assert lrn.adopt(0, 1, theta, merged=[sent])
     for n, t in theta.items():  # the global, plus the step it has not seen
         torch.testing.assert_close(lrn.params[n].detach(), t + since[n], atol=1e-6, rtol=0)
     c = lrn.book.counters[0]
     assert (c.c_steps, c.c_tokens) == (1, lrn.tokens_per_step)
-    assert not lrn.adopt(0, 1, theta, mine=False)  # an old round changes nothing
-    # unknown what it sent (say, a round made before a restart): the global overwrites
-    assert lrn.adopt(0, 2, _global_after(lrn, 0, 0.01), mine=True)
+    assert not lrn.adopt(0, 1, theta, merged=[])  # an old round changes nothing
+    # unknown what the round merged (a resync): the global overwrites
+    assert lrn.adopt(0, 2, _global_after(lrn, 0, 0.01), merged=None)
     assert lrn.book.counters[0].c_steps == 0
     torch.testing.assert_close(lrn.outer_gradient(0)[n], torch.zeros_like(theta[n]))
+
+
+def test_a_contribution_merged_after_another_round_is_counted_once(tiny_task):
+    """Sent against round 0, round 1 (another learner's) arrives, then round 2 merges it: the learner ends at
+    round 2's global plus only what it trained after sending, whatever order the frames moved in."""
+    lrn = _learner(tiny_task, carry=True)
+    for _ in range(3):
+        lrn.train_step()
+    sent = _send(lrn, 0)
+    at_send = {n: t.detach().clone() for n, t in lrn.params.items()}
+    lrn.train_step()
+    since = {n: lrn.params[n].detach() - at_send[n] for n in lrn.plan.fragments[0].names}
+    assert lrn.adopt(0, 1, _global_after(lrn, 0, 0.02), merged=[])
+    theta2 = _global_after(lrn, 0, -0.03)
+    assert lrn.adopt(0, 2, theta2, merged=[sent])
+    for n, t in theta2.items():
+        torch.testing.assert_close(lrn.params[n].detach(), t + since[n], atol=1e-6, rtol=0)
+    # a round naming a contribution it does not remember (from before a restart) keeps its progress
+    before = lrn.outer_gradient(0)
+    assert lrn.adopt(0, 3, _global_after(lrn, 0, 0.01), merged=[(999, 1)])
+    for n, d in lrn.outer_gradient(0).items():
+        torch.testing.assert_close(d, before[n], atol=1e-6, rtol=0)
 
 
 def _contribution(learner: str, steps: int, value: float) -> Contribution:
@@ -75,10 +102,10 @@ def _contribution(learner: str, steps: int, value: float) -> Contribution:
 
 def test_round_share_scales_a_partial_round_and_caps_at_one():
     cfg = ProtocolConfig(sync_every=8, overlap=2, carry=True)
-    one = [_contribution("a", 6, 0.1)]
+    one = [_contribution("a", 8, 0.1)]
     assert round_share(one, cfg, live=4) == pytest.approx(0.25)
     assert round_share(one * 4, cfg, live=4) == 1.0
-    assert round_share([_contribution("a", 30, 0.1)], cfg, live=4) == 1.0
+    assert round_share([_contribution("a", 40, 0.1)], cfg, live=4) == 1.0
     assert round_share(one, cfg, live=0) == 1.0  # no membership known: a plain round
 
     def grad(carry: bool) -> torch.Tensor:

@@ -113,7 +113,7 @@ def _train(rank: int, init_file: str, out_dir: str) -> None:
     lrn.ready_contributions()
     before = {n: t.float() for n, t in _whole(lrn).items() if n in names1}
     if unit.lead:
-        assert lrn.adopt(1, 6, {n: lrn.base[1][n] + 0.25 for n in names1}, mine=False)
+        assert lrn.adopt(1, 6, {n: lrn.base[1][n] + 0.25 for n in names1}, merged=[])
     unit.exchange(lrn, PAUSE, adopted=[1])
     after = _whole(lrn)
     log["carried"] = all(torch.allclose(after[n].float(), before[n] + 0.25, atol=1e-5) for n in names1)
