@@ -288,9 +288,11 @@ class Learner:
         self._new_optimizer()
 
     def resync(self, p: int, round_: int, theta: dict[str, torch.Tensor]) -> None:
-        """Take global fragment p of ``round_`` whatever round we hold (the swarm settled on another chain)."""
+        """Take global fragment p of ``round_`` whatever round we hold (the swarm settled on another chain).
+        With carry the learner's own progress moves onto that chain, as after any round that left it out;
+        without, the chain's fragment overwrites."""
         self.book.counters[p].base_round = round_ - 1
-        self.adopt(p, round_, theta)  # merged unknown: overwrites
+        self.adopt(p, round_, theta, merged=[])
 
     def _whole(self, what: str) -> None:
         if self.sharded:

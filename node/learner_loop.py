@@ -153,7 +153,7 @@ class LearnerLoop(threading.Thread):
                 lrn.resync(p, round_, theta)
             elif not lrn.adopt(p, round_, theta, merged):
                 continue
-            kept = lrn.kept and not force
+            kept = lrn.kept
             self.node.events.emit(
                 "adopt",
                 t=time.time(),

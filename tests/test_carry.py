@@ -131,3 +131,14 @@ def test_goodput_counts_carried_work_once_a_later_contribution_merges():
     assert g.useful_s == pytest.approx(8.0)
     assert g.dropped_s == pytest.approx(2.0)  # steps 9 and 10, overwritten before they were sent
     assert g.pending_s == pytest.approx(2.0)  # steps 11 and 12
+
+
+def test_a_resync_onto_another_chain_keeps_the_learners_progress_with_carry(tiny_task):
+    lrn = _learner(tiny_task, carry=True)
+    for _ in range(3):
+        lrn.train_step()
+    before = lrn.outer_gradient(0)
+    lrn.resync(0, 1, _global_after(lrn, 0, 0.5))  # the swarm settled on another chain's round 1
+    assert lrn.kept and lrn.book.counters[0].c_steps == 3
+    for n, d in lrn.outer_gradient(0).items():
+        torch.testing.assert_close(d, before[n], atol=1e-6, rtol=0)
