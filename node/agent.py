@@ -206,6 +206,7 @@ class Node(Replication, Persistence):
             "hash_mismatches": 0,
             "checkpoints": 0,
         }
+        self.published_self: Member | None = None  # this node's membership record as peers read it
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
         self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
@@ -287,7 +288,14 @@ class Node(Replication, Persistence):
     def candidates(self, p: int) -> list[str]:
         members = self.live_members()
         open_round = self.replicas[p].round + 1
-        elig = eligible(list(members.values()), p)
+        # Eligibility from what every peer can read: this node's own record as published, not its fresh
+        # head. Right after applying a round, every node is at the newest round in its own fresh view while
+        # the others' records still show the round before, so each would elect itself and fork the chain.
+        seen = dict(members)
+        own = self.published_self
+        if own is not None and own.expires_at > get_dht_time():
+            seen[self.peer_id] = own
+        elig = eligible(list(seen.values()), p)
         order = candidates(self.settings.swarm, p, open_round, elig)
         holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
         if holders:
@@ -457,6 +465,7 @@ class Node(Replication, Persistence):
             logger.warning("reading the membership failed: %s", e)
             return
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
+        self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
         live = frozenset(self.live_members())

@@ -11,7 +11,10 @@ merged into one stream, with what only the harness knows added as records of the
   repeats step numbers), and each killed segment ends with a contribution of every fragment that was never
   merged, so its uncontributed steps count as dropped. Work the checkpoint kept and the restarted node
   contributed later is not credited back: the figure is a lower bound;
-- a step that a SIGSTOP cut in two is shortened by the stopped time (the learner was not computing).
+- a step that a SIGSTOP cut in two is shortened by the stopped time (the learner was not computing);
+- a merge record that lost a split brain (the losing side of a ``fork`` record) is left out: the swarm
+  re-synced to the other chain, so what it merged is not in the kept model. Records built on the losing
+  one before the re-sync still count (a small overstatement).
 
 Stalls are read from every node's ``merge`` records: the longest interval of the window in which no
 fragment merged anywhere (global), and the longest for any one fragment (what killing its synchroniser
@@ -67,6 +70,13 @@ def goodput_records(
             "shares": shares,
         }
     ]
+    # A record that lost a split brain is not in the model the swarm kept: its merge does not count.
+    lost = {
+        r["ours"] if r.get("winner") == "theirs" else r["theirs"]
+        for recs in events.values()
+        for r in recs
+        if r.get("kind") == "fork"
+    }
     for i, recs in events.items():
         learner = peer_ids[i]
         kills = sorted(o.t0 for o in outages if o.node == i and o.kind == "kill")
@@ -85,7 +95,7 @@ def goodput_records(
         last_step: dict[int, int] = {}
         for r in recs:
             kind = r.get("kind")
-            if kind == "merge":
+            if kind == "merge" and r.get("hash") not in lost:
                 out.append(
                     {"kind": "merge", "fragment": r["fragment"], "round": r["round"], "cids": r["cids"]}
                 )

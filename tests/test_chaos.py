@@ -197,3 +197,26 @@ def test_netns_lab_links_nodes_partitions_and_leaves_nothing_behind():
         lab.close()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert lab.ns(0) not in listed and lab.hub not in listed
+
+
+def test_a_merge_that_lost_a_fork_does_not_count():
+    run = {"kind": "run", "shares": [1.0], "t0": 0, "t1": 0, "learners": ["a", "b"]}
+    a = [{"kind": "join", "t": 0.0}, *_steps("a", 1, 2, 0.0), _contrib("a", 2, 2.0, "a1"), run]
+    b = [{"kind": "join", "t": 0.0}, *_steps("b", 1, 2, 0.0), _contrib("b", 2, 2.0, "b1")]
+    # a and b each merged round 1 of fragment 0 with their own contribution; b's record won the fork
+    a += [{"kind": "merge", "t": 2.5, "fragment": 0, "round": 1, "cids": ["a1"], "hash": "ha"}]
+    b += [{"kind": "merge", "t": 2.5, "fragment": 0, "round": 1, "cids": ["b1"], "hash": "hb"}]
+    a += [
+        {
+            "kind": "fork",
+            "t": 2.6,
+            "fragment": 0,
+            "round": 1,
+            "ours": "ha",
+            "theirs": "hb",
+            "winner": "theirs",
+        }
+    ]
+    g = chaos_goodput({0: a, 1: b}, {0: "a", 1: "b"}, [], 0.0, 4.0)
+    assert g.useful_s == pytest.approx(2.0)  # b's two steps
+    assert g.dropped_s == pytest.approx(2.0)  # a's, merged only on the chain the swarm dropped
