@@ -122,7 +122,9 @@ class NodeSettings:
         default=8.0, metadata={"help": "bound on re-routing a contribution after its synchroniser died"}
     )
     rpc_timeout_s: float = field(default=10.0, metadata={"help": "deadline of one request to a peer"})
-    checkpoint_every_s: float = field(default=60.0, metadata={"help": "checkpoint period (0: only at exit)"})
+    checkpoint_every_s: float = field(
+        default=60.0, metadata={"help": "checkpoint period, the first 10 s after joining (0: only at exit)"}
+    )
     eval_every_s: float = field(default=60.0, metadata={"help": "evaluate the global model this often"})
     steps: int = field(
         default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}

@@ -16,6 +16,8 @@ from pathlib import Path
 from node.checkpoint import load_latest, save_checkpoint
 from protocol.synchroniser import SyncState
 
+FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,8 +112,13 @@ class Persistence:
         (self.state_dir / "final.json").write_text(json.dumps(doc, indent=1))
 
     async def _checkpoint_loop(self) -> None:
+        # The first soon after joining: a node killed before its first checkpoint restarts by downloading
+        # the whole global state (theta and momentum, seconds over a slow link) instead of resuming from
+        # its own state and catching up on the rounds it missed.
+        wait = min(FIRST_CHECKPOINT_S, self.settings.checkpoint_every_s)
         while True:
-            await asyncio.sleep(self.settings.checkpoint_every_s)
+            await asyncio.sleep(wait)
+            wait = self.settings.checkpoint_every_s
             try:
                 await self.checkpoint()
             except OSError as e:
