@@ -294,6 +294,22 @@ class Learner:
         self.book.counters[p].base_round = round_ - 1
         self.adopt(p, round_, theta, merged=[])
 
+    def drop_unmerged(self) -> None:
+        """Go back to the global fragments last received, with fresh counters (AdamW state is kept).
+
+        For a learner restored from a checkpoint after a crash: what it had trained and not yet merged when
+        the checkpoint was written may have been merged since, before the crash, so sending it again would
+        count it twice."""
+        self._whole("drop its unmerged progress")
+        self.snaps.fence()
+        with torch.no_grad():
+            for p, base in enumerate(self.base):
+                for n, t in base.items():
+                    self.params[n].copy_(t.to(self.device, self.params[n].dtype))
+                c = self.book.counters[p]
+                c.c_steps = c.c_tokens = 0
+        self.sent.clear()
+
     def _whole(self, what: str) -> None:
         if self.sharded:
             raise RuntimeError(

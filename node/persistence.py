@@ -46,6 +46,7 @@ class Persistence:
             self.syncs[p] = SyncState(fragment=p, global_round=int(r))
         self.merged_tokens = [int(x) for x in meta["merged_tokens"]]
         self.learner.load_state(ck.tensors, meta["learner"])
+        self.learner.drop_unmerged()
         self.learner_loop.tokens = int(meta.get("tokens", 0))
         self.joined_by = f"checkpoint {ck.path.name}"
         logger.info("resumed from %s", ck.path)

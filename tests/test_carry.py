@@ -142,3 +142,17 @@ def test_a_resync_onto_another_chain_keeps_the_learners_progress_with_carry(tiny
     assert lrn.kept and lrn.book.counters[0].c_steps == 3
     for n, d in lrn.outer_gradient(0).items():
         torch.testing.assert_close(d, before[n], atol=1e-6, rtol=0)
+
+
+def test_a_learner_restored_after_a_crash_drops_what_it_had_not_merged(tiny_task):
+    """Its checkpoint's unmerged progress may have been merged before the crash: it is not sent twice."""
+    lrn = _learner(tiny_task, carry=True)
+    for _ in range(3):
+        lrn.train_step()
+    _send(lrn, 0)
+    state = {k: v.clone() for k, v in lrn.opt.state_dict()["state"][0].items()}
+    lrn.drop_unmerged()
+    assert all(float(d.abs().max()) == 0.0 for p in range(2) for d in lrn.outer_gradient(p).values())
+    assert [c.c_steps for c in lrn.book.counters] == [0, 0] and lrn.sent == {}
+    kept = lrn.opt.state_dict()["state"][0]
+    assert all(torch.equal(kept[k], v) for k, v in state.items())  # AdamW state stays
