@@ -90,6 +90,7 @@ def process_start_time() -> float:
         return time.time()
 
 
+HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
@@ -302,6 +303,11 @@ class Node(Replication, Persistence):
             order = [holders[0]] + [x for x in order if x != holders[0]]
         now = time.monotonic()
         return [x for x in order if self.suspect.get(x, 0.0) <= now]
+
+    def rounds_behind(self, p: int) -> int:
+        """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
+        heads = [m.head_round(p) for m in self.members.values() if not m.client_mode]
+        return max(0, max(heads, default=0) - self.replicas[p].round)
 
     def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
         """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
@@ -526,9 +532,18 @@ class Node(Replication, Persistence):
         round before their membership records expire. A peer that refuses the role names who it thinks
         should have it; we try that one next, else the next candidate.
         """
+        p = header.fragment
+        behind = self.rounds_behind(p)
+        if self.pcfg.carry and behind > HOLD_BEHIND:
+            # Catching up (say, restored from a checkpoint): a contribution measured against a fragment
+            # this old would be anchored far back and pull the global toward it. With carry nothing is
+            # lost by holding it: the progress goes out with the first contribution after the catch-up.
+            self.counters["contributions_dropped"] += 1
+            why = f"held: {behind} rounds behind the swarm on fragment {p}, catching up"
+            self.events.emit("drop", t=time.time(), fragment=p, cid=header.cid, why=why)
+            return
         raw = encode_contribution(header, enc)
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
-        p = header.fragment
         deadline = self.loop.time() + self.settings.failover_s
         dead: set[str] = set()
         refused: set[str] = set()
