@@ -31,9 +31,9 @@ class ProtocolConfig:
     carry: bool = field(
         default=True,
         metadata={
-            "help": "a learner left out of a merged round keeps its unmerged progress (rebased onto the new "
-            "global) instead of overwriting it, and a round's outer gradient is scaled by the share of the "
-            "live learners' expected steps it holds (at most 1)"
+            "help": "a learner keeps the progress the global does not hold yet through adoptions and "
+            "re-syncs (rebased onto the new global) instead of having it overwritten, and a round's outer "
+            "gradient is scaled by its share of a full round, at most 1 (--no-carry: the paper's overwrite)"
         },
     )
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
