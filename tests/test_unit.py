@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import Swarm, exit_now, wait_until
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -64,6 +64,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     unit.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(log, fh)
+    exit_now()
 
 
 def test_unit_exchange_keeps_ranks_identical_and_repairs_a_rank_that_drifts(tmp_path):

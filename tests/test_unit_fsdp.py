@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import Swarm, exit_now, wait_until
 
 
 def _setup(rank: int, init_file: str, seed: int):
@@ -193,6 +193,7 @@ def _worker(rank: int, out_dir: str) -> None:
     _train(rank, os.path.join(out_dir, "rendezvous-train"), out_dir)
     # a fresh unit (new process group, new learner) restores what the first one saved
     _restore(rank, os.path.join(out_dir, "rendezvous-restore"), out_dir)
+    exit_now()
 
 
 def test_sharded_exchange_contributes_adopts_repairs_and_round_trips_its_state(tmp_path):
