@@ -270,7 +270,13 @@ def cmd_node(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"nproc={n} is invalid: torchrun started {world} processes (WORLD_SIZE)")
     unit = unit_cls.from_env(cfg.node.unit_timeout_s)
     if unit is not None and not unit.lead:
-        return run_rank(cfg, unit)
+        rc = run_rank(cfg, unit)
+        # No interpreter teardown: after destroy_process_group, gloo's threads now and then abort it
+        # (SIGABRT, "terminate called without an active exception") once all the rank's work is done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
     node = Node(cfg, unit)
     print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
