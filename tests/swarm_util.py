@@ -121,3 +121,14 @@ def exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def assert_unit_trained_and_converged(swarm, tokens_per_step: int) -> None:
+    """Node 0 (a learner unit) adopted merged fragments, each contribution carried the unit's whole batch
+    (c_tokens = c_steps x the unit's tokens per step), and the swarm settles on one model hash."""
+    ev = swarm.events(0)
+    assert sum(1 for e in ev if e["kind"] == "adopt") > 0
+    contribs = [e for e in ev if e["kind"] == "contribute"]
+    assert contribs and all(e["c_tokens"] == e["c_steps"] * tokens_per_step for e in contribs)
+    final = swarm.settle()
+    assert len({s["model_hash"] for s in final.values()}) == 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.swarm_util import Swarm, exit_now, wait_until
+from tests.swarm_util import Swarm, assert_unit_trained_and_converged, exit_now, wait_until
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -107,15 +107,7 @@ def test_two_process_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert shown.returncode == 0 and "learner unit: 2 processes (gloo)" in shown.stdout, shown.stderr
-    ev = swarm.events(0)
-    assert sum(1 for e in ev if e["kind"] == "adopt") > 0
-    # the unit's contributions carry its true batch: c_tokens = c_steps x both ranks' tokens per step
-    contribs = [e for e in ev if e["kind"] == "contribute"]
-    assert contribs and all(
-        e["c_tokens"] == e["c_steps"] * st[0]["learner"]["tokens_per_step"] for e in contribs
-    )
-    final = swarm.settle()
-    assert len({s["model_hash"] for s in final.values()}) == 1
+    assert_unit_trained_and_converged(swarm, st[0]["learner"]["tokens_per_step"])
     t_stop = time.monotonic()
     swarm.stop()
     stop_s = time.monotonic() - t_stop

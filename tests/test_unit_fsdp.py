@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.swarm_util import Swarm, exit_now, wait_until
+from tests.swarm_util import Swarm, assert_unit_trained_and_converged, exit_now, wait_until
 
 
 def _setup(rank: int, init_file: str, seed: int):
@@ -253,14 +253,7 @@ def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     unit = st[0]["learner"]["unit"]
     assert unit["world"] == 2 and unit["mode"] == "fsdp" and unit["mismatches"] == 0
     assert st[0]["learner"]["tokens_per_step"] == 2 * st[1]["learner"]["tokens_per_step"]
-    ev = swarm.events(0)
-    assert sum(1 for e in ev if e["kind"] == "adopt") > 0
-    contribs = [e for e in ev if e["kind"] == "contribute"]
-    assert contribs and all(
-        e["c_tokens"] == e["c_steps"] * st[0]["learner"]["tokens_per_step"] for e in contribs
-    )
-    final = swarm.settle()
-    assert len({s["model_hash"] for s in final.values()}) == 1
+    assert_unit_trained_and_converged(swarm, st[0]["learner"]["tokens_per_step"])
     swarm.stop()
     for c in swarm.children.values():
         assert c.proc.returncode == 0, (c.index, c.proc.returncode, c.tail(80))
