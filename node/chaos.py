@@ -47,6 +47,10 @@ class ChaosConfig:
     plan: list[Fault] | None = None
     """faults to apply instead of drawing them from ``model``"""
     node_flags: list[str] = field(default_factory=list)
+    learner_nice: int = 10
+    """niceness of every node's learner thread (``[node] learner_nice``): the nodes share this host's cores,
+    and a restarting node's start-up and every node's network side should not queue behind the other
+    nodes' learners, as they would not on hosts of their own (0: leave priorities alone)"""
     stall_bound_s: float = 30.0
     """the longest interval with no merge anywhere that the run may show"""
     min_alive: int = 2
@@ -68,6 +72,8 @@ class ChaosConfig:
             raise ConfigError(f"duration_s={self.duration_s} is invalid: must be > 0")
         if not 1 <= self.min_alive <= self.nodes:
             raise ConfigError(f"min_alive={self.min_alive} is invalid: between 1 and nodes={self.nodes}")
+        if not 0 <= self.learner_nice <= 19:
+            raise ConfigError(f"learner_nice={self.learner_nice} is invalid: must be in [0, 19]")
         if self.netns_rate and not self.netns:
             raise ConfigError(f"netns_rate={self.netns_rate!r} needs netns (caps are set on namespace links)")
         self.model.check()
@@ -93,7 +99,13 @@ class ChaosRun:
     def __init__(self, cfg: ChaosConfig) -> None:
         cfg.check()
         self.cfg = cfg
-        self.flags = ["--threads", str(max(1, (os.cpu_count() or 1) // cfg.nodes)), *cfg.node_flags]
+        self.flags = [
+            "--threads",
+            str(max(1, (os.cpu_count() or 1) // cfg.nodes)),
+            "--learner-nice",
+            str(cfg.learner_nice),
+            *cfg.node_flags,
+        ]
         self.slots: dict[int, Slot] = {}
         self.outages: list[Outage] = []
         self.applied: list[dict] = []

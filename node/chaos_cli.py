@@ -83,6 +83,13 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
         "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
     )
     cp.add_argument(
+        "--learner-nice",
+        type=int,
+        default=10,
+        help="niceness of every node's learner thread: the nodes share this host's cores, and a restarting "
+        "node's start-up and every node's network side go first, as on hosts of their own (0: off)",
+    )
+    cp.add_argument(
         "--netns", action="store_true", help="each node in its own network namespace (root; iproute2)"
     )
     cp.add_argument(
@@ -235,6 +242,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         model=model,
         plan=plan_from_json(Path(args.plan).read_text()) if args.plan else None,
         node_flags=flags,
+        learner_nice=args.learner_nice,
         stall_bound_s=args.stall_bound_s,
         min_alive=args.min_alive,
         settle_s=args.settle_s,

@@ -159,6 +159,14 @@ class NodeSettings:
             "under load from other programs a niced network side answers late"
         },
     )
+    learner_nice: int = field(
+        default=0,
+        metadata={
+            "help": "niceness added to the learner thread alone when it starts: for several nodes on one "
+            "host (the chaos harness sets 10), so each node's start-up and network side run before the "
+            "other nodes' learners, as on hosts of their own; 0 (default) leaves priorities alone"
+        },
+    )
     nproc: int = field(
         default=1,
         metadata={
@@ -208,6 +216,8 @@ class NodeSettings:
             )
         if not 0 <= self.agent_nice <= 19:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
+        if not 0 <= self.learner_nice <= 19:
+            raise ConfigError(f"learner_nice={self.learner_nice} is invalid: must be in [0, 19]")
         if self.system not in NODE_SYSTEMS:
             raise ConfigError(
                 f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "

@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from node.learner import Learner
+from node.priority import lower_own_thread_priority
 from node.runner import evaluate
 from node.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
@@ -236,6 +237,9 @@ class LearnerLoop(threading.Thread):
         s = self.node.settings
         if s.threads > 0:
             torch.set_num_threads(s.threads)
+        if s.learner_nice > 0:
+            added = lower_own_thread_priority(s.learner_nice)
+            logger.info("learner thread niced by %d (learner_nice %d)", added, s.learner_nice)
         lrn = self.learner
         first_step = lrn.steps
         unit = self.node.unit
