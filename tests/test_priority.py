@@ -27,3 +27,33 @@ def test_network_side_is_niced_and_the_learner_thread_keeps_its_priority():
     assert out.returncode == 0, out.stderr
     changed, main_d, learner_d, child_d = map(int, out.stdout.split())
     assert changed >= 2 and main_d == 4 and learner_d == 0 and child_d == 4
+
+
+OWN_SCRIPT = r"""
+import os, threading
+from node.priority import lower_own_thread_priority
+base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+out = {}
+def learner():
+    out["added"] = lower_own_thread_priority(6)
+    out["learner"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base
+t = threading.Thread(target=learner); t.start(); t.join()
+print(out["added"], out["learner"], os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base)
+"""
+
+
+def test_learner_nice_lowers_only_the_calling_thread():
+    out = subprocess.run([sys.executable, "-c", OWN_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    added, learner_d, main_d = map(int, out.stdout.split())
+    assert added == 6 and learner_d == 6 and main_d == 0
+
+
+def test_learner_nice_out_of_range_is_refused():
+    import pytest
+
+    from node.config import NodeSettings
+    from protocol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="learner_nice=20"):
+        NodeSettings(learner_nice=20)
