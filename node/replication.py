@@ -38,6 +38,22 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
+SNAPSHOT_BYTES_PER_PARAM = 8.0  # a fragment's snapshot: fp32 parameters and fp32 outer momentum
+
+
+def record_bytes_per_param(codec: str, block: int) -> float:
+    """Wire bytes per parameter of a merge record's merged outer gradient in ``codec``."""
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / block, "int4": 0.5 + 4.0 / block}[codec]
+
+
+def records_bridge(gap: int, pcfg) -> bool:
+    """Catch up a fragment ``gap`` rounds behind by fetching records (True) rather than a snapshot (False):
+    only while every record is still in a peer's log (``history`` rounds) and they weigh less than one
+    snapshot. A node back from a pause or a restart is usually far behind: a records request would bring
+    back the log's last rounds, which do not follow its own, and the snapshot would be fetched after all."""
+    if gap <= 0 or gap > pcfg.history:
+        return False
+    return gap * record_bytes_per_param(pcfg.record_codec, pcfg.codec_block) < SNAPSHOT_BYTES_PER_PARAM
 
 
 class Replication:
@@ -139,7 +155,7 @@ class Replication:
         self._syncing.add(p)
         try:
             rep = self.replicas[p]
-            if int(head[0]) > rep.round:
+            if records_bridge(int(head[0]) - rep.round, self.pcfg):
                 req = {"fragment": p, "from": rep.round + 1}
                 reply = await self.transport.call(pid, "records", json.dumps(req).encode())
                 if reply.ok:
