@@ -5,7 +5,9 @@ Threads and loops:
   * the learner trains in its own thread and never waits on the network: what it contributes goes into a
     queue, merged fragments come back through an inbox it drains between steps;
   * everything else runs on one asyncio loop (uvloop): membership heartbeats, the transport's ops, the
-    synchroniser state machines, record application, catch-up, checkpoints and the HTTP status endpoint.
+    synchroniser state machines, record application, catch-up, checkpoints and the HTTP status endpoint;
+  * the periodic evaluation of the global model runs in a worker thread of that loop, on a copy of the
+    replicas, so the learner does not pause for it.
 
 Roles: every node keeps a replica of every global fragment. For fragment p the synchroniser of its open
 round is the first of ``protocol.election.candidates`` over the eligible live members (a member that holds a
@@ -387,6 +389,7 @@ class Node(Replication, Persistence):
             self._write_ready()
             self._spawn(self._heartbeat_loop())
             self._spawn(self._sender_loop())
+            self._spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
                 self._spawn(self._checkpoint_loop())
             if s.duration > 0:
@@ -489,6 +492,14 @@ class Node(Replication, Persistence):
             await self._heartbeat_once()
             self._reconcile()
             await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
+
+    async def _eval_loop(self) -> None:
+        """Evaluate the global model now and every ``eval_every_s``, from a copy of the replicas taken on
+        this loop (records change them here), in a worker thread: the learner never pauses for it."""
+        while True:
+            params = {n: t.clone() for r in self.replicas for n, t in r.theta.items()}
+            await asyncio.to_thread(self.learner_loop.evaluate, params)
+            await asyncio.sleep(self.settings.eval_every_s)
 
     def _reconcile(self) -> None:
         """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot)."""

@@ -234,6 +234,7 @@ class NodeSettings:
             "block_timeout_s",
             "ban_after",
             "ban_s",
+            "eval_every_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be > 0")

@@ -49,7 +49,7 @@ class LearnerLoop(threading.Thread):
         self.eval_history: list[tuple[float, int, float]] = []
         self.error: BaseException | None = None
         self._eval_model = node.task.new_model()
-        self._next_eval = 0.0
+        self._eval_lock = threading.Lock()  # the agent's periodic evaluation and the final one share the model
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
 
     def deliver(self, p: int, round_: int, theta, force: bool, merged: list | None = None) -> None:
@@ -176,8 +176,6 @@ class LearnerLoop(threading.Thread):
         if not lrn.sharded:
             self._answer(asks)
             asks = []
-        if time.monotonic() >= self._next_eval:
-            self.evaluate()
         return adopted, asks
 
     def _answer(self, asks: list) -> None:
@@ -222,15 +220,18 @@ class LearnerLoop(threading.Thread):
             )
             self.node.post_contribution(header, enc)
 
-    def evaluate(self) -> float:
-        """Eval loss of the global model as this node holds it (the fragments it last adopted)."""
-        params = {n: t for base in self.learner.base for n, t in base.items()}
-        self._eval_model.load_state_dict(params, strict=False)
-        loss = evaluate(self.node.task, self._eval_model)
+    def evaluate(self, params: dict[str, torch.Tensor] | None = None) -> float:
+        """Eval loss of the global model: ``params`` (a copy of the node's replicas, handed over by the agent,
+        which evaluates off this thread so the learner never pauses for it), else the fragments the
+        learner last adopted (once it has stopped). Any thread."""
+        if params is None:
+            params = {n: t for base in self.learner.base for n, t in base.items()}
+        with self._eval_lock:
+            self._eval_model.load_state_dict(params, strict=False)
+            loss = evaluate(self.node.task, self._eval_model)
         self.eval_loss = loss
         self.eval_history.append((time.time(), self.learner.steps, loss))
         self.node.events.emit("eval", t=time.time(), tokens=self.tokens, loss=loss, step=self.learner.steps)
-        self._next_eval = time.monotonic() + self.node.settings.eval_every_s
         return loss
 
     def run(self) -> None:

@@ -48,12 +48,3 @@ def test_learner_nice_lowers_only_the_calling_thread():
     added, learner_d, main_d = map(int, out.stdout.split())
     assert added == 6 and learner_d == 6 and main_d == 0
 
-
-def test_learner_nice_out_of_range_is_refused():
-    import pytest
-
-    from node.config import NodeSettings
-    from protocol.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="learner_nice=20"):
-        NodeSettings(learner_nice=20)

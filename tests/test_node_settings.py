@@ -1,0 +1,25 @@
+"""Node settings refuse values they cannot run with, naming the setting."""
+
+import pytest
+
+from node.config import NodeSettings
+from protocol.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"learner_nice": 20}, "learner_nice=20 is invalid"),
+        ({"learner_nice": -1}, "learner_nice=-1 is invalid"),
+        ({"agent_nice": 20}, "agent_nice=20 is invalid"),
+        ({"eval_every_s": 0.0}, "eval_every_s=0.0 is invalid"),
+    ],
+)
+def test_out_of_range_settings_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        NodeSettings(**kwargs)
+
+
+def test_the_defaults_are_valid():
+    s = NodeSettings()
+    assert s.learner_nice == 0 and s.agent_nice == 0 and s.eval_every_s > 0
