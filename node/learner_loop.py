@@ -238,9 +238,8 @@ class LearnerLoop(threading.Thread):
         s = self.node.settings
         if s.threads > 0:
             torch.set_num_threads(s.threads)
-        if s.learner_nice > 0:
-            added = lower_own_thread_priority(s.learner_nice)
-            logger.info("learner thread niced by %d (learner_nice %d)", added, s.learner_nice)
+        niced = lower_own_thread_priority(s.learner_nice) if s.learner_nice > 0 else 0
+        self.node.events.emit("learner", t=time.time(), learner=self.node.peer_id, niced=niced)
         lrn = self.learner
         first_step = lrn.steps
         unit = self.node.unit
