@@ -64,7 +64,11 @@ def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[
         env = dict(os.environ)
         if "--threads" in flags:  # OpenMP reads this at start-up, before any torch call
             env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        # A process group of its own (a kill -9 takes the node with its DHT process and p2pd), but not a
+        # session: Linux's autogroup scheduling makes each session a scheduling group of its own, sharing
+        # the CPU equally with the others whatever its threads' niceness, so ``learner_nice`` would not
+        # reach across nodes (a restarting node would get a fifth of the cores, not what the learners leave).
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
     return Child(index, d, proc, log)
 
 

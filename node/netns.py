@@ -132,7 +132,8 @@ class NetLab:
         if "--threads" in flags:
             env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            # its own process group, in this session: see ``node.launcher.start_node``
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
         return Child(index, d, proc, log)
 
     def inside(self, i: int, fn: Callable[[], T]) -> T:
