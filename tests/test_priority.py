@@ -48,3 +48,19 @@ def test_learner_nice_lowers_only_the_calling_thread():
     added, learner_d, main_d = map(int, out.stdout.split())
     assert added == 6 and learner_d == 6 and main_d == 0
 
+
+
+def test_launched_nodes_share_the_launchers_session_in_a_process_group_of_their_own(tmp_path):
+    """Linux autogroups are per session: a node in a session of its own would get an equal share of the
+    CPU whatever its threads' niceness, and ``learner_nice`` would not reach across nodes."""
+    import os
+
+    from node.launcher import start_node
+
+    child = start_node(0, tmp_path, ["--help"], [])
+    try:
+        pid = child.proc.pid
+        assert os.getpgid(pid) == pid  # kill -9 of the group takes the node with its DHT process and p2pd
+        assert os.getsid(pid) == os.getsid(0)
+    finally:
+        child.proc.wait(timeout=60)
