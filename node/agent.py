@@ -40,7 +40,6 @@ import torch
 from dht.identity import Identity
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
-from node.checkpoint import export_model
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.guard import Guard
@@ -411,22 +410,7 @@ class Node(Replication, Persistence):
             with contextlib.suppress(BaseException):
                 await t
         try:
-            if ll.ident is not None and ll.error is None:
-                try:
-                    ll._service()  # adopt what arrived, so the exported model is this node's newest view
-                    await asyncio.to_thread(ll.evaluate)
-                    await self.checkpoint()
-                    out = (
-                        Path(self.settings.export)
-                        if self.settings.export
-                        else self.state_dir / "model.safetensors"
-                    )
-                    params = {n: t for r in self.replicas for n, t in r.theta.items()}
-                    await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
-                except Exception:  # noqa: BLE001 - the summary below must still be written
-                    logger.exception("final checkpoint or export failed")
-                    self.stop_reason += " (final checkpoint or export failed; see the log)"
-            self._write_final()
+            await self._final_files()
         finally:
             self.events.emit(
                 "run",

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from node.checkpoint import load_latest, save_checkpoint
+from node.checkpoint import export_model, load_latest, save_checkpoint
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
@@ -23,6 +23,27 @@ logger = logging.getLogger(__name__)
 
 class Persistence:
     """Checkpoints and the files other tools read (``ddiloco up``, ``ddiloco status``, tests)."""
+
+    async def _final_files(self) -> None:
+        """At exit, once the learner has stopped: its last adoptions, a final evaluation, checkpoint and
+        export (when the learner ran and did not fail), then final.json in any case."""
+        ll = self.learner_loop
+        if ll.ident is not None and ll.error is None:
+            try:
+                ll._service()  # adopt what arrived, so the exported model is this node's newest view
+                await asyncio.to_thread(ll.evaluate)
+                await self.checkpoint()
+                out = (
+                    Path(self.settings.export)
+                    if self.settings.export
+                    else self.state_dir / "model.safetensors"
+                )
+                params = {n: t for r in self.replicas for n, t in r.theta.items()}
+                await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
+            except Exception:  # noqa: BLE001 - the summary below must still be written
+                logger.exception("final checkpoint or export failed")
+                self.stop_reason += " (final checkpoint or export failed; see the log)"
+        self._write_final()
 
     def _restore(self) -> bool:
         ck = load_latest(self.state_dir / "checkpoints", self.settings.swarm)
