@@ -49,9 +49,8 @@ class LearnerLoop(threading.Thread):
         self.eval_history: list[tuple[float, int, float]] = []
         self.error: BaseException | None = None
         self._eval_model = node.task.new_model()
-        self._eval_lock = (
-            threading.Lock()
-        )  # the agent's periodic evaluation and the final one share the model
+        # The agent's periodic evaluation and the final one share this model.
+        self._eval_lock = threading.Lock()
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
 
     def deliver(self, p: int, round_: int, theta, force: bool, merged: list | None = None) -> None:
