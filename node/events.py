@@ -19,7 +19,7 @@ class EventLog:
         self._flush = flush  # a live node flushes every line, so a kill -9 loses nothing already emitted
         self.records: list[dict] = []
         self._fh: IO[str] | None = None
-        self._lock = threading.Lock()  # a node emits from its learner thread and its event loop
+        self._lock = threading.Lock()  # a node emits from its learner thread, event loop and workers
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -34,9 +34,10 @@ class EventLog:
                     self._fh.flush()
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        with self._lock:  # a worker thread (the agent's evaluation) may still be emitting
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
 
     def of(self, kind: str) -> list[dict]:
         return [r for r in self.records if r["kind"] == kind]
