@@ -42,6 +42,7 @@ from node.config import NodeSettings
 from node.launcher import Child, poll, start_node, stop_all, wait_ready
 from node.learner import InnerConfig, plan_for
 from node.task import TaskConfig, load_task
+from protocol.codecs import encoded_nbytes
 from protocol.config import ProtocolConfig
 
 DP_BYTES_PER_PARAM = 4  # fp32 gradients
@@ -94,12 +95,7 @@ def cpu_seconds(pid: int) -> tuple[float, float, dict[str, float]]:
 # ------------------------------------------------------------------------------------------- analytic part
 def codec_bytes(numel: int, codec: str, block: int) -> float:
     """Payload bytes of one tensor of ``numel`` elements under the wire codec (``protocol.codecs``)."""
-    if codec == "fp32":
-        return 4.0 * numel
-    if codec == "bf16":
-        return 2.0 * numel
-    blocks = math.ceil(numel / block)
-    return blocks * block * (0.5 if codec == "int4" else 1.0) + 4.0 * blocks  # codes + one fp32 scale/block
+    return float(encoded_nbytes(numel, codec, block))
 
 
 def analytic(

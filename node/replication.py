@@ -26,6 +26,7 @@ from node.wire import (
     parse_snapshot_request,
     unpack_list,
 )
+from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
 from protocol.synchroniser import (
     Decision,
@@ -43,7 +44,7 @@ SNAPSHOT_BYTES_PER_PARAM = 8.0  # a fragment's snapshot: fp32 parameters and fp3
 
 def record_bytes_per_param(codec: str, block: int) -> float:
     """Wire bytes per parameter of a merge record's merged outer gradient in ``codec``."""
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / block, "int4": 0.5 + 4.0 / block}[codec]
+    return encoded_nbytes(block, codec, block) / block
 
 
 def records_bridge(gap: int, pcfg) -> bool:

@@ -11,6 +11,7 @@ Bound: |x - q(x)| <= max(|x| / 3, s / 128).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +159,15 @@ def decode_tensors(encoded: dict[str, Encoded]) -> dict[str, torch.Tensor]:
 
 def wire_bytes(encoded: dict[str, Encoded]) -> int:
     return sum(e.nbytes for e in encoded.values())
+
+
+def encoded_nbytes(numel: int, codec: str, block: int) -> int:
+    """Wire bytes of one tensor of ``numel`` values once encoded (``Encoded.nbytes``), without encoding it:
+    fp32 4 and bf16 2 bytes a value; int8 and int4 1 and 1/2 a value over whole blocks, plus one fp32 scale
+    a block."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(sorted(CODECS))}")
+    if codec in ("fp32", "bf16"):
+        return (4 if codec == "fp32" else 2) * numel
+    blocks = math.ceil(numel / block)
+    return blocks * block // (2 if codec == "int4" else 1) + 4 * blocks

@@ -50,3 +50,12 @@ def test_shapes_preserved_for_multidim():
 def test_unknown_codec_is_a_clear_error():
     with pytest.raises(ProtocolError, match="unknown codec 'int3'"):
         get_codec("int3")
+
+
+def test_encoded_nbytes_is_what_encoding_makes():
+    from protocol.codecs import encode_tensors, encoded_nbytes, wire_bytes
+
+    for codec in ("fp32", "bf16", "int8", "int4"):
+        for numel, block in ((1000, 64), (37504, 64), (7, 64), (130, 32)):
+            enc = encode_tensors({"x": torch.randn(numel)}, codec, block)
+            assert encoded_nbytes(numel, codec, block) == wire_bytes(enc), (codec, numel, block)
