@@ -9,6 +9,7 @@ failure says what was tried and what to check.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 
 import hivemind
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
@@ -115,6 +116,15 @@ def _parse_maddrs(what: str, addrs: Sequence[str], need_peer_id: bool = False) -
                 f"{what}[{i}]={str(s)!r} lacks the peer's /p2p/<peer id>; expected e.g. {example}"
             )
         out.append(m)
+    return out
+
+
+def peer_ids_of(maddrs: Sequence[str]) -> list[str]:
+    """The peer ids (``/p2p/<id>``) of the multiaddrs that name one; the others are skipped."""
+    out = []
+    for m in _parse_maddrs("initial_peers", maddrs):
+        if "p2p" in m:
+            out.append(str(m["p2p"]))
     return out
 
 
@@ -289,11 +299,14 @@ class Membership:
 
     def _wait(self, what: str, call: Any, **kwargs: Any) -> Any:
         tried = f"{what} key {self.key!r} of swarm {self.swarm!r}"
+        return self._result(tried, lambda: call(self.key, return_future=True, **kwargs))
+
+    def _result(self, tried: str, start: Callable[[], Future]) -> Any:
         if not self.dht.is_alive():
             raise SwarmUnreachable(f"{tried}: the local DHT process is not running (shut down or crashed)")
         future: Future | None = None
         try:
-            future = call(self.key, return_future=True, **kwargs)
+            future = start()
             return future.result(timeout=self.timeout_s)
         except FutureTimeout as e:
             if future is not None:
@@ -346,3 +359,44 @@ class Membership:
                 )
         members, bad = live_view(self.swarm, raws, now, self.admission)
         return members, {**dropped, **bad}
+
+    def relink(self, peer_ids: Sequence[str]) -> list[str]:
+        """Ping every peer of ``peer_ids`` that the DHT's routing table has lost; return those that answered.
+
+        hivemind drops a peer from its routing table when one request to it times out, and the peer drops
+        us the same way. Under a saturated link both sides can lose each other for good: nothing is left
+        that would make either side call the other again, and a bootstrap node, which has no initial peers
+        to fall back on, then sees only its own record. A ping that is answered puts the peer back in our
+        table, and puts us back in the peer's (hivemind adds the caller of every ping it answers).
+        """
+        wanted = sorted({p for p in peer_ids if p})
+        if not wanted:
+            return []
+        tried = f"relinking the DHT of swarm {self.swarm!r} to {len(wanted)} known peers"
+        return list(
+            self._result(tried, lambda: self.dht.run_coroutine(_RelinkInDHT(wanted), return_future=True))
+        )
+
+
+class _RelinkInDHT:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
+    """Runs in the DHT process: ping the listed peers missing from the routing table, all at once."""
+
+    def __init__(self, peer_ids: list[str]) -> None:
+        self.peer_ids = peer_ids
+
+    async def __call__(self, _dht, node) -> list[str]:
+        table = node.protocol.routing_table
+
+        async def one(raw: str) -> str | None:
+            try:
+                pid = PeerID.from_base58(raw)
+            except Exception:  # noqa: BLE001 - not a peer id: nothing to ping
+                return None
+            if pid == node.peer_id or table.get(peer_id=pid) is not None:
+                return None
+            if await node.protocol.call_ping(pid) is None:
+                return None
+            node.blacklist.register_success(pid)  # answered: lift any back-off ban at once
+            return raw
+
+        return [r for r in await asyncio.gather(*(one(p) for p in self.peer_ids)) if r is not None]

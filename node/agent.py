@@ -39,7 +39,7 @@ import torch
 
 from dht.identity import Identity
 from dht.records import Member, eligible
-from dht.swarm import get_dht_time
+from dht.swarm import get_dht_time, peer_ids_of
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.guard import Guard
@@ -92,6 +92,7 @@ def process_start_time() -> float:
 
 
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
+RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
@@ -212,6 +213,11 @@ class Node(Replication, Persistence):
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
         self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
+        # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
+        self._peer_book: dict[str, float] = dict.fromkeys(
+            peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")
+        )
+        self._relinking: asyncio.Task | None = None
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {
@@ -458,6 +464,9 @@ class Node(Replication, Persistence):
             logger.warning("reading the membership failed: %s", e)
             return
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
+        seen = self.loop.time()
+        for pid in self.members:
+            self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
         self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
@@ -475,6 +484,8 @@ class Node(Replication, Persistence):
             t0 = self.loop.time()
             await self._heartbeat_once()
             self._reconcile()
+            if self._relinking is None or self._relinking.done():
+                self._relinking = self._spawn(self._relink())
             await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
 
     async def _eval_loop(self) -> None:
@@ -484,6 +495,20 @@ class Node(Replication, Persistence):
             params = {n: t.clone() for r in self.replicas for n, t in r.theta.items()}
             await asyncio.to_thread(self.learner_loop.evaluate, params)
             await asyncio.sleep(self.settings.eval_every_s)
+
+    async def _relink(self) -> None:
+        """Put back into the DHT's routing table the peers it lost (``Membership.relink``): initial peers, and
+        members seen within ``RELINK_MEMORY_S``. Without it a saturated link can cut a node off for good."""
+        now = self.loop.time()
+        self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
+        try:
+            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book))
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("relinking the DHT failed: %s", e)
+            return
+        if back:
+            logger.warning("the DHT had lost %d known peer(s); they answered and are linked again", len(back))
+            self.events.emit("relink", t=time.time(), peers=back)
 
     def _reconcile(self) -> None:
         """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot)."""
