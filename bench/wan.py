@@ -54,8 +54,9 @@ from node.netns import NetLab
 from node.status import StatusError, fetch_status, send_control
 from protocol.errors import ConfigError, DDiLoCoError
 
-SYSTEMS = ("ours", "sync", "dp-fp32", "dp-bf16")
-NODE_SYSTEM = {"ours": "decoupled", "sync": "sync-diloco"}
+SYSTEMS = ("ours", "ours-q", "sync", "dp-fp32", "dp-bf16")
+NODE_SYSTEM = {"ours": "decoupled", "ours-q": "decoupled", "sync": "sync-diloco"}
+REFERENCE_POINTS = 30  # evaluations on the DP reference run's step grid
 DP_PORT = 29500  # rank 0's rendezvous, on node 0's address inside the lab
 
 
@@ -98,6 +99,8 @@ class WanConfig:
     settle_s: float = 60.0
     """bound on the nodes' quiet period (one model hash) after the window"""
     gloo_timeout_s: float = 300.0
+    dp_reference: bool = True
+    """run each DP system once more, uncapped, to the most tokens ours reached (eval loss per token)"""
 
     def check(self) -> None:
         if self.nodes < 2:
@@ -179,6 +182,8 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
     flags = ["--threads", "1", "--swarm", f"wan-{os.getpid()}", "--batch-size", str(cfg.batch_size)]
     flags += ["--eval-every-s", f"{cfg.eval_every_s:g}", "--sync-every", str(cfg.sync_every)]
     flags += ["--steps", str(cfg.steps), "--system", NODE_SYSTEM[system], *cfg.node_flags]
+    if system == "ours-q":
+        flags += ["--quorum", str(cfg.nodes - 1)]  # a round waits for every learner but one
     children: list[Child] = []
 
     def status(c: Child) -> dict | None:
@@ -355,6 +360,7 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
     learner = {
         "steps": [(r["t0"], r["t1"], r["tokens"]) for r in ev if r["kind"] == "step"],
         "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
+        "eval_steps": [(r["step"], r["loss"]) for r in ev if r["kind"] == "eval"],
         "merges": 0,
         "final": json.loads(final.read_text()) if final.exists() else {},
     }
@@ -366,6 +372,58 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
         "settled": True,
         "tokens_per_step": tokens_per_step,
         "world": cfg.nodes,
+    }
+
+
+def run_dp_reference(
+    cfg: WanConfig, grads: str, tokens: int, capped: list[dict], run_dir: Path, say: Callable[[str], None]
+) -> dict:
+    """DP's eval loss per token beyond what the capped runs reached: the same workers, model, data and seeds
+    on uncapped links until ``tokens``, evaluated on a step grid and at every step the capped runs evaluated
+    at. A DP step's arithmetic does not depend on the link (the same gradients, all-reduced in the same
+    order), so where both evaluated after the same step the losses must agree; ``max_gap`` says how far
+    they do."""
+    tps = next((c["tokens_per_step"] for c in capped if c.get("tokens_per_step")), 0)
+    if not tps:
+        raise LaunchError("no capped DP run took a step: nothing to take a reference for")
+    steps = -(-tokens // tps)
+    at = sorted({st for c in capped for lr in c["learners"] for st, _ in lr.get("eval_steps", [])})
+    grid = max(1, steps // REFERENCE_POINTS)
+    extra = ["--stop-at-tokens", str(tokens), "--eval-every-steps", str(grid)]
+    extra += ["--eval-at-steps", ",".join(map(str, at))]
+    say(f"starting {cfg.nodes} DDP workers on uncapped links until {tokens:,} tokens ({steps} steps)")
+    lab = NetLab(cfg.nodes, "", tag=f"r{os.getpid() % 10000}").open()
+    procs = wan_dp.start_workers(
+        lab, run_dir, DP_PORT, grads, 1e9, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps, extra=extra
+    )
+    ev_path = run_dir / "events.jsonl"
+    try:
+        deadline = time.monotonic() + cfg.start_timeout_s + steps * 10.0
+        last_note = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the DP reference run did not reach {tokens:,} tokens in time")
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                tail = (run_dir / f"worker-{bad[0]}.log").read_text(errors="replace").splitlines()[-15:]
+                raise LaunchError(f"DP reference worker {bad[0]} failed; its log:\n" + "\n".join(tail))
+            if time.monotonic() - last_note >= 15:
+                done = sum(1 for r in read_events(ev_path) if r["kind"] == "step")
+                say(f"reference  steps {done}/{steps}")
+                last_note = time.monotonic()
+            time.sleep(1.0)
+    finally:
+        wan_dp.kill_workers(procs)
+        lab.close()
+    ev = [r for r in read_events(ev_path) if r["kind"] == "eval"]
+    by_step = {r["step"]: r["loss"] for r in ev}
+    gaps = [abs(loss - by_step[st]) for c in capped for lr in c["learners"]
+            for st, loss in lr.get("eval_steps", []) if st in by_step]  # fmt: skip
+    return {
+        "curve": sorted({(r["tokens"], r["loss"]) for r in ev}),
+        "tokens_total": max((r["tokens"] for r in ev), default=0),
+        "compared_evals": len(gaps),
+        "max_gap": max(gaps, default=None),
     }
 
 
@@ -394,6 +452,8 @@ def run_all(cfg: WanConfig) -> dict:
                 else:
                     raw = run_dp(cfg, lab, system.split("-")[1], run_dir, say)
                 res = analyze(raw, cfg.nodes)
+                if system.startswith("dp-"):
+                    res["raw"] = {"learners": raw["learners"], "tokens_per_step": raw["tokens_per_step"]}
                 say(f"{res['tokens_per_s']:,.0f} tokens/s, final eval {res['final_loss']:.3f}; {run_dir}")
             except (DDiLoCoError, OSError) as e:  # one failed run is reported; the others still run
                 res = {"error": str(e)}
@@ -408,6 +468,45 @@ def run_all(cfg: WanConfig) -> dict:
                 "cpus": os.cpu_count(),
             }
             (cfg.run_dir / "wan.json").write_text(json.dumps(doc, indent=1))  # kept if a later run fails
+    if cfg.dp_reference:
+        doc["reference"] = {}
+        for system in [s for s in cfg.systems if s.startswith("dp-")]:
+            ours = [
+                r
+                for row in results.values()
+                for s, r in row.items()
+                if s.startswith("ours") and "error" not in r
+            ]
+            raws = [r for row in results.values() for s, r in row.items() if s == system and "raw" in r]
+            if not ours or not raws:
+                continue
+            run_dir = cfg.run_dir / "reference" / system
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+
+            def say(msg: str, system: str = system) -> None:
+                log(f"[{time.monotonic() - t_start:6.0f}s reference {system}] {msg}")
+
+            tokens = max(r["tokens_total"] for r in ours)
+            try:
+                ref = run_dp_reference(
+                    cfg, system.split("-")[1], tokens, [r["raw"] for r in raws], run_dir, say
+                )
+                gap = "-" if ref["max_gap"] is None else f"{ref['max_gap']:.2g}"
+                say(
+                    f"{ref['tokens_total']:,} tokens; {ref['compared_evals']} evals of the capped runs "
+                    f"repeated, largest difference {gap}"
+                )
+            except (DDiLoCoError, OSError) as e:
+                ref = {"error": str(e)}
+                say(f"FAILED: {e}")
+            doc["reference"][system] = ref
+            doc["wall_s"] = time.monotonic() - t_start
+            (cfg.run_dir / "wan.json").write_text(json.dumps(doc, indent=1))
+    for row in results.values():
+        for r in row.values():
+            r.pop("raw", None)
+    (cfg.run_dir / "wan.json").write_text(json.dumps(doc, indent=1))
     return doc
 
 
@@ -432,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="where runs write, and wan.json at the end (default: a temporary folder)",
     )
+    ap.add_argument(
+        "--no-dp-reference",
+        action="store_true",
+        help="skip the uncapped DP run that gives DP's eval loss at ours' token counts",
+    )
     ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
     ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
@@ -453,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_every=a.sync_every,
         batch_size=a.batch_size,
         node_flags=a.node_flags.split(),
+        dp_reference=not a.no_dp_reference,
     )
 
     def on_term(signum, frame):  # noqa: ARG001 - SIGTERM unwinds like Ctrl+C: every finally runs

@@ -9,10 +9,11 @@ equivalent of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the b
 default.
 
 Rank 0 leads: it evaluates the model every ``--eval-every-s`` (the others wait in the next all-reduce, as
-they would in any DP job) and writes ``events.jsonl`` (``step`` and ``eval`` records in the nodes' shape,
-tokens counted over all workers). When the harness creates ``STOP`` in the run folder, rank 0 broadcasts
-the stop with the next step's control tensor, so every rank leaves the loop after the same step and writes
-``final-RANK.json`` (steps, model hash). Every collective runs under the process group's timeout, and a
+they would in any DP job), every ``--eval-every-steps`` and after each of ``--eval-at-steps``, and writes
+``events.jsonl`` (``step`` and ``eval`` records in the nodes' shape, tokens counted over all workers).
+When the harness creates ``STOP`` in the run folder, or once ``--stop-at-tokens`` are trained, rank 0
+broadcasts the stop with the next step's control tensor, so every rank leaves the loop after the same
+step and writes ``final-RANK.json`` (steps, model hash). Every collective runs under the process group's timeout, and a
 worker dies with its launcher (``PR_SET_PDEATHSIG``).
 
     ip netns exec NS python bench/wan_dp.py --rank R --world N --master ADDR:PORT --run-dir DIR
@@ -103,6 +104,7 @@ def worker(a: argparse.Namespace) -> int:
         do_eval()
         (run_dir / "ready.json").write_text(json.dumps({"t": time.time(), "world": a.world}))
     next_eval = time.monotonic() + a.eval_every_s
+    at_steps = {int(x) for x in a.eval_at_steps.split(",") if x.strip()}
     ctrl = torch.zeros(1, dtype=torch.int64)
     while True:
         t0 = time.time()
@@ -110,10 +112,12 @@ def worker(a: argparse.Namespace) -> int:
         t1 = time.time()
         emit("step", t0=t0, t1=t1, step=lrn.steps, tokens=res.tokens, loss=res.loss)
         if lead:
-            if time.monotonic() >= next_eval:
+            on_grid = a.eval_every_steps > 0 and lrn.steps % a.eval_every_steps == 0
+            if time.monotonic() >= next_eval or on_grid or lrn.steps in at_steps:
                 do_eval()
                 next_eval = time.monotonic() + a.eval_every_s
-            ctrl[0] = int((run_dir / "STOP").exists())
+            done = a.stop_at_tokens > 0 and lrn.steps * lrn.tokens_per_step >= a.stop_at_tokens
+            ctrl[0] = int(done or (run_dir / "STOP").exists())
         dist.broadcast(ctrl, src=0)  # one 8-byte message: every rank leaves after the same step
         if ctrl.item():
             break
@@ -137,8 +141,9 @@ def worker(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ the launcher side
 def start_workers(lab, run_dir: Path, port: int, grads: str, eval_every_s: float, batch: int, timeout_s: float,
-                  steps: int, seed: int = 0) -> list[subprocess.Popen]:  # fmt: skip
-    """One worker per namespace of ``lab`` (``node.netns.NetLab``); rank 0 listens on node 0's address."""
+                  steps: int, seed: int = 0, extra: list[str] | tuple[str, ...] = ()) -> list[subprocess.Popen]:  # fmt: skip
+    """One worker per namespace of ``lab`` (``node.netns.NetLab``); rank 0 listens on node 0's address.
+    ``extra``: more worker flags (the reference run's ``--stop-at-tokens`` and evaluation grid)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     procs = []
@@ -146,7 +151,7 @@ def start_workers(lab, run_dir: Path, port: int, grads: str, eval_every_s: float
         cmd = ["ip", "netns", "exec", lab.ns(r), sys.executable, os.path.abspath(__file__), "--rank", str(r)]
         cmd += ["--world", str(lab.nodes), "--master", f"{lab.addr(0)}:{port}", "--run-dir", str(run_dir)]
         cmd += ["--grads", grads, "--eval-every-s", str(eval_every_s), "--batch-size", str(batch)]
-        cmd += ["--timeout-s", str(timeout_s), "--steps", str(steps), "--seed", str(seed)]
+        cmd += ["--timeout-s", str(timeout_s), "--steps", str(steps), "--seed", str(seed), *extra]
         with open(run_dir / f"worker-{r}.log", "ab") as fh:
             procs.append(
                 subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -186,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--grads", choices=GRADS, default="fp32", help="gradients on the wire")
     ap.add_argument("--eval-every-s", type=float, default=10.0)
+    ap.add_argument("--eval-every-steps", type=int, default=0, help="also evaluate every N steps (0: off)")
+    ap.add_argument("--eval-at-steps", default="", help="also evaluate after these steps (comma-separated)")
+    ap.add_argument("--stop-at-tokens", type=int, default=0, help="stop once this many tokens are trained")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="process group (and collective) timeout")
     ap.add_argument("--steps", type=int, default=5000, help="steps the lr schedule spans (a node's --steps)")

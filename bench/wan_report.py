@@ -9,6 +9,7 @@ TARGET_DP = 10.0  # ours / data-parallel tokens/s
 TARGET_SYNC = 2.0  # ours / synchronous DiLoCo tokens/s
 LABEL = {
     "ours": "ours (decoupled)",
+    "ours-q": "ours, K=M-1",
     "sync": "sync DiLoCo",
     "dp-fp32": "DP fp32 grads",
     "dp-bf16": "DP bf16 grads",
@@ -142,17 +143,28 @@ def best_dp(row: dict) -> str | None:
     return max(dps, key=lambda s: row[s]["tokens_per_s"]) if dps else None
 
 
-def compare(row: dict, other: str) -> dict:
-    """ours against ``other`` at one cap: tokens/s ratio, and eval loss at their common token count."""
-    o, x = row["ours"], row[other]
+def compare(row: dict, other: str, ours: str = "ours", reference: dict | None = None) -> dict:
+    """``ours`` against ``other`` at one cap: tokens/s ratio, and eval loss at their common token count.
+    With ``reference`` (other's eval curve from the uncapped run of the same arithmetic), the loss is
+    compared at the most tokens both curves cover instead, past where the capped run of ``other`` stopped."""
+    o, x = row[ours], row[other]
+    curve = x["curve"]
     common = min(o["tokens_total"], x["tokens_total"])
-    lo, lx = loss_at(o["curve"], common), loss_at(x["curve"], common)
+    if reference and reference.get("curve") and o["curve"]:
+        curve = reference["curve"]
+        common = max(common, min(o["curve"][-1][0], curve[-1][0]))
+    lo, lx = loss_at(o["curve"], common), loss_at(curve, common)
     return {
         "ratio": o["tokens_per_s"] / x["tokens_per_s"] if x["tokens_per_s"] else float("inf"),
         "tokens": common,
         "ours_loss": lo["loss"] if lo else None,
         "other_loss": lx["loss"] if lx else None,
+        "reference": curve is not x["curve"],
     }
+
+
+def ours_keys(row: dict) -> list[str]:
+    return [s for s in ("ours", "ours-q") if s in row]
 
 
 def render(res: dict) -> str:
@@ -199,29 +211,43 @@ def render(res: dict) -> str:
         out.append(_cols(rows))
         out += [f"  {LABEL[s]} failed: {r['error'].splitlines()[0]}" for s, r in row.items() if "error" in r]
     systems = list(next(iter(results.values()), {}))
+    mine = [s for s in ("ours", "ours-q") if s in systems]
+    refs = res.get("reference", {})
+    for s, ref in refs.items():
+        if "error" in ref:
+            out += ["", f"{LABEL[s]} reference run (uncapped) failed: {ref['error'].splitlines()[0]}"]
+            continue
+        gap = "none compared" if ref["max_gap"] is None else f"largest difference {ref['max_gap']:.2g}"
+        out += ["", f"{LABEL[s]} reference run (uncapped, to {_k(ref['tokens_total'])} tokens): repeated "
+                f"{ref['compared_evals']} evaluations of the capped runs at the same steps, {gap}"]  # fmt: skip
     out += ["", "== tokens/s against the cap"]
-    rows = [["cap", *[LABEL[s] for s in systems], "ours/sync", "ours/best DP"]]
+    rows = [["cap", *[LABEL[s] for s in systems]]]
+    rows[0] += [h for m in mine for h in (f"{m}/sync", f"{m}/best DP")]
     for cap, row in results.items():
         good = ok(row)
         cells = [
             cap,
             *[f"{good[s]['tokens_per_s']:,.0f}" if s in good else _missing(row, s) for s in systems],
         ]
-        cells.append(f"{compare(good, 'sync')['ratio']:.2f}x" if {"ours", "sync"} <= set(good) else "-")
         dp = best_dp(good)
-        cells.append(
-            f"{compare(good, dp)['ratio']:.2f}x ({LABEL[dp][3:7]})" if dp and "ours" in good else "-"
-        )
+        for m in mine:
+            ok_m = m in good
+            cells.append(f"{compare(good, 'sync', m)['ratio']:.2f}x" if ok_m and "sync" in good else "-")
+            cells.append(f"{compare(good, dp, m)['ratio']:.2f}x ({LABEL[dp][3:7]})" if dp and ok_m else "-")
         rows.append(cells)
     out.append(_cols(rows))
     out += ["", "targets: tokens/s ours >= 10x data-parallel's (its faster variant) and >= 2x sync DiLoCo's, at "
-            "equal or better eval loss at equal tokens (the two runs' common token count)"]  # fmt: skip
+            "equal or better eval loss at equal tokens (the two runs' common token count; against DP, where "
+            "its uncapped reference run exists, the most tokens both reached)"]  # fmt: skip
     for cap, row in results.items():
         good = ok(row)
-        for other, target in (("sync", TARGET_SYNC), (best_dp(good), TARGET_DP)):
-            if other not in good or "ours" not in good:
+        pairs = [
+            (m, o, t) for m in ours_keys(good) for o, t in (("sync", TARGET_SYNC), (best_dp(good), TARGET_DP))
+        ]
+        for ours, other, target in pairs:
+            if other not in good:
                 continue
-            c = compare(good, other)
+            c = compare(good, other, ours, refs.get(other))
             fast = c["ratio"] >= target
             if c["ours_loss"] is None or c["other_loss"] is None:
                 lq, better = "no eval loss at the common token count", False
@@ -232,9 +258,11 @@ def render(res: dict) -> str:
                     f"({100 * (c['ours_loss'] / c['other_loss'] - 1):+.1f}%)"
                 )
             verdict = "HOLDS " if fast and better else "MISSED"
+            ref = " (DP: uncapped reference)" if c["reference"] else ""
             out.append(
-                f"  [{verdict}] {cap:>8s} vs {LABEL[other]:14s} {c['ratio']:6.2f}x (target {target:g}x: "
-                f"{'met' if fast else 'missed'}); {lq} ({'ours equal or better' if better else 'ours worse'})"
+                f"  [{verdict}] {cap:>8s} {LABEL[ours]:16s} vs {LABEL[other]:14s} {c['ratio']:6.2f}x (target "
+                f"{target:g}x: {'met' if fast else 'missed'}); {lq}{ref} "
+                f"({'ours equal or better' if better else 'ours worse'})"
             )
     out += ["", f"wall time: {res['wall_s']:.0f} s; run folders under {cfg['run_dir']}"]
     return "\n".join(out)
