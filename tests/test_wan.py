@@ -45,6 +45,40 @@ def test_eval_loss_is_read_at_all_learners_tokens_and_interpolated():
     assert report.loss_at(report.eval_curve(learners), 31) is None
 
 
+def test_against_dp_the_loss_is_read_on_the_reference_curve_past_the_capped_run():
+    row = {
+        "ours": {"tokens_per_s": 1000.0, "tokens_total": 400, "curve": [(0, 5.0), (400, 2.0)]},
+        "dp-bf16": {"tokens_per_s": 100.0, "tokens_total": 40, "curve": [(0, 5.0), (40, 4.0)]},
+    }
+    plain = report.compare(row, "dp-bf16")
+    assert plain["tokens"] == 40 and not plain["reference"]
+    assert plain["ours_loss"] == pytest.approx(4.7) and plain["other_loss"] == pytest.approx(4.0)
+    ref = {"curve": [(0, 5.0), (200, 2.5), (300, 1.5)], "tokens_total": 300}
+    c = report.compare(row, "dp-bf16", reference=ref)
+    assert c["reference"] and c["ratio"] == pytest.approx(10.0)
+    # the most tokens both curves cover: the reference ends at 300
+    assert (
+        c["tokens"] == 300 and c["ours_loss"] == pytest.approx(2.75) and c["other_loss"] == pytest.approx(1.5)
+    )
+    res = {
+        "config": {"nodes": 4, "duration_s": 75, "warm_s": 20, "batch_size": 16, "sync_every": 24,
+                   "eval_every_s": 15, "run_dir": "/x"},
+        "results": {"3mbit": {k: {**v, "steps_per_learner": 10, "step_s": 0.5, "sent_mbit_s_per_node": 1.0,
+                                  "sent_B_per_step_per_node": 1e3, "outside_steps_share": 0.1,
+                                  "final_loss": v["curve"][-1][1], "final_hashes": 1}
+                              for k, v in row.items()}},
+        "reference": {"dp-bf16": {**ref, "compared_evals": 2, "max_gap": 0.0}},
+        "wall_s": 1.0,
+        "cpus": 2,
+    }  # fmt: skip
+    text = report.render(res)
+    assert "repeated 2 evaluations of the capped runs at the same steps, largest difference 0" in text
+    assert (
+        "[MISSED]    3mbit ours (decoupled)" in text
+        and "+83.3%) (DP: uncapped reference) (ours worse)" in text
+    )
+
+
 # ------------------------------------------------------------------------------------------ namespaces
 def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
     """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
