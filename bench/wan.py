@@ -8,6 +8,8 @@ per node on a bridge, every node's link capped by ``tc tbf`` in both directions,
 
   ours     real ``ddiloco node`` processes with default flags (decoupled: P = H = 24, tau = 2, K = 1 with
            the grace window, int4 contributions and records)
+  ours-q   the same with ``--quorum N-1``: a round waits for every learner but one (fuller rounds, fewer
+           records: the setting for links of a few Mbit/s)
   sync     the same nodes with ``--system sync-diloco`` (one fragment, every live learner the quorum, plain
            mean, each learner waits after contributing until the merged model is back), the same H
   dp-fp32  ``bench/wan_dp.py``: N DDP workers in one gloo process group across the namespaces (DDP's
@@ -22,6 +24,12 @@ learner's steps, each step's tokens credited by the share of it inside the windo
 link (interface counters: all traffic, DHT and headers included) and CPU of each process tree. Every system evaluates its (global) model every ``--eval-every-s`` on the same fixed
 batches: eval loss is compared at the end and at equal tokens (tokens of all learners since the run's first
 step; linear interpolation between the two evaluations around the count).
+
+Under a low cap DP trains few tokens in the window. A DP step's arithmetic does not depend on the link, so
+after the capped runs each DP system runs once more on uncapped links, to the most tokens any of ours
+reached, evaluating on a step grid and after every step a capped DP run evaluated at (the report gives the
+largest difference there: it must be 0). Against DP, eval loss is compared at the most tokens both curves
+cover. ``--no-dp-reference`` skips it.
 
     python bench/wan.py                  # root (network namespaces); ~45 min on two CPU cores
     python bench/wan.py --quick          # two caps, 20 s windows, ~11 min
