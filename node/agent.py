@@ -92,6 +92,7 @@ def process_start_time() -> float:
 
 
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
+EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
 RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
@@ -196,7 +197,7 @@ class Node(Replication, Persistence):
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
         self._syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True)
+        self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
         self.counters = {
             "records_applied": 0,
             "records_made": 0,

@@ -8,16 +8,30 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from pathlib import Path
 from typing import IO
 
 
 class EventLog:
-    """Keeps records in memory and, when given a path, appends each as a JSON line."""
+    """Keeps records in memory and, when given a path, appends each as a JSON line.
 
-    def __init__(self, path: str | Path | None = None, flush: bool = False, append: bool = False) -> None:
+    ``keep``: hold only the newest ``keep`` records in memory (a node runs for days; its file keeps them
+    all). ``trimmed`` then counts the records let go.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        flush: bool = False,
+        append: bool = False,
+        keep: int | None = None,
+    ) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep} is invalid: hold at least one record, or None for all")
         self._flush = flush  # a live node flushes every line, so a kill -9 loses nothing already emitted
-        self.records: list[dict] = []
+        self.records: list[dict] | deque[dict] = [] if keep is None else deque(maxlen=keep)
+        self.emitted = 0
         self._fh: IO[str] | None = None
         self._lock = threading.Lock()  # a node emits from its learner thread, event loop and workers
         if path is not None:
@@ -28,6 +42,7 @@ class EventLog:
         rec = {"kind": kind, **fields}
         with self._lock:
             self.records.append(rec)
+            self.emitted += 1
             if self._fh is not None:
                 self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
                 if self._flush:
@@ -39,8 +54,22 @@ class EventLog:
                 self._fh.close()
                 self._fh = None
 
+    @property
+    def trimmed(self) -> int:
+        return self.emitted - len(self.records)
+
+    def snapshot(self) -> list[dict]:
+        """The records held now, as a list (safe while other threads emit)."""
+        with self._lock:
+            return list(self.records)
+
     def of(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r["kind"] == kind]
+        return [r for r in self.snapshot() if r["kind"] == kind]
+
+
+def record_time(rec: dict) -> float:
+    """When a record happened: its ``t``, or the start ``t0`` of a span (a step, a run, a block)."""
+    return float(rec["t"] if "t" in rec else rec["t0"])
 
 
 def read_events(path: str | Path) -> list[dict]:

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
 
+from node.events import EventLog, record_time
 from protocol.errors import DDiLoCoError
 from protocol.goodput import compute_goodput
 
@@ -79,6 +80,20 @@ def parse_control(body: bytes) -> tuple[str, list[str]]:
     return action, peers
 
 
+def held_goodput(
+    events: EventLog, started_at: float, now: float, learner: str, shares: list[float]
+) -> tuple[float | None, float]:
+    """Goodput of the records held in memory, and since when: the node's start, or, once older records were
+    let go (``EventLog(keep=...)``), the oldest record held. None when the records cannot give one."""
+    records = events.snapshot()
+    since = record_time(records[0]) if events.trimmed and records else started_at
+    records.append({"kind": "run", "t0": since, "t1": now, "learners": [learner], "shares": shares})
+    try:
+        return compute_goodput(records).goodput, since
+    except (ValueError, KeyError):
+        return None, since
+
+
 def status_doc(node: Node) -> dict:
     ll = node.learner_loop
     members = node.live_members()
@@ -95,14 +110,7 @@ def status_doc(node: Node) -> dict:
             }
         )
     now = time.time()
-    records = list(node.events.records)
-    records.append(
-        {"kind": "run", "t0": node.started_at, "t1": now, "learners": [node.peer_id], "shares": node.shares}
-    )
-    try:
-        goodput = compute_goodput(records).goodput
-    except (ValueError, KeyError):
-        goodput = None
+    goodput, since = held_goodput(node.events, node.started_at, now, node.peer_id, node.shares)
     t = node.transport
     return {
         "peer_id": node.peer_id,
@@ -144,6 +152,7 @@ def status_doc(node: Node) -> dict:
         "guard": node.guard.status(),
         "counters": dict(node.counters),
         "goodput": goodput,
+        "goodput_since": since,  # the node's start, or its oldest record still in memory
         "blocked": sorted(node.blocked),
     }
 
