@@ -31,15 +31,14 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dht.identity import Identity
-from dht.records import Member, eligible
-from dht.swarm import get_dht_time, peer_ids_of
+from dht.records import Member
+from dht.swarm import peer_ids_of
 from node.config import NodeConfig, NodeSettings
 from node.events import EventLog
 from node.guard import Guard
@@ -52,6 +51,7 @@ from node.runner import system_protocol
 from node.task import load_task
 from node.transport import Reply, Transport, TransportError
 from node.unit import Unit
+from node.view import SwarmView
 from node.wire import (
     SignedRecord,
     pack_list,
@@ -60,7 +60,6 @@ from node.wire import (
     unpack_signed_contribution,
     verify_contribution,
 )
-from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
@@ -69,12 +68,10 @@ from protocol.synchroniser import (
     Contribution,
     SyncState,
     on_contribution,
-    on_membership,
 )
 
 logger = logging.getLogger(__name__)
 IMPORTED_AT = time.time()  # the start-up phase "imports" ends here (torch, hivemind and this package)
-VERSION = "ddiloco/0.3"
 
 
 def process_start_time() -> float:
@@ -93,12 +90,11 @@ def process_start_time() -> float:
 
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
-RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(Replication, Persistence):
+class Node(SwarmView, Replication, Persistence):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -249,79 +245,6 @@ class Node(Replication, Persistence):
     def tokens_merged(self) -> float:
         return sum(t * s for t, s in zip(self.merged_tokens, self.shares))
 
-    def self_member(self, now: float) -> Member:
-        return Member(
-            peer_id=self.peer_id,
-            addrs=tuple(self._addrs),
-            version=VERSION,
-            issued_at=now,
-            expires_at=now + self.settings.ttl_s,
-            tokens_per_s=self.learner_loop.tokens_per_s(),
-            client_mode=self.settings.client_mode,
-            heads={str(p): list(h) for p, h in enumerate(self.heads)},
-            step=self.learner.book.step,
-            steps_per_s=self.learner_loop.steps_per_s(),
-            cert=self.admission.certificate.to_json() if self.admission is not None else "",
-            leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
-        )
-
-    def live_members(self) -> dict[str, Member]:
-        now = get_dht_time()
-        banned = self.guard.banned_until
-        view = {
-            pid: m
-            for pid, m in self.members.items()
-            if m.expires_at > now and pid not in self.blocked and pid not in banned
-        }
-        view[self.peer_id] = self.self_member(now)
-        return view
-
-    def _head_key(self, h) -> tuple:
-        return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
-
-    def winning_heads(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
-        """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats ours;
-        else (None, [])."""
-        best_key, best_head, holders = self._head_key(self.heads[p]), None, []
-        for pid, m in sorted(members.items()):
-            h = m.heads.get(str(p))
-            if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
-                continue
-            k = self._head_key(h)
-            if k < best_key:
-                best_key, best_head, holders = k, h, [pid]
-            elif k == best_key and holders:
-                holders.append(pid)
-        return best_head, holders
-
-    def candidates(self, p: int) -> list[str]:
-        members = self.live_members()
-        open_round = self.replicas[p].round + 1
-        # Eligibility from what every peer can read: this node's own record as published, not its fresh
-        # head. Right after applying a round, every node is at the newest round in its own fresh view while
-        # the others' records still show the round before, so each would elect itself and fork the chain.
-        seen = dict(members)
-        own = self.published_self
-        if own is not None and own.expires_at > get_dht_time():
-            seen[self.peer_id] = own
-        elig = eligible(list(seen.values()), p)
-        order = candidates(self.settings.swarm, p, open_round, elig)
-        holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
-        if holders:
-            order = [holders[0]] + [x for x in order if x != holders[0]]
-        now = time.monotonic()
-        return [x for x in order if self.suspect.get(x, 0.0) <= now]
-
-    def rounds_behind(self, p: int) -> int:
-        """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
-        heads = [m.head_round(p) for m in self.members.values() if not m.client_mode]
-        return max(0, max(heads, default=0) - self.replicas[p].round)
-
-    def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
-        """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
-        order = [x for x in self.candidates(p) if x not in dead]
-        return order[0] if order else None
-
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
         if self.loop is not None and self._stop is not None:
@@ -448,47 +371,7 @@ class Node(Replication, Persistence):
         t.add_done_callback(done)
         return t
 
-    # ---------------------------------------------------------------- membership
-    async def _heartbeat_once(self) -> None:
-        try:
-            await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
-        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
-            logger.warning("heartbeat failed: %s", e)
-            return
-        await self._refresh_view()
-
-    async def _refresh_view(self) -> None:
-        """Re-read the membership key: the live view, and the live set each synchroniser counts."""
-        try:
-            members, dropped = await asyncio.to_thread(self.membership.live)
-        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
-            logger.warning("reading the membership failed: %s", e)
-            return
-        self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
-        seen = self.loop.time()
-        for pid in self.members:
-            self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
-        self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
-        for pid, why in dropped.items():
-            logger.debug("membership record %s dropped: %s", pid, why)
-        live = frozenset(self.live_members())
-        now = self.loop.time()
-        for p in range(len(self.syncs)):
-            if self.syncs[p].live != live:
-                self._decide(p, on_membership(self.pcfg, self.syncs[p], live, now))
-
-    async def _heartbeat_loop(self) -> None:
-        parent = os.getppid()
-        while True:
-            if self.settings.exit_with_parent and os.getppid() != parent:
-                self.request_stop("the launching process is gone")
-            t0 = self.loop.time()
-            await self._heartbeat_once()
-            self._reconcile()
-            if self._relinking is None or self._relinking.done():
-                self._relinking = self._spawn(self._relink())
-            await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
-
+    # ---------------------------------------------------------------- background loops
     async def _eval_loop(self) -> None:
         """Evaluate the global model now and every ``eval_every_s``, from a copy of the replicas taken on
         this loop (records change them here), in a worker thread: the learner never pauses for it."""
@@ -496,20 +379,6 @@ class Node(Replication, Persistence):
             params = {n: t.clone() for r in self.replicas for n, t in r.theta.items()}
             await asyncio.to_thread(self.learner_loop.evaluate, params)
             await asyncio.sleep(self.settings.eval_every_s)
-
-    async def _relink(self) -> None:
-        """Put back into the DHT's routing table the peers it lost (``Membership.relink``): initial peers, and
-        members seen within ``RELINK_MEMORY_S``. Without it a saturated link can cut a node off for good."""
-        now = self.loop.time()
-        self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
-        try:
-            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book))
-        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
-            logger.warning("relinking the DHT failed: %s", e)
-            return
-        if back:
-            logger.warning("the DHT had lost %d known peer(s); they answered and are linked again", len(back))
-            self.events.emit("relink", t=time.time(), peers=back)
 
     def _reconcile(self) -> None:
         """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot)."""
@@ -619,23 +488,6 @@ class Node(Replication, Persistence):
         )
 
     # ---------------------------------------------------------------- ops (server side)
-    async def _known(self, caller: str) -> bool:
-        """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
-        self.guard.check(caller, time.monotonic())
-        if caller in self.blocked:
-            return False
-        if caller in self.members or caller == self.peer_id:
-            return True
-        # A peer that just joined: re-read the view (no DHT write), at most once a heartbeat per caller, so a
-        # caller we do not know cannot make us hammer the DHT.
-        now = self.loop.time()
-        if now - self._unknown_asked.get(caller, float("-inf")) >= self.settings.heartbeat_s:
-            self._unknown_asked[caller] = now
-            if len(self._unknown_asked) > 1024:
-                self._unknown_asked = {caller: now}
-            await self._refresh_view()
-        return caller in self.members
-
     async def _h_contribute(self, caller: str, raw: bytes) -> Reply:
         return await self._accept(caller, raw)
 

@@ -1,0 +1,169 @@
+"""A node's view of its swarm (DESIGN §4, "Discovery and membership"): its own signed membership record,
+the live members it reads every heartbeat, the heads they publish and the synchroniser each fragment's open
+round has in that view, and the DHT links it keeps (``Membership.relink``). A mixin of ``node.agent.Node``,
+which owns the state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Collection
+
+from dht.records import Member, eligible
+from dht.swarm import get_dht_time
+from protocol.election import candidates, head_key
+from protocol.synchroniser import on_membership
+
+logger = logging.getLogger(__name__)
+VERSION = "ddiloco/0.3"
+RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
+
+
+class SwarmView:
+    """Membership, heads and election for ``node.agent.Node``."""
+
+    def self_member(self, now: float) -> Member:
+        return Member(
+            peer_id=self.peer_id,
+            addrs=tuple(self._addrs),
+            version=VERSION,
+            issued_at=now,
+            expires_at=now + self.settings.ttl_s,
+            tokens_per_s=self.learner_loop.tokens_per_s(),
+            client_mode=self.settings.client_mode,
+            heads={str(p): list(h) for p, h in enumerate(self.heads)},
+            step=self.learner.book.step,
+            steps_per_s=self.learner_loop.steps_per_s(),
+            cert=self.admission.certificate.to_json() if self.admission is not None else "",
+            leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
+        )
+
+    def live_members(self) -> dict[str, Member]:
+        now = get_dht_time()
+        banned = self.guard.banned_until
+        view = {
+            pid: m
+            for pid, m in self.members.items()
+            if m.expires_at > now and pid not in self.blocked and pid not in banned
+        }
+        view[self.peer_id] = self.self_member(now)
+        return view
+
+    def _head_key(self, h) -> tuple:
+        return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
+
+    def winning_heads(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
+        """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats ours;
+        else (None, [])."""
+        best_key, best_head, holders = self._head_key(self.heads[p]), None, []
+        for pid, m in sorted(members.items()):
+            h = m.heads.get(str(p))
+            if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
+                continue
+            k = self._head_key(h)
+            if k < best_key:
+                best_key, best_head, holders = k, h, [pid]
+            elif k == best_key and holders:
+                holders.append(pid)
+        return best_head, holders
+
+    def candidates(self, p: int) -> list[str]:
+        members = self.live_members()
+        open_round = self.replicas[p].round + 1
+        # Eligibility from what every peer can read: this node's own record as published, not its fresh
+        # head. Right after applying a round, every node is at the newest round in its own fresh view while
+        # the others' records still show the round before, so each would elect itself and fork the chain.
+        seen = dict(members)
+        own = self.published_self
+        if own is not None and own.expires_at > get_dht_time():
+            seen[self.peer_id] = own
+        elig = eligible(list(seen.values()), p)
+        order = candidates(self.settings.swarm, p, open_round, elig)
+        holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
+        if holders:
+            order = [holders[0]] + [x for x in order if x != holders[0]]
+        now = time.monotonic()
+        return [x for x in order if self.suspect.get(x, 0.0) <= now]
+
+    def rounds_behind(self, p: int) -> int:
+        """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
+        heads = [m.head_round(p) for m in self.members.values() if not m.client_mode]
+        return max(0, max(heads, default=0) - self.replicas[p].round)
+
+    def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
+        """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
+        order = [x for x in self.candidates(p) if x not in dead]
+        return order[0] if order else None
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("heartbeat failed: %s", e)
+            return
+        await self._refresh_view()
+
+    async def _refresh_view(self) -> None:
+        """Re-read the membership key: the live view, and the live set each synchroniser counts."""
+        try:
+            members, dropped = await asyncio.to_thread(self.membership.live)
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("reading the membership failed: %s", e)
+            return
+        self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
+        seen = self.loop.time()
+        for pid in self.members:
+            self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
+        self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
+        for pid, why in dropped.items():
+            logger.debug("membership record %s dropped: %s", pid, why)
+        live = frozenset(self.live_members())
+        now = self.loop.time()
+        for p in range(len(self.syncs)):
+            if self.syncs[p].live != live:
+                self._decide(p, on_membership(self.pcfg, self.syncs[p], live, now))
+
+    async def _heartbeat_loop(self) -> None:
+        parent = os.getppid()
+        while True:
+            if self.settings.exit_with_parent and os.getppid() != parent:
+                self.request_stop("the launching process is gone")
+            t0 = self.loop.time()
+            await self._heartbeat_once()
+            self._reconcile()
+            if self._relinking is None or self._relinking.done():
+                self._relinking = self._spawn(self._relink())
+            await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
+
+    async def _relink(self) -> None:
+        """Put back into the DHT's routing table the peers it lost (``Membership.relink``): initial peers, and
+        members seen within ``RELINK_MEMORY_S``. Without it a saturated link can cut a node off for good."""
+        now = self.loop.time()
+        self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
+        try:
+            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book))
+        except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
+            logger.warning("relinking the DHT failed: %s", e)
+            return
+        if back:
+            logger.warning("the DHT had lost %d known peer(s); they answered and are linked again", len(back))
+            self.events.emit("relink", t=time.time(), peers=back)
+
+    async def _known(self, caller: str) -> bool:
+        """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
+        self.guard.check(caller, time.monotonic())
+        if caller in self.blocked:
+            return False
+        if caller in self.members or caller == self.peer_id:
+            return True
+        # A peer that just joined: re-read the view (no DHT write), at most once a heartbeat per caller, so a
+        # caller we do not know cannot make us hammer the DHT.
+        now = self.loop.time()
+        if now - self._unknown_asked.get(caller, float("-inf")) >= self.settings.heartbeat_s:
+            self._unknown_asked[caller] = now
+            if len(self._unknown_asked) > 1024:
+                self._unknown_asked = {caller: now}
+            await self._refresh_view()
+        return caller in self.members
