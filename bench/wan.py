@@ -107,6 +107,8 @@ class WanConfig:
     settle_s: float = 60.0
     """bound on the nodes' quiet period (one model hash) after the window"""
     gloo_timeout_s: float = 300.0
+    cpu_per_node: float = 0.0
+    """CPU cores each node (or DP worker) may use, a cgroup quota; 0: none (they share the machine)"""
     dp_reference: bool = True
     """run each DP system once more, uncapped, to the most tokens ours reached (eval loss per token)"""
 
@@ -453,7 +455,9 @@ def run_all(cfg: WanConfig) -> dict:
                 log(f"[{time.monotonic() - t_start:6.0f}s {cap} {system}] {msg}")
 
             rate = "" if cap == "none" else cap
-            lab = NetLab(cfg.nodes, rate, tag=tag, burst=burst_for(cap) if rate else "32kbit").open()
+            lab = NetLab(
+                cfg.nodes, rate, tag=tag, burst=burst_for(cap) if rate else "32kbit", cpu=cfg.cpu_per_node
+            ).open()
             try:
                 if system in NODE_SYSTEM:
                     raw = run_nodes(cfg, lab, system, run_dir, say)
@@ -540,6 +544,13 @@ def main(argv: list[str] | None = None) -> int:
         help="where runs write, and wan.json at the end (default: a temporary folder)",
     )
     ap.add_argument(
+        "--cpu-per-node",
+        type=float,
+        default=None,
+        help="CPU cores each node may use (a cgroup quota, as if on a host of its own); 0: no quota "
+        "(default: the machine's cores / --nodes)",
+    )
+    ap.add_argument(
         "--no-dp-reference",
         action="store_true",
         help="skip the uncapped DP run that gives DP's eval loss at ours' token counts",
@@ -566,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=a.batch_size,
         node_flags=a.node_flags.split(),
         dp_reference=not a.no_dp_reference,
+        cpu_per_node=(os.cpu_count() or 1) / a.nodes if a.cpu_per_node is None else a.cpu_per_node,
     )
 
     def on_term(signum, frame):  # noqa: ARG001 - SIGTERM unwinds like Ctrl+C: every finally runs

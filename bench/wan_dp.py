@@ -148,10 +148,11 @@ def start_workers(lab, run_dir: Path, port: int, grads: str, eval_every_s: float
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     procs = []
     for r in range(lab.nodes):
-        cmd = ["ip", "netns", "exec", lab.ns(r), sys.executable, os.path.abspath(__file__), "--rank", str(r)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r)]
         cmd += ["--world", str(lab.nodes), "--master", f"{lab.addr(0)}:{port}", "--run-dir", str(run_dir)]
         cmd += ["--grads", grads, "--eval-every-s", str(eval_every_s), "--batch-size", str(batch)]
         cmd += ["--timeout-s", str(timeout_s), "--steps", str(steps), "--seed", str(seed), *extra]
+        cmd = lab.command(r, cmd)
         with open(run_dir / f"worker-{r}.log", "ab") as fh:
             procs.append(
                 subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)

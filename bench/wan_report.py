@@ -173,7 +173,12 @@ def render(res: dict) -> str:
         f"WAN comparison: {cfg['nodes']} nodes, one network namespace each, every link capped both ways by tc "
         f"tbf; {cfg['duration_s']:g} s measured after {cfg['warm_s']:g} s warm-up; batch {cfg['batch_size']} "
         f"sequences per learner, one torch thread per process, H={cfg['sync_every']}, eval every "
-        f"{cfg['eval_every_s']:g} s; {res['cpus']} CPUs",
+        f"{cfg['eval_every_s']:g} s; {res['cpus']} CPUs"
+        + (
+            f", each node (or DP worker) held to {cfg['cpu_per_node']:g} of them by a cgroup quota"
+            if cfg.get("cpu_per_node")
+            else ", shared by all nodes (no quota)"
+        ),
     ]
     head = ["system", "tokens/s", "ours/this", "steps", "s/step", "out Mbit/s", "out/step", "payload/step",
             "outside steps", "CPU/node", "eval end", "at tokens"]  # fmt: skip

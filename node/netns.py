@@ -13,16 +13,23 @@ onto the second bridge; healing moves them back. The harness reaches a node's st
 inside the node's namespace) from a short-lived thread that enters that namespace (``setns``), so no link
 joins the host either. ``close()`` deletes the namespaces (after their processes are gone); it runs on exit
 and on Ctrl+C. Needs root and iproute2.
+
+With ``cpu`` > 0 each node also gets a CPU quota of its own (a cgroup-v1 ``cpu`` group ``ddc<tag>-n<i>``,
+``cfs_quota_us`` = cpu x the period), which its process tree (DHT process and p2pd included) joins before
+the node starts. Nodes sharing one machine then behave like nodes on hosts of their own: a node that waits
+on the network leaves its share idle instead of lending it to the others.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -31,8 +38,10 @@ from node.launcher import Child
 from protocol.errors import ConfigError, DDiLoCoError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.201.0"
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (``cpu.cfs_quota_us``)
 
 
 class NetnsError(DDiLoCoError):
@@ -57,14 +66,22 @@ def _tc(ns: str, *args: str) -> None:
 
 
 class NetLab:
-    def __init__(self, nodes: int, rate: str = "", tag: str = "", burst: str = "32kbit") -> None:
+    def __init__(
+        self, nodes: int, rate: str = "", tag: str = "", burst: str = "32kbit", cpu: float = 0.0
+    ) -> None:
         """``burst``: the token bucket's depth. 32kbit holds rates up to ~100mbit here; a faster cap needs
-        about 1 ms of its rate (a 4 KB bucket lets 1000mbit through at ~400 Mbit/s on this machine)."""
+        about 1 ms of its rate (a 4 KB bucket lets 1000mbit through at ~400 Mbit/s on this machine).
+        ``cpu``: CPU cores each node may use (0: no quota)."""
         if os.geteuid() != 0:
             raise ConfigError("--netns needs root (it creates network namespaces); run without it otherwise")
         if not 1 <= nodes <= 250:
             raise ConfigError(f"nodes={nodes} is invalid for --netns: 1 to 250")
-        self.nodes, self.rate, self.burst = nodes, rate, burst
+        if cpu < 0 or cpu > (os.cpu_count() or 1):
+            raise ConfigError(f"cpu={cpu:g} is invalid: cores per node, 0 (no quota) to {os.cpu_count()}")
+        if cpu and not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
+            raise ConfigError(f"a CPU quota per node needs cgroup v1's cpu controller at {CPU_CGROUPS}")
+        self.nodes, self.rate, self.burst, self.cpu = nodes, rate, burst, cpu
+        self.groups: list[Path] = []
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"ddc{self.tag}-hub"
         self.made: list[str] = []
@@ -107,11 +124,38 @@ class NetLab:
                 for where, dev in ((ns, "eth0"), (self.hub, f"h{i}")):
                     _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
                         "latency", "50ms")  # fmt: skip
+            if self.cpu:
+                group = CPU_CGROUPS / ns
+                group.mkdir()
+                self.groups.append(group)
+                period = int((group / "cpu.cfs_period_us").read_text())
+                (group / "cpu.cfs_quota_us").write_text(str(int(self.cpu * period)))
 
     def close(self) -> None:
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         self.made.clear()
+        for group in reversed(
+            self.groups
+        ):  # empty once its processes are gone (a killed tree may take a moment)
+            for attempt in range(50):
+                try:
+                    group.rmdir()
+                    break
+                except OSError as e:
+                    if attempt == 49:
+                        logger.warning("cgroup %s could not be removed: %s", group, e)
+                    time.sleep(0.1)
+        self.groups.clear()
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run in node ``i``'s namespace and, with a CPU quota, in its cgroup (a shell joins it and
+        execs, so every process the node starts is in it too)."""
+        cmd = ["ip", "netns", "exec", self.ns(i), *argv]
+        if not self.cpu:
+            return cmd
+        procs = str(CPU_CGROUPS / self.ns(i) / "cgroup.procs")
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *cmd]
 
     # ------------------------------------------------------------------ nodes
     def node_flags(self, i: int) -> list[str]:
@@ -124,10 +168,11 @@ class NetLab:
         d.mkdir(parents=True, exist_ok=True)
         (d / "ready.json").unlink(missing_ok=True)
         log = d / "node.log"
-        cmd = ["ip", "netns", "exec", self.ns(index), sys.executable, "-m", "node", "node"]
+        cmd = [sys.executable, "-m", "node", "node"]
         cmd += ["--state-dir", str(d), "--exit-with-parent", *flags, *self.node_flags(index)]
         if peers:
             cmd += ["--initial-peers", ",".join(peers)]
+        cmd = self.command(index, cmd)
         env = dict(os.environ)
         if "--threads" in flags:
             env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])

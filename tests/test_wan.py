@@ -116,3 +116,35 @@ def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
 
     params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
     assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
+
+
+def test_a_cpu_quota_holds_each_node_and_every_process_it_starts():
+    """Optional (root, iproute2, cgroup v1's cpu controller): ``NetLab(cpu=...)`` puts each node's command,
+    and the processes it starts, in a cgroup of its own with that quota, and removes the groups on close."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    import subprocess
+
+    from node.netns import CPU_CGROUPS, NetLab, NetnsError
+    from protocol.errors import ConfigError
+
+    try:
+        lab = NetLab(2, tag=f"q{os.getpid() % 100000}", cpu=0.5)
+        lab.open()
+    except (ConfigError, NetnsError) as e:
+        pytest.skip(f"no namespaces or cpu cgroups here: {e}")
+    groups = [CPU_CGROUPS / lab.ns(i) for i in range(2)]
+    try:
+        for i, group in enumerate(groups):
+            period = int((group / "cpu.cfs_period_us").read_text())
+            assert int((group / "cpu.cfs_quota_us").read_text()) == period // 2
+            # a grandchild: the shell the node's command starts, then cat
+            out = subprocess.run(lab.command(i, ["sh", "-c", "cat /proc/self/cgroup"]), capture_output=True,
+                                 text=True, timeout=30, check=True).stdout  # fmt: skip
+            cpu_line = next(line for line in out.splitlines() if line.split(":")[1].split(",")[0] == "cpu")
+            assert cpu_line.endswith(f"/{lab.ns(i)}")
+    finally:
+        lab.close()
+    assert not any(g.exists() for g in groups)
+    with pytest.raises(ConfigError, match="cores per node"):
+        NetLab(1, cpu=-1)
