@@ -63,6 +63,8 @@ class ChaosConfig:
     """one network namespace per node (root only); needed for partitions and bandwidth caps"""
     netns_rate: str = ""
     """with netns: tc tbf rate of every node's link in each direction, e.g. '100mbit' ('': no cap)"""
+    netns_cpu: float = 0.0
+    """with netns: CPU cores each node may use, a cgroup quota (0: none, the nodes share the machine)"""
     quiet: bool = False
 
     def check(self) -> None:
@@ -76,6 +78,12 @@ class ChaosConfig:
             raise ConfigError(f"learner_nice={self.learner_nice} is invalid: must be in [0, 19]")
         if self.netns_rate and not self.netns:
             raise ConfigError(f"netns_rate={self.netns_rate!r} needs netns (caps are set on namespace links)")
+        if not 0 <= self.netns_cpu <= (os.cpu_count() or 1):
+            raise ConfigError(f"netns_cpu={self.netns_cpu:g} is invalid: cores per node, 0 to {os.cpu_count()}")
+        if self.netns_cpu and not self.netns:
+            raise ConfigError(
+                f"netns_cpu={self.netns_cpu:g} needs netns (the quota goes with a node's namespace)"
+            )
         self.model.check()
 
 
@@ -309,7 +317,7 @@ class ChaosRun:
             if cfg.netns:
                 from node.netns import NetLab
 
-                self.lab = NetLab(cfg.nodes, cfg.netns_rate).open()
+                self.lab = NetLab(cfg.nodes, cfg.netns_rate, cpu=cfg.netns_cpu).open()
                 cap = f", links capped at {cfg.netns_rate} each way" if cfg.netns_rate else ""
                 self.log(f"network namespaces {self.lab.ns(0)}..{self.lab.ns(cfg.nodes - 1)}{cap}")
             self.log(f"starting {cfg.nodes} nodes in {cfg.run_dir} (logs: node-*/node.log)")
@@ -430,6 +438,7 @@ class ChaosRun:
             "seed": cfg.seed,
             "netns": cfg.netns,
             "netns_rate": cfg.netns_rate,
+            "netns_cpu": cfg.netns_cpu,
             "window_s": round(t1 - t0, 1) if t0 else 0.0,
             "run_dir": str(cfg.run_dir),
             "interrupted": self.interrupted,

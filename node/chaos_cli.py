@@ -98,6 +98,13 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
         help="with --netns: tc tbf cap of each node's link, each way, e.g. 100mbit",
     )
     cp.add_argument(
+        "--netns-cpu",
+        type=float,
+        default=0.0,
+        help="with --netns: CPU cores each node may use (a cgroup quota, as if on a host of its own; "
+        "0: none, the nodes share the machine)",
+    )
+    cp.add_argument(
         "--baseline",
         choices=("sync-diloco", "streaming"),
         help="then run the same failure plan against a swarm of this system (the same nodes with --system) "
@@ -248,6 +255,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         settle_s=args.settle_s,
         netns=args.netns,
         netns_rate=args.netns_rate,
+        netns_cpu=args.netns_cpu,
         quiet=args.quiet,
     )
     if args.baseline:

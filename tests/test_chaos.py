@@ -41,6 +41,16 @@ def test_plan_errors_name_the_bad_value():
         draw_plan(0, 10.0, 2, 2, FailureModel(pause_share=2.0))
 
 
+def test_a_cpu_quota_needs_namespaces_and_a_sane_share(tmp_path):
+    from node.chaos import ChaosConfig
+
+    with pytest.raises(ConfigError, match="netns_cpu=0.5 needs netns"):
+        ChaosConfig(tmp_path, netns_cpu=0.5).check()
+    with pytest.raises(ConfigError, match="netns_cpu=-1 is invalid"):
+        ChaosConfig(tmp_path, netns=True, netns_cpu=-1).check()
+    ChaosConfig(tmp_path, netns=True, netns_cpu=0.5).check()
+
+
 # ------------------------------------------------------------------------------------------ the scoring
 def _steps(learner: str, first: int, n: int, t: float, dur: float = 1.0) -> list[dict]:
     return [
