@@ -16,9 +16,8 @@ import pytest
 
 from dht.identity import Identity
 from dht.records import Member
-from dht.swarm import Membership, SwarmUnreachable, get_dht_time, start_dht
-
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+from dht.swarm import Membership, SwarmUnreachable, get_dht_time
+from tests.dht_util import dht_chain
 
 
 class _Forget:
@@ -47,17 +46,8 @@ class _Known:
 @pytest.fixture
 def swarm3(tmp_path):
     """Three DHT nodes; the second and third bootstrap from the first. Yields [(identity, dht), ...]."""
-    nodes = []
-    try:
-        for i in range(3):
-            ident = Identity.generate()
-            path = str(ident.save(tmp_path / f"n{i}.key"))
-            peers = [str(a) for a in nodes[0][1].get_visible_maddrs()] if nodes else []
-            nodes.append((ident, start_dht(path, LOOPBACK, peers, timeout_s=30)))
+    with dht_chain(tmp_path) as nodes:
         yield nodes
-    finally:
-        for _, dht in nodes:
-            dht.shutdown()
 
 
 def _publish(ms: Membership, ident: Identity, ttl: float) -> None:

@@ -17,8 +17,7 @@ from dht.identity import Identity
 from dht.records import Member, RecordError, sign_member
 from dht.swarm import DHTStartError, Membership, SwarmUnreachable, get_dht_time, start_dht
 from protocol.errors import ConfigError
-
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+from tests.dht_util import LOOPBACK, dht_chain
 
 
 def _ident(tmp, name: str) -> tuple[Identity, str]:
@@ -56,17 +55,8 @@ def _our_sock_dirs() -> list[str]:
 @pytest.fixture(scope="module")
 def swarm3(tmp_path_factory):
     """Three DHT nodes; the second and third bootstrap from the first. Yields [(identity, dht), ...]."""
-    tmp = tmp_path_factory.mktemp("swarm3")
-    nodes = []
-    try:
-        for i in range(3):
-            ident, path = _ident(tmp, f"n{i}")
-            peers = [str(a) for a in nodes[0][1].get_visible_maddrs()] if nodes else []
-            nodes.append((ident, start_dht(path, LOOPBACK, peers, timeout_s=30)))
+    with dht_chain(tmp_path_factory.mktemp("swarm3")) as nodes:
         yield nodes
-    finally:
-        for _, dht in nodes:
-            dht.shutdown()
 
 
 @pytest.fixture
