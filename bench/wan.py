@@ -54,6 +54,7 @@ from pathlib import Path
 
 import wan_dp
 from swarm import cpu_seconds
+from wan_dp import DP_PORT, read_events
 from wan_report import analyze, render
 
 from node.config import NodeSettings
@@ -64,8 +65,6 @@ from protocol.errors import ConfigError, DDiLoCoError
 
 SYSTEMS = ("ours", "ours-q", "sync", "dp-fp32", "dp-bf16")
 NODE_SYSTEM = {"ours": "decoupled", "ours-q": "decoupled", "sync": "sync-diloco"}
-REFERENCE_POINTS = 30  # evaluations on the DP reference run's step grid
-DP_PORT = 29500  # rank 0's rendezvous, on node 0's address inside the lab
 
 
 def log(msg: str) -> None:
@@ -174,17 +173,6 @@ def window(
         ],
         "load_avg": [load_a, os.getloadavg()[0]],
     }
-
-
-def read_events(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-    return out
 
 
 # ------------------------------------------------------------------------------------------ node systems
@@ -385,58 +373,6 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
     }
 
 
-def run_dp_reference(
-    cfg: WanConfig, grads: str, tokens: int, capped: list[dict], run_dir: Path, say: Callable[[str], None]
-) -> dict:
-    """DP's eval loss per token beyond what the capped runs reached: the same workers, model, data and seeds
-    on uncapped links until ``tokens``, evaluated on a step grid and at every step the capped runs evaluated
-    at. A DP step's arithmetic does not depend on the link (the same gradients, all-reduced in the same
-    order), so where both evaluated after the same step the losses must agree; ``max_gap`` says how far
-    they do."""
-    tps = next((c["tokens_per_step"] for c in capped if c.get("tokens_per_step")), 0)
-    if not tps:
-        raise LaunchError("no capped DP run took a step: nothing to take a reference for")
-    steps = -(-tokens // tps)
-    at = sorted({st for c in capped for lr in c["learners"] for st, _ in lr.get("eval_steps", [])})
-    grid = max(1, steps // REFERENCE_POINTS)
-    extra = ["--stop-at-tokens", str(tokens), "--eval-every-steps", str(grid)]
-    extra += ["--eval-at-steps", ",".join(map(str, at))]
-    say(f"starting {cfg.nodes} DDP workers on uncapped links until {tokens:,} tokens ({steps} steps)")
-    lab = NetLab(cfg.nodes, "", tag=f"r{os.getpid() % 10000}").open()
-    procs = wan_dp.start_workers(
-        lab, run_dir, DP_PORT, grads, 1e9, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps, extra=extra
-    )
-    ev_path = run_dir / "events.jsonl"
-    try:
-        deadline = time.monotonic() + cfg.start_timeout_s + steps * 10.0
-        last_note = time.monotonic()
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the DP reference run did not reach {tokens:,} tokens in time")
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                tail = (run_dir / f"worker-{bad[0]}.log").read_text(errors="replace").splitlines()[-15:]
-                raise LaunchError(f"DP reference worker {bad[0]} failed; its log:\n" + "\n".join(tail))
-            if time.monotonic() - last_note >= 15:
-                done = sum(1 for r in read_events(ev_path) if r["kind"] == "step")
-                say(f"reference  steps {done}/{steps}")
-                last_note = time.monotonic()
-            time.sleep(1.0)
-    finally:
-        wan_dp.kill_workers(procs)
-        lab.close()
-    ev = [r for r in read_events(ev_path) if r["kind"] == "eval"]
-    by_step = {r["step"]: r["loss"] for r in ev}
-    gaps = [abs(loss - by_step[st]) for c in capped for lr in c["learners"]
-            for st, loss in lr.get("eval_steps", []) if st in by_step]  # fmt: skip
-    return {
-        "curve": sorted({(r["tokens"], r["loss"]) for r in ev}),
-        "tokens_total": max((r["tokens"] for r in ev), default=0),
-        "compared_evals": len(gaps),
-        "max_gap": max(gaps, default=None),
-    }
-
-
 # ------------------------------------------------------------------------------------------------ the runs
 def run_all(cfg: WanConfig) -> dict:
     cfg.check()
@@ -501,7 +437,7 @@ def run_all(cfg: WanConfig) -> dict:
 
             tokens = max(r["tokens_total"] for r in ours)
             try:
-                ref = run_dp_reference(
+                ref = wan_dp.run_reference(
                     cfg, system.split("-")[1], tokens, [r["raw"] for r in raws], run_dir, say
                 )
                 gap = "-" if ref["max_gap"] is None else f"{ref['max_gap']:.2g}"
