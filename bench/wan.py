@@ -54,10 +54,11 @@ from pathlib import Path
 
 import wan_dp
 from swarm import cpu_seconds
-from wan_dp import DP_PORT, read_events
+from wan_dp import DP_PORT
 from wan_report import analyze, render
 
 from node.config import NodeSettings
+from node.events import read_events
 from node.launcher import Child, LaunchError, kill_group, wait_ready
 from node.netns import NetLab
 from node.status import StatusError, fetch_status, send_control

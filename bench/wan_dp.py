@@ -36,6 +36,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from node.events import read_events
+
 GRADS = ("fp32", "bf16")
 REFERENCE_POINTS = 30  # evaluations on the reference run's step grid
 DP_PORT = 29500  # rank 0's rendezvous, on node 0's address inside the lab
@@ -188,17 +190,6 @@ def kill_workers(procs: list[subprocess.Popen]) -> None:
             except ProcessLookupError:
                 pass
             p.wait(timeout=10)
-
-
-def read_events(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-    return out
 
 
 def run_reference(

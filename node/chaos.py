@@ -29,6 +29,7 @@ from pathlib import Path
 
 from node.chaos_plan import FailureModel, Fault, draw_plan
 from node.chaos_report import Outage, chaos_goodput, first_merge_after, outage_windows, stalls, steps_between
+from node.events import read_events
 from node.launcher import Child, kill_group, start_node, wait_ready
 from node.status import StatusError, fetch_status, send_control
 from protocol.errors import ConfigError
@@ -79,7 +80,9 @@ class ChaosConfig:
         if self.netns_rate and not self.netns:
             raise ConfigError(f"netns_rate={self.netns_rate!r} needs netns (caps are set on namespace links)")
         if not 0 <= self.netns_cpu <= (os.cpu_count() or 1):
-            raise ConfigError(f"netns_cpu={self.netns_cpu:g} is invalid: cores per node, 0 to {os.cpu_count()}")
+            raise ConfigError(
+                f"netns_cpu={self.netns_cpu:g} is invalid: cores per node, 0 to {os.cpu_count()}"
+            )
         if self.netns_cpu and not self.netns:
             raise ConfigError(
                 f"netns_cpu={self.netns_cpu:g} needs netns (the quota goes with a node's namespace)"
@@ -420,15 +423,7 @@ class ChaosRun:
 
     # ------------------------------------------------------------------ the numbers
     def events(self) -> dict[int, list[dict]]:
-        out = {}
-        for i in self.slots:
-            recs = []
-            with contextlib.suppress(OSError), open(self.cfg.run_dir / f"node-{i}" / "events.jsonl") as fh:
-                for line in fh:
-                    with contextlib.suppress(ValueError):  # a line cut by kill -9
-                        recs.append(json.loads(line))
-            out[i] = recs
-        return out
+        return {i: read_events(self.cfg.run_dir / f"node-{i}" / "events.jsonl") for i in self.slots}
 
     def report(self) -> dict:
         cfg = self.cfg

@@ -73,5 +73,17 @@ def record_time(rec: dict) -> float:
 
 
 def read_events(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """Every record of an events file, in order; [] when there is no file. A line that does not parse is
+    skipped: a kill -9 can cut the line being written, and a restarted node appends after it."""
+    out = []
+    try:
+        fh = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        return out
+    with fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out

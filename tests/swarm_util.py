@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from node.events import read_events
 from node.launcher import Child, poll, start_node, stop_all, wait_ready
 from node.status import StatusError, send_control
 
@@ -64,14 +65,7 @@ class Swarm:
         c.proc.wait(timeout=30)
 
     def events(self, index: int) -> list[dict]:
-        path = self.children[index].state_dir / "events.jsonl"
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line cut by kill -9
-                pass
-        return out
+        return read_events(self.children[index].state_dir / "events.jsonl")
 
     def merged_contributors(self, index: int, since: float = 0.0) -> set[str]:
         return {

@@ -76,3 +76,12 @@ def test_status_goodput_covers_the_records_held_and_says_since_when():
     _train(held, 10)
     g, since = held_goodput(held, 0.0, 20.0, "a", [1.0])
     assert since == 6.0 and g == pytest.approx(4 / 14)  # 4 useful seconds of the 14 since the oldest held
+
+
+def test_reading_skips_a_line_cut_by_a_kill_and_a_missing_file_is_empty(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text(
+        '{"kind":"step","t0":1}\n{"kind":"merge","t"\n{"kind":"join","t":3}\n'
+    )  # cut, then appended
+    assert [r["kind"] for r in read_events(path)] == ["step", "join"]
+    assert read_events(tmp_path / "none.jsonl") == []
