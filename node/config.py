@@ -200,6 +200,20 @@ class NodeSettings:
     )
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: until stopped)"})
     step_delay_s: float = field(default=0.0, metadata={"help": "sleep after each inner step (a slower chip)"})
+    slowdown: float = field(
+        default=1.0,
+        metadata={
+            "help": "make this learner a slower chip: after each inner step it sleeps (slowdown - 1) times "
+            "the step's own time, so steps take this many times longer (1: full speed)"
+        },
+    )
+    jitter: float = field(
+        default=0.0,
+        metadata={
+            "help": "each step's slowdown is scaled by a uniform factor in [1-j, 1+j] (a step is never made "
+            "faster than the chip runs it)"
+        },
+    )
     export: str = field(
         default="", metadata={"help": "final global model file (default: STATE_DIR/model.safetensors)"}
     )
@@ -247,6 +261,12 @@ class NodeSettings:
             raise ConfigError(f"status_port={self.status_port} is invalid: must be in [0, 65535]")
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps} is invalid: must be >= 1")
+        if self.step_delay_s < 0:
+            raise ConfigError(f"step_delay_s={self.step_delay_s} is invalid: must be >= 0")
+        if not self.slowdown >= 1.0:
+            raise ConfigError(f"slowdown={self.slowdown} is invalid: must be >= 1 (a node cannot go faster)")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ConfigError(f"jitter={self.jitter} is invalid: must be in [0, 1)")
         if not self.swarm or "/" in self.swarm:
             raise ConfigError(f"swarm={self.swarm!r} is invalid: a non-empty name without '/'")
 

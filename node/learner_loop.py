@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from node.runner import evaluate
 from node.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader
+from protocol.schedule import SlotBook
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
@@ -52,6 +54,8 @@ class LearnerLoop(threading.Thread):
         # The agent's periodic evaluation and the final one share this model.
         self._eval_lock = threading.Lock()
         self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
+        self.slots = SlotBook()  # the schedule's slots this learner has contributed to
+        self._jitter_rng = random.Random(node.learner.seed)
 
     def deliver(self, p: int, round_: int, theta, force: bool, merged: list | None = None) -> None:
         """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread);
@@ -143,6 +147,36 @@ class LearnerLoop(threading.Thread):
             "align", t=time.time(), learner=self.node.peer_id, before=before, after=lrn.book.step, wait_s=0.0
         )
 
+    def _slowdown_s(self, dt: float) -> float:
+        """How long to sleep after a step of ``dt`` seconds so it took ``slowdown`` (with jitter) times as long."""
+        s = self.node.settings
+        if s.slowdown == 1.0 and s.jitter == 0.0:
+            return 0.0
+        factor = s.slowdown * (1.0 + self._jitter_rng.uniform(-s.jitter, s.jitter))
+        return max(0.0, factor - 1.0) * dt
+
+    def _due_after_step(self) -> list[int]:
+        """The fragments this learner takes after the step it starts now, decided before the step so that a
+        unit's ranks all join the same gathers. Baselines: by the learner's own steps (they block, so they
+        stay in step). Decoupled: those whose round on the swarm's schedule (``protocol.schedule``) is up
+        when the step ends, a slot within half a step of it that this learner has not contributed to; a
+        fragment whose replica knows no schedule yet (before its first record) by the learner's own steps."""
+        lrn = self.learner
+        by_steps = lrn.plan.due(lrn.book.step + 1)
+        if self.node.blocking:
+            return by_steps
+        step_s = self.step_s or 0.0
+        end, lead = time.time() + step_s, step_s / 2
+        out = []
+        for p, rep in enumerate(self.node.replicas):
+            clock = rep.clock
+            if clock is None:
+                if p in by_steps:
+                    out.append(p)
+            elif self.slots.due(p, clock, end, lead):
+                out.append(p)
+        return out
+
     def _service(self) -> tuple[list[int], list]:
         """Adopt what arrived, answer state requests, evaluate when due. Returns the fragments adopted and
         the state requests left for after the unit's next exchange (a sharded learner's state is gathered
@@ -203,7 +237,7 @@ class LearnerLoop(threading.Thread):
                 base_round=base_round,
                 c_steps=c_steps,
                 c_tokens=c_tokens,
-                step_time_s=(self.step_s or 0.0) + s.step_delay_s,
+                step_time_s=self.step_s or 0.0,
                 codec=lrn.pcfg.codec,
                 block=lrn.pcfg.codec_block,
                 cid=cid,
@@ -268,22 +302,28 @@ class LearnerLoop(threading.Thread):
                     self.arrived.clear()
                     continue
                 self.idle.clear()
+                due = self._due_after_step()
                 if unit is not None:
                     check_all = lrn.steps % UNIT_CHECK_EVERY == 0
-                    unit.exchange(lrn, STEP, adopted, check_all=check_all, save=bool(asks))
+                    unit.exchange(lrn, STEP, adopted, check_all=check_all, save=bool(asks), due=due)
                 self._answer(asks)
                 t0 = time.time()
                 res = lrn.train_step()
+                dt = time.time() - t0
+                # A slower chip (--slowdown, --step-delay-s): the step ends when the sleep does, and every
+                # measure of the learner's speed counts it.
+                delay = s.step_delay_s + self._slowdown_s(dt)
+                if delay > 0:
+                    self.stop_flag.wait(delay)
                 t1 = time.time()
-                dt = t1 - t0
-                self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+                self.step_s = (t1 - t0) if self.step_s is None else 0.9 * self.step_s + 0.1 * (t1 - t0)
                 self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
                 self.tokens += res.tokens
                 self._rate.append((t1, self.tokens))
                 self.node.events.emit(
                     "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
                 )
-                for p in res.due:  # a sharded unit's other ranks join each gather (Unit.after_step)
+                for p in due:  # a sharded unit's other ranks join each gather (Unit.after_step)
                     c = lrn.book.counters[p]
                     lrn.snapshot(p, (c.base_round, c.c_steps, c.c_tokens, lrn.steps, t1))
                     if self.node.blocking:
@@ -293,8 +333,6 @@ class LearnerLoop(threading.Thread):
                     self._align_schedule()
                 elif not self.node.blocking and (lrn.steps - first_step) % PHASE_EVERY == 0:
                     self._keep_in_phase()
-                if s.step_delay_s:
-                    self.stop_flag.wait(s.step_delay_s)
         except BaseException as e:  # noqa: BLE001 - reported by the agent, which stops the node
             logger.exception("learner thread failed")
             self.error = e

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import statistics
 import time
 from dataclasses import replace
 
@@ -28,6 +29,7 @@ from node.wire import (
 )
 from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
+from protocol.schedule import round_due, swarm_period
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -140,7 +142,7 @@ class Replication:
         if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
             return  # ours is as good or better by now
         rep = self.replicas[p]
-        rep.load_state(st.round, st.theta, st.momentum)
+        rep.load_state(st.round, st.theta, st.momentum, st.clock)
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
         self.logs[p].clear()
@@ -219,8 +221,11 @@ class Replication:
         over contributions that are still usable (not merged, base still anchored)."""
         old = self.syncs[p]
         rep = self.replicas[p]
+        due = self._schedule_of(p)
         st = replace(
             SyncState(fragment=p, global_round=rep.round, live=old.live),
+            due_at=None if due is None else due[0],
+            due_every=0.0 if due is None else due[1],
             xi_step=old.xi_step,
             xi_quorum=old.xi_quorum,
             xi_sync=old.xi_sync,
@@ -233,6 +238,14 @@ class Replication:
                 continue
             with contextlib.suppress(ProtocolError):
                 self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
+
+    def _schedule_of(self, p: int) -> tuple[float, float] | None:
+        """When fragment p's open round is due on the swarm's schedule, on this loop's clock (the state
+        machines run on it; the schedule is on the wall clock every node shares), and its repeat period."""
+        c = self.replicas[p].clock
+        if c is None:
+            return None
+        return c.first - time.time() + self.loop.time(), c.every
 
     def _decide(self, p: int, d: Decision) -> None:
         self.syncs[p] = d.state
@@ -249,8 +262,17 @@ class Replication:
     def _merge(self, p: int, a: Merge) -> None:
         rep = self.replicas[p]
         t0 = self.loop.time()
+        st = self.syncs[p]
+        first = t0 if st.first_at is None else st.first_at
+        due = round_due(rep.clock, time.time() - (t0 - first))  # the wall clock is the swarm's
+        period = swarm_period(
+            (1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0),
+            fallback=statistics.median(c.step_time_s for c in a.contributions),
+        )
         try:
-            rec = rep.make_record(a.round, a.contributions, self.pcfg, live=len(self.syncs[p].live))
+            rec = rep.make_record(
+                a.round, a.contributions, self.pcfg, live=len(st.live), due=due, period=period
+            )
         except ProtocolError as e:  # the replica moved under us (a record from elsewhere): start over
             logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, e)
             self._reset_sync(p)
@@ -260,7 +282,7 @@ class Replication:
         self.counters["records_made"] += 1
         self.leases.pop(p, None)
         sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
-        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s))
+        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self._schedule_of(p)))
         self._spawn(self._broadcast(p, sr))
 
     async def _broadcast(self, p: int, sr: SignedRecord) -> None:
@@ -305,7 +327,12 @@ class Replication:
         if mine is not None and mine.record.new_hash == rec.new_hash:
             return Reply(True, message="duplicate")
         theirs = sr.head
-        if rec.round > rep.round:  # a gap, or a chain that left ours: fetch from the sender
+        if rec.round > rep.round + 1:  # a gap: we missed records (just joined, paused, cut off)
+            if p not in self._syncing:
+                self._spawn(self._catch_up(p, caller, theirs))
+            # Not the sender's fault: no refusal, no penalty.
+            return Reply(True, message=f"behind: we are at round {rep.round}; catching up")
+        if rec.round > rep.round:  # the next round on a chain that left ours: fetch from the sender
             self._spawn(self._catch_up(p, caller, theirs))
             raise ProtocolError(
                 RejectCode.WRONG_PARENT,
@@ -359,6 +386,8 @@ class Replication:
         for p in frags:
             rep = self.replicas[p]
             r, h, n, w = self.heads[p]
-            states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p]))
+            states.append(
+                FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p], rep.clock)
+            )
         body = await asyncio.to_thread(encode_snapshot, states)
         return Reply(True, body=body)

@@ -32,6 +32,7 @@ from protocol.errors import ConfigError, ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
+from protocol.schedule import SlotBook, round_due, swarm_period
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -129,14 +130,22 @@ def run_system(
 
 def system_protocol(system: str, pcfg: ProtocolConfig, learners: int) -> tuple[ProtocolConfig, bool]:
     """The protocol settings and blocking mode that make ``system`` out of the one core."""
-    # The baselines as published: every learner in every round, each adopting what it waited for.
+    # The baselines as their authors run them: every learner in every round, each adopting what it waited
+    # for, the plain mean of fp32 outer gradients, no clipping (torchft's DiLoCo; the decoupled defaults
+    # int4 and clipping moved Theta by about 23% of an update away from it on identical inputs).
+    as_published = dict(
+        quorum=learners,
+        grace=False,
+        merge="mean",
+        carry=False,
+        codec="fp32",
+        record_codec="fp32",
+        clip_factor=0.0,
+    )
     if system == "streaming":
-        return replace(pcfg, quorum=learners, grace=False, merge="mean", carry=False), True
+        return replace(pcfg, **as_published), True
     if system == "sync-diloco":
-        return (
-            replace(pcfg, fragments=1, overlap=0, quorum=learners, grace=False, merge="mean", carry=False),
-            True,
-        )
+        return replace(pcfg, fragments=1, overlap=0, **as_published), True
     return pcfg, False
 
 
@@ -165,6 +174,7 @@ class _LearnerSlot:
         # only from its first contribution of p: rounds already under way must not stall for it.
         self.members_of: set[int] = set()
         self.inbox: list[tuple[int, int, dict, list]] = []  # (fragment, round, theta, merged of its own)
+        self.slots = SlotBook()  # the schedule's slots it has contributed to
 
 
 class VirtualSwarm:
@@ -315,7 +325,7 @@ class VirtualSwarm:
         dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
         self.events.emit("step", learner=lrn.name, step=lrn.steps, t0=now, t1=now + dur, loss=res.loss)
         self._last_step_end = max(self._last_step_end, now + dur)
-        for p in res.due:
+        for p in res.due if self.blocking else self._due_on_schedule(s, res.due, now + dur):
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
             if s.plan.scale != 1.0:
@@ -340,6 +350,19 @@ class VirtualSwarm:
             if self.blocking:
                 s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)
         self._push(now + dur, "step", m)
+
+    def _due_on_schedule(self, s: _LearnerSlot, by_steps: list[int], now: float) -> list[int]:
+        """As ``node.learner_loop.LearnerLoop._due_on_schedule``: slots of the swarm's schedule within half
+        a step of ``now``, else (no record yet) the learner's own steps."""
+        lead = self.run_cfg.step_time_s / s.plan.speed / 2
+        out = []
+        for p, rep in enumerate(self.replicas):
+            if rep.clock is None:
+                if p in by_steps:
+                    out.append(p)
+            elif s.slots.due(p, rep.clock, now, lead) and s.learner.book.counters[p].c_steps > 0:
+                out.append(p)
+        return out
 
     def _on_contrib(self, now: float, payload) -> None:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
@@ -375,7 +398,14 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep = self.replicas[p]
-        rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(self.syncs[p].live))
+        st = self.syncs[p]
+        live = [s for s in self.slots if s.learner.name in st.live]
+        period = swarm_period(
+            (self.run_cfg.step_time_s / s.plan.speed for s in live),
+            fallback=self.run_cfg.step_time_s,
+        )
+        due = round_due(rep.clock, now if st.first_at is None else st.first_at)
+        rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
         self.merges += 1
         cids = [c.cid for c in a.contributions]
@@ -399,7 +429,9 @@ class VirtualSwarm:
 
     def _on_merged(self, now: float, payload) -> None:
         p, sync_s = payload
-        self._decide(p, on_merged(self.cfg, self.syncs[p], now, sync_s), now)
+        c = self.replicas[p].clock
+        due = None if c is None else (c.first, c.every)
+        self._decide(p, on_merged(self.cfg, self.syncs[p], now, sync_s, due), now)
 
     def _on_arrive(self, now: float, payload) -> None:
         m, p, round_, theta, cids, mine = payload

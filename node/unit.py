@@ -7,15 +7,16 @@ learner thread that contributes fragments and adopts merged ones.
 
 Rank 0 leads every step with one small control broadcast, so the other ranks never decide anything:
 
-    [op, step, schedule_step, check_all, save, n, p_1 .. p_n]      op: STATE | STEP | PAUSE | STOP
+    [op, step, schedule_step, check_all, save, n, m, p_1 .. p_n, d_1 .. d_m]   op: STATE | STEP | PAUSE | STOP
 
 followed by the tensors of the fragments p_1..p_n that rank 0 adopted since the last step (rank 0's values,
 broadcast). Every rank then digests the parameters of those fragments (all fragments when ``check_all``)
 and the digests are gathered on rank 0; a rank that differs is counted and logged, and its fragments are
 sent again with the next step, so a mismatch is repaired, never ignored. ``STATE`` carries the whole
 model, the inner optimizer's state and the lr-schedule step (at the start, after a join or a restore).
-``schedule_step`` keeps every rank's fragment schedule on rank 0's, so all ranks know which fragments fall
-due after a step; ``save`` asks every rank to join the gather of a checkpoint (sharded units only).
+``schedule_step`` keeps every rank's fragment schedule on rank 0's, and d_1..d_m are the fragments rank 0
+takes after this step (due on the swarm's schedule, which only rank 0 reads), so every rank joins the
+same gathers; ``save`` asks every rank to join the gather of a checkpoint (sharded units only).
 Followers wait on the control broadcast, so a paused node keeps them idle with ``PAUSE`` every 50 ms and
 no collective outlives its deadline. ``node.unit_fsdp.ShardedUnit`` is the same exchange over FSDP2 shards.
 
@@ -65,6 +66,7 @@ class Unit:
     checks: int = 0  # digest comparisons made on rank 0
     mismatches: int = 0  # ranks found to differ (each repaired by a re-broadcast)
     _repair: set[int] = field(default_factory=set)
+    due_next: list[int] = field(default_factory=list)  # fragments taken after the step under way
     mode: ClassVar[str] = "ddp"
 
     @classmethod
@@ -130,30 +132,37 @@ class Unit:
         """A rank > 0, after each step: its part in taking the fragments due (nothing: rank 0 holds them)."""
 
     # ------------------------------------------------------------------ one step's exchange
-    def _ctrl(self, learner, op: int, frags: list[int], check_all: bool, save: bool) -> tuple:
+    def _ctrl(self, learner, op: int, frags: list[int], check_all: bool, save: bool, due: list[int]) -> tuple:
         P = len(learner.plan.fragments)
-        t = torch.zeros(6 + P, dtype=torch.int64, device=self.device())
+        t = torch.zeros(7 + 3 * P, dtype=torch.int64, device=self.device())
         if self.lead:
-            t[:6] = torch.tensor(
-                [op, learner.steps, learner.book.step, check_all, save, len(frags)], dtype=torch.int64
-            )
-            if frags:
-                t[6 : 6 + len(frags)] = torch.tensor(frags, dtype=torch.int64)
+            head = [op, learner.steps, learner.book.step, check_all, save, len(frags), len(due)]
+            t[: 7 + len(frags) + len(due)] = torch.tensor(head + list(frags) + list(due), dtype=torch.int64)
         dist.broadcast(t, 0)
         v = t.tolist()
-        return v[0], v[1], v[2], bool(v[3]), bool(v[4]), v[6 : 6 + v[5]]
+        n, m = v[5], v[6]
+        return v[0], v[1], v[2], bool(v[3]), bool(v[4]), v[7 : 7 + n], v[7 + n : 7 + n + m]
 
     def exchange(
-        self, learner, op: int, adopted: list[int] = (), check_all: bool = False, save: bool = False
+        self,
+        learner,
+        op: int,
+        adopted: list[int] = (),
+        check_all: bool = False,
+        save: bool = False,
+        due: list[int] = (),
     ) -> int:
-        """Rank 0: lead one exchange. Other ranks: follow one (arguments ignored). Returns the op."""
+        """Rank 0: lead one exchange. Other ranks: follow one (arguments ignored). Returns the op. ``due``:
+        the fragments rank 0 takes after the step this exchange starts (``due_next`` on every rank)."""
         frags = sorted(set(adopted) | self._repair) if self.lead else []
         self._repair = set()
         P = len(learner.plan.fragments)
         # a fragment whose adoption carried the unit's progress travels as p + P: every rank then knows to
         # join the gather of its old values (``ShardedUnit._send``)
         frags = [p + P if learner.shift.get(p) else p for p in frags]
-        op, step, schedule_step, check_all, save, frags = self._ctrl(learner, op, frags, check_all, save)
+        op, step, schedule_step, check_all, save, frags, self.due_next = self._ctrl(
+            learner, op, frags, check_all, save, list(due) if self.lead else []
+        )
         carried = {p - P for p in frags if p >= P}
         frags = [p % P for p in frags]
         self._send(learner, frags, set(adopted) if self.lead else set(), carried)
@@ -249,8 +258,8 @@ def follow(learner, unit: Unit) -> int:
         if op == STOP:
             break
         if op == STEP:
-            res = learner.train_step()
-            unit.after_step(learner, res.due)
+            learner.train_step()
+            unit.after_step(learner, unit.due_next)
             steps += 1
     logger.info("rank %d stops after %d steps", unit.rank, steps)
     return 0

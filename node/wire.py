@@ -31,6 +31,7 @@ from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
 from protocol.messages import decode_parts, encoded_parts
 from protocol.replica import MergeRecord
+from protocol.schedule import RoundClock
 
 _DOMAIN = "ddiloco/merge/v1"
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # the codecs' parts and snapshots
@@ -74,6 +75,8 @@ def _record_doc(swarm: str, rec: MergeRecord) -> str:
             "contributors": [list(c) for c in rec.contributors],
             "codec": rec.codec,
             "block": rec.block,
+            "due": rec.due,
+            "period": rec.period,
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -146,8 +149,11 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         contributors = tuple(_contributor(c) for c in doc["contributors"])
         parent, new = doc["parent_hash"], doc["new_hash"]
         codec, block = doc["codec"], doc["block"]
+        due, period = doc.get("due", 0.0), doc.get("period", 0.0)
         if not (isinstance(parent, str) and isinstance(new, str)):
             raise TypeError(f"hashes {_short(parent)}/{_short(new)} are not strings")
+        if not (_is_weight(due) and _is_weight(period)):
+            raise ValueError(f"schedule due={_short(due)} period={_short(period)} is not two finite times >= 0")
     # RecursionError: JSON nested deeper than the parser's stack
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
@@ -169,7 +175,7 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
     if p not in spec:
         raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {_short(p)} does not exist")
     grad = decode_parts(tensors, codec, block, spec[p])
-    rec = MergeRecord(p, r, parent, new, contributors, grad, codec, block)
+    rec = MergeRecord(p, r, parent, new, contributors, grad, codec, block, due=float(due), period=float(period))
     return SignedRecord(rec, str(signer), raw)
 
 
@@ -291,17 +297,29 @@ class FragmentState:
     theta: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     tokens: int = 0  # tokens merged into this fragment so far (for status)
+    clock: RoundClock | None = None  # when the round after it is due (protocol.schedule), if known
 
 
 def encode_snapshot(states: list[FragmentState]) -> bytes:
-    tensors, heads = {}, {}
+    tensors, heads, clocks = {}, {}, {}
     for s in states:
         for k, v in s.theta.items():
             tensors[f"{s.fragment}/theta/{k}"] = v.contiguous()
         for k, v in s.momentum.items():
             tensors[f"{s.fragment}/mom/{k}"] = v.contiguous()
         heads[str(s.fragment)] = [s.round, s.hash, s.n, s.weight, s.tokens]
-    return st_save(tensors, metadata={"heads": json.dumps(heads)})
+        if s.clock is not None:
+            clocks[str(s.fragment)] = [s.clock.first, s.clock.every]
+    return st_save(tensors, metadata={"heads": json.dumps(heads), "clocks": json.dumps(clocks)})
+
+
+def _snapshot_clock(clocks: dict, p: int, round_: int) -> RoundClock | None:
+    """The clock a snapshot names for fragment p (``[first, every]``), or None; a malformed one is dropped
+    (the schedule falls back to the learners' steps until the next record), never trusted."""
+    c = clocks.get(str(p))
+    if not (isinstance(c, list) and len(c) == 2 and all(_is_weight(x) for x in c)) or not c[1] > 0:
+        return None
+    return RoundClock(round_ + 1, float(c[0]), float(c[1]))
 
 
 def _snapshot_head(p: str, h: object) -> tuple[int, int, str, int, float, int]:
@@ -324,6 +342,9 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
         if not isinstance(heads, dict):
             raise TypeError(f"heads is a {type(heads).__name__}, not an object")
         items = [_snapshot_head(p, h) for p, h in heads.items()]
+        clocks = json.loads(meta.get("clocks", "{}"))
+        if not isinstance(clocks, dict):
+            clocks = {}
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
             RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {str(e)[:200]}"
@@ -352,5 +373,5 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
             raise ProtocolError(
                 RejectCode.MALFORMED, f"snapshot of fragment {p} lands on {got[:12]}, it claims {h[:12]}"
             )
-        out.append(FragmentState(p, r, h, n, w, theta, mom, tok))
+        out.append(FragmentState(p, r, h, n, w, theta, mom, tok, _snapshot_clock(clocks, p, r)))
     return out

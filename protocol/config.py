@@ -29,11 +29,12 @@ class ProtocolConfig:
     outer_momentum: float = field(default=0.9, metadata={"help": "outer SGD Nesterov momentum"})
     alpha: float = field(default=0.0, metadata={"help": "adoption mix: theta <- a*theta + (1-a)*Theta"})
     carry: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "a learner keeps the progress the global does not hold yet through adoptions and "
-            "re-syncs (rebased onto the new global) instead of having it overwritten, and a round's outer "
-            "gradient is scaled by its share of a full round, at most 1 (--no-carry: the paper's overwrite)"
+            "help": "off (the paper's rule): an adopted round overwrites the learner's fragment and resets its "
+            "counters. On: a learner keeps the progress the global does not hold yet through adoptions and "
+            "re-syncs (rebased onto the new global), and a round's outer gradient is scaled by its share of "
+            "a full round, at most 1"
         },
     )
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
@@ -54,8 +55,12 @@ class ProtocolConfig:
         },
     )
     refuse_factor: float = field(
-        default=50.0,
-        metadata={"help": "refuse (too_large) an outer gradient over this multiple of that median (0: off)"},
+        default=1000.0,
+        metadata={
+            "help": "refuse (too_large) an outer gradient over this multiple of that median (0: off). Honest "
+            "learners differ by 100x and more (a learner still in its lr warm-up beside one past it, a "
+            "learner that made many more steps): under this factor an outlier is clipped, not refused"
+        },
     )
     max_rms: float = field(
         default=1.0,

@@ -20,6 +20,7 @@ from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
 from protocol.merge import anchor, contribution_weight, merge_deltas, outer_step
+from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution
 
 
@@ -35,6 +36,8 @@ class MergeRecord:
     block: int = 64
     wire: Mapping[str, Encoded] | None = None  # ``grad`` encoded with ``codec``; None: fp32 as is
     clipped: tuple[str, ...] = ()  # contribution ids scaled down by the robust merge (local, not signed)
+    due: float = 0.0  # when this round was taken, on the swarm's clock (protocol.schedule); signed
+    period: float = 0.0  # the swarm's step period then (0: no schedule); the next round is due H periods on
 
 
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
@@ -98,6 +101,7 @@ class FragmentReplica:
         self._made: tuple[MergeRecord, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self.norms = norms if norms is not None else NormBook()  # shared by a node's fragments
         self.numel = sum(t.numel() for t in self.theta.values())
+        self.clock: RoundClock | None = None  # when the open round is due (None: no record says yet)
 
     def norm_reference(self) -> float | None:
         """The norm a typical learner's outer gradient for this fragment has (None until 3 learners known)."""
@@ -109,9 +113,14 @@ class FragmentReplica:
         return self._hash
 
     def load_state(
-        self, round_: int, theta: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]
+        self,
+        round_: int,
+        theta: Mapping[str, torch.Tensor],
+        momentum: Mapping[str, torch.Tensor],
+        clock: RoundClock | None = None,
     ) -> None:
-        """Replace this replica's state by a verified snapshot (join or re-sync); history restarts there."""
+        """Replace this replica's state by a verified snapshot (join or re-sync); history restarts there.
+        ``clock``: when the round after it is due, as the snapshot's donor holds it."""
         if set(theta) != set(self.theta) or set(momentum) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE, f"snapshot of fragment {self.index} names other tensors"
@@ -125,6 +134,7 @@ class FragmentReplica:
         self._hash = tensors_hash(self.theta)
         self._made = None
         self.history = OrderedDict({round_: self.theta})
+        self.clock = clock if clock is not None and clock.round == round_ + 1 else None
 
     def base(self, round_: int) -> dict[str, torch.Tensor]:
         try:
@@ -168,22 +178,36 @@ class FragmentReplica:
             )
 
     def make_record(
-        self, round_: int, contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int = 0
+        self,
+        round_: int,
+        contributions: Sequence[Contribution],
+        cfg: ProtocolConfig,
+        live: int = 0,
+        due: float = 0.0,
+        period: float = 0.0,
     ) -> MergeRecord:
         """Merge ``contributions`` into round ``round_`` (DESIGN §1 steps 3-6). With ``cfg.carry`` and
-        ``live`` learners known, the merged outer gradient is scaled by ``round_share``."""
+        ``live`` learners known, the merged outer gradient is scaled by ``round_share``. ``due`` and
+        ``period``: the round's moment and the swarm's step period, for the schedule (``protocol.schedule``).
+
+        The robust merge measures each learner's own outer gradient (against the base it was taken on) and
+        scales that part alone: Theta_now - theta_m = (Theta_now - base) + s * delta. The part the global
+        itself moved since that base is no learner's to clip."""
         if round_ != self.round + 1:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
-        deltas = [anchor(self.theta, self.base(c.base_round), c.delta) for c in contributions]
+        bases = [self.base(c.base_round) for c in contributions]
         clipped = []
         ref = self.norm_reference() if cfg.clip_factor > 0 else None
-        for i, c in enumerate(contributions):
+        deltas = []
+        for c, base in zip(contributions, bases):
             n = global_norm(c.delta)
+            own = c.delta
             if ref is not None and n > cfg.clip_factor * ref:
                 scale = cfg.clip_factor * ref / n
-                deltas[i] = {k: t * scale for k, t in deltas[i].items()}
+                own = {k: t * scale for k, t in own.items()}
                 clipped.append(c.cid)
+            deltas.append(anchor(self.theta, base, own))
             self.norms.add(c.learner, n / math.sqrt(max(1, self.numel)))
         method = "mean" if self.is_embedding else cfg.merge
         grad = merge_deltas(deltas, weights, method)
@@ -210,6 +234,8 @@ class FragmentReplica:
             block=cfg.codec_block,
             wire=wire,
             clipped=tuple(clipped),
+            due=float(due),
+            period=float(period),
         )
         self._made = (rec, new_theta, new_mom)
         return rec
@@ -236,5 +262,6 @@ class FragmentReplica:
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         self.history[rec.round] = theta
+        self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every)
         while len(self.history) > self._history_len:
             self.history.popitem(last=False)

@@ -14,6 +14,11 @@ where xi_step is the learners' reported step time, xi_quorum the time from a rou
 its quorum, xi_sync the time a merge takes to reach the learners, each an exponential moving average.
 The first contributor expects the merged fragment back tau steps after it sent; grace spends a share
 gamma of whatever that budget leaves after the quorum wait and the merge itself.
+
+A round on the swarm's schedule (``due_at``, from ``protocol.schedule``): learners send it within half a
+step of that moment, so the round does not open before one step ahead of it (a contribution that comes
+earlier, say one left over from the round before, waits), and the grace window is measured from the later
+of the quorum and ``due_at``: every learner on time is in, however the step boundaries fell.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class SyncState:
     xi_step: Ema = Ema()
     xi_quorum: Ema = Ema()
     xi_sync: Ema = Ema()
+    due_at: float | None = None  # when the open round is due on the swarm's schedule (None: on arrival)
+    due_every: float = 0.0  # and again every this many seconds while it has not merged (0: once)
 
     @property
     def open_round(self) -> int:
@@ -168,8 +175,15 @@ def on_membership(cfg: ProtocolConfig, state: SyncState, live: frozenset[str], n
     return _evaluate(cfg, replace(state, live=frozenset(live)), now, f"live set now {len(live)}")
 
 
-def on_merged(cfg: ProtocolConfig, state: SyncState, now: float, sync_s: float) -> Decision:
-    """The driver applied the merge of the open round; ``sync_s`` is how long merge + hand-back took."""
+def on_merged(
+    cfg: ProtocolConfig,
+    state: SyncState,
+    now: float,
+    sync_s: float,
+    due: tuple[float, float] | None = None,
+) -> Decision:
+    """The driver applied the merge of the open round; ``sync_s`` is how long merge + hand-back took;
+    ``due``: (first moment, repeat period) of the next round on the swarm's schedule (None: on arrival)."""
     if state.phase is not Phase.MERGING:
         raise ProtocolError(RejectCode.MALFORMED, f"no merge in progress for fragment {state.fragment}")
     queued = state.queued
@@ -183,13 +197,34 @@ def on_merged(cfg: ProtocolConfig, state: SyncState, now: float, sync_s: float) 
         quorum_at=None,
         deadline=None,
         xi_sync=state.xi_sync.update(sync_s, cfg.ema_beta),
+        due_at=None if due is None else due[0],
+        due_every=0.0 if due is None else due[1],
     )
     return _evaluate(cfg, nxt, now, f"round {state.open_round} merged in {sync_s:.3f}s")
+
+
+def slot_due(state: SyncState, now: float) -> float | None:
+    """The slot of the open round nearest to ``now`` (never before its first): a round that did not merge
+    at its first slot is taken again at the next (``protocol.schedule.RoundClock``)."""
+    if state.due_at is None:
+        return None
+    if state.due_every <= 0 or now <= state.due_at:
+        return state.due_at
+    return state.due_at + round((now - state.due_at) / state.due_every) * state.due_every
 
 
 def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> Decision:
     if state.phase is Phase.MERGING:
         return Decision(state, (), f"{note}; merge in progress")
+    due_at = slot_due(state, now)
+    opens = None if due_at is None else due_at - state.xi_step.get()
+    if opens is not None and now < opens:
+        return Decision(
+            replace(state, phase=Phase.COLLECTING),
+            (WakeAt(opens),) if state.pending else (),
+            f"{note}; round {state.open_round} opens at {opens:.3f} (due {due_at:.3f}), "
+            f"{len(state.pending)} waiting",
+        )
     k = effective_quorum(cfg, state)
     # Only live learners count toward the quorum; a departed learner's contribution is still merged (its
     # work is real) but cannot stand in for a live one.
@@ -201,10 +236,14 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
             f"{note}; waiting for quorum {n}/{k} in round {state.open_round}",
         )
     if state.quorum_at is None:
-        waited = now - (state.first_at if state.first_at is not None else now)
+        first = state.first_at if state.first_at is not None else now
+        if opens is not None:
+            first = max(first, opens)
+        waited = max(0.0, now - first)
         state = replace(state, quorum_at=now, xi_quorum=state.xi_quorum.update(waited, cfg.ema_beta))
         grace = grace_window(cfg, state)
-        state = replace(state, deadline=now + grace, phase=Phase.GRACE)
+        start = now if due_at is None else max(now, due_at)
+        state = replace(state, deadline=start + grace, phase=Phase.GRACE)
         note = (
             f"{note}; quorum {n}/{k} after {waited:.3f}s, grace {grace:.3f}s = {cfg.grace_gamma}*"
             f"({cfg.overlap}*{state.xi_step.get():.3f} - {state.xi_quorum.get():.3f} - "

@@ -35,8 +35,9 @@ def test_robust_merge_clips_one_outlier_and_refuses_absurd_sizes():
     rec = rep.make_record(2, [big], cfg)
     assert rec.clipped == ("b1",)
     assert float(rec.grad["w"].norm()) == pytest.approx(cfg.clip_factor * ref, rel=1e-5)
-    with pytest.raises(ProtocolError) as e:  # 60x the median: refused outright
-        rep.check_delta({"w": torch.full((100,), 0.6)}, cfg)
+    rep.check_delta({"w": torch.full((100,), 2.0)}, ProtocolConfig(max_rms=0))  # 200x: clipped, not refused
+    with pytest.raises(ProtocolError) as e:  # 1200x the median: refused outright
+        rep.check_delta({"w": torch.full((100,), 12.0)}, ProtocolConfig(max_rms=0))
     assert e.value.code is RejectCode.TOO_LARGE
     with pytest.raises(ProtocolError) as e:  # absurd per-parameter size, even with no reference yet
         _rep(NormBook()).check_delta({"w": torch.full((100,), 2.0)}, cfg)

@@ -16,6 +16,8 @@ accepted value) is a crash.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import functools
 import json
@@ -329,7 +331,9 @@ class Target:
                 value = op(rng, value)
             except Exception:  # noqa: BLE001 - the mutator's own parse failed
                 if isinstance(value, bytes):
-                    value = rng.choice(BYTE_MUTATORS)(rng, value)
+                    fallback = rng.choice(BYTE_MUTATORS)
+                    with contextlib.suppress(Exception):  # some byte mutators parse the header too
+                        value = fallback(rng, value)
         if self.finish is not None and rng.random() < 0.5:
             try:
                 value = self.finish(rng, value)

@@ -1,0 +1,107 @@
+"""The swarm's round schedule (DESIGN §1, "Rounds belong to the swarm"): when round r of fragment p is due.
+
+No fixed synchroniser owns a step counter here, so the schedule is carried by the replicated merge records.
+Each record of round r of fragment p names the moment the round was taken (``due``) and the swarm's step
+period at that moment (``period``, the median step time of the live learners). Round r + 1 is then due at
+``due + H * period``: every node that holds record r derives the same moment, whoever signed it and
+whichever node has died since. A round that does not merge in time is due again every ``H * period``
+after that (the slots of ``RoundClock``), so a round whose synchroniser died is taken again by the next one.
+
+Before a fragment's first record (round 0), or on a node that holds a fragment by snapshot with no clock,
+learners fall back to their own step count (``FragmentPlan.due``); the first record puts everyone on the
+clock. The staggered offsets of the fragments come from that first round and are kept by the chain.
+
+A learner contributes fragment p at the end of the step nearest to a slot: when ``now + step_s / 2`` has
+reached it (``RoundClock.slot_at``). Every learner on time is then inside one grace window of the others.
+Pure: times are arguments, in seconds of whatever clock the driver shares with its peers (the node: the
+wall clock; the in-process runner: virtual time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MIN_PERIOD_S = 1e-3  # a step period outside these bounds is not a learner's: clamp (a record may lie)
+MAX_PERIOD_S = 3600.0
+
+
+@dataclass(frozen=True)
+class RoundClock:
+    """When ``round`` of one fragment is due: at ``first`` and again every ``every`` seconds until it merges."""
+
+    round: int
+    first: float
+    every: float
+
+    def slot_at(self, now: float, lead: float = 0.0) -> int | None:
+        """The index of the newest slot at or before ``now + lead``; None before the first one."""
+        t = now + lead
+        if t < self.first:
+            return None
+        return int(math.floor((t - self.first) / self.every))
+
+    def slot_time(self, k: int) -> float:
+        return self.first + k * self.every
+
+
+def clamp_period(period: float) -> float:
+    if not math.isfinite(period) or period <= 0:
+        return MIN_PERIOD_S
+    return min(MAX_PERIOD_S, max(MIN_PERIOD_S, period))
+
+
+def next_clock(round_: int, due: float, period: float, sync_every: int) -> RoundClock | None:
+    """The clock of the round after record ``round_`` (taken at ``due`` with step ``period``); None when the
+    record carries no schedule (``period`` 0: written before the schedule existed, or round 0)."""
+    if not period > 0 or not math.isfinite(due):
+        return None
+    p = clamp_period(period)
+    return RoundClock(round_ + 1, due + sync_every * p, sync_every * p)
+
+
+def round_due(clock: RoundClock | None, first_arrival: float) -> float:
+    """The moment a synchroniser writes into the record of the round it merges: the slot of ``clock``
+    nearest to the round's first contribution (learners send within half a step of a slot), or that
+    contribution's own time when no clock is known (the first round)."""
+    if clock is None:
+        return first_arrival
+    if first_arrival <= clock.first:
+        return clock.first
+    k = round((first_arrival - clock.first) / clock.every)
+    return clock.slot_time(int(k))
+
+
+def swarm_period(step_times: Iterable[float], fallback: float) -> float:
+    """The swarm's step period: the median of the live learners' step times (seconds per step). A median,
+    so one learner that lies about its speed cannot move the schedule; ``fallback`` when none is known."""
+    xs = [t for t in step_times if math.isfinite(t) and t > 0]
+    return clamp_period(statistics.median(xs) if xs else fallback)
+
+
+@dataclass
+class SlotBook:
+    """A learner's record of the slots it has contributed to, per fragment: a slot is taken once."""
+
+    taken: dict[int, tuple[int, int]]
+
+    def __init__(self) -> None:
+        self.taken = {}
+
+    def due(self, p: int, clock: RoundClock | None, now: float, lead: float) -> bool:
+        """True (and marks it taken) when fragment p has a slot up at ``now + lead`` not yet contributed."""
+        if clock is None:
+            return False
+        k = clock.slot_at(now, lead)
+        if k is None:
+            return False
+        key = (clock.round, k)
+        if self.taken.get(p, (-1, -1)) >= key:
+            return False
+        self.taken[p] = key
+        return True
+
+    def reset(self) -> None:
+        self.taken.clear()

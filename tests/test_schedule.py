@@ -1,0 +1,82 @@
+"""The swarm's round schedule (protocol.schedule): every node derives the same round moments from the same
+records, a slot is contributed to once, and a round that does not merge in time is due again."""
+
+from __future__ import annotations
+
+import torch
+
+from node.wire import FragmentState, decode_snapshot, encode_record, encode_snapshot, decode_record
+from dht.identity import Identity
+from protocol.config import ProtocolConfig
+from protocol.replica import FragmentReplica
+from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_period
+from protocol.synchroniser import Contribution
+
+H = 8
+
+
+def _replica() -> FragmentReplica:
+    return FragmentReplica(0, {"w": torch.zeros(4)}, is_embedding=False)
+
+
+def _record(rep: FragmentReplica, due: float, period: float, cfg: ProtocolConfig):
+    c = Contribution("a", 0, rep.round, 3, 30, 0.1, {"w": torch.full((4,), 0.01)}, cid=f"a:{due}")
+    return rep.make_record(rep.round + 1, [c], cfg, live=1, due=due, period=period)
+
+
+def test_every_replica_derives_the_same_next_round_from_the_same_record():
+    cfg = ProtocolConfig(fragments=1, sync_every=H, codec="fp32", record_codec="fp32")
+    maker, other = _replica(), _replica()
+    assert maker.clock is None and other.clock is None  # round 0: no record says when round 1 is due
+    rec = _record(maker, due=100.0, period=0.5, cfg=cfg)
+    maker.apply_record(rec, cfg)
+    # The other replica gets the record over the wire, signed.
+    ident = Identity.generate()
+    raw = encode_record("s", rec, ident)
+    other.apply_record(decode_record(raw, "s", {0: {"w": (4,)}}).record, cfg)
+    assert maker.clock == other.clock == RoundClock(2, 100.0 + H * 0.5, H * 0.5)
+
+
+def test_the_clock_comes_with_a_snapshot_and_a_bad_one_is_dropped():
+    cfg = ProtocolConfig(fragments=1, sync_every=H, codec="fp32", record_codec="fp32")
+    rep = _replica()
+    rep.apply_record(_record(rep, due=10.0, period=1.0, cfg=cfg), cfg)
+    st = FragmentState(0, rep.round, rep.hash, 1, 1.0, rep.theta, rep.momentum, 0, rep.clock)
+    (back,) = decode_snapshot(encode_snapshot([st]), {0: {"w": (4,)}})
+    fresh = _replica()
+    fresh.load_state(back.round, back.theta, back.momentum, back.clock)
+    assert fresh.clock == rep.clock
+    bad = FragmentState(0, rep.round, rep.hash, 1, 1.0, rep.theta, rep.momentum, 0, RoundClock(2, 5.0, -1.0))
+    (back,) = decode_snapshot(encode_snapshot([bad]), {0: {"w": (4,)}})
+    assert back.clock is None  # never trusted: the learners fall back to their steps until a record
+
+
+def test_a_slot_is_taken_once_and_a_round_that_does_not_merge_is_due_again():
+    clock = RoundClock(5, first=100.0, every=4.0)
+    book = SlotBook()
+    assert not book.due(0, clock, 97.0, lead=0.5)  # too early
+    assert book.due(0, clock, 99.6, lead=0.5)  # within half a step of the slot: the nearest step end
+    assert not book.due(0, clock, 100.2, lead=0.5)  # that slot is taken: the round never opens twice
+    assert not book.due(0, clock, 102.0, lead=0.5)
+    assert book.due(0, clock, 103.6, lead=0.5)  # round 5 did not merge: its next slot
+    assert not book.due(0, clock, 103.9, lead=0.5)
+    nxt = RoundClock(6, first=112.0, every=4.0)  # round 5 merged at slot 1
+    assert book.due(0, nxt, 111.7, lead=0.5)
+    assert not book.due(1, None, 200.0, lead=0.5)  # no clock: nothing from the schedule
+
+
+def test_the_synchroniser_snaps_the_round_to_the_slot_its_contributions_came_for():
+    clock = RoundClock(3, first=50.0, every=10.0)
+    assert round_due(clock, 50.3) == 50.0
+    assert round_due(clock, 49.0) == 50.0
+    assert round_due(clock, 60.4) == 60.0  # the round's second slot
+    assert round_due(None, 12.5) == 12.5  # the first round: its first contribution's time
+
+
+def test_the_period_is_the_median_and_a_liar_cannot_move_it():
+    assert swarm_period([0.1, 0.12, 0.11], fallback=1.0) == 0.11
+    assert swarm_period([0.1, 0.12, 1e9], fallback=1.0) == 0.12
+    assert swarm_period([], fallback=0.2) == 0.2
+    assert swarm_period([float("nan"), -1.0], fallback=0.3) == 0.3
+    assert next_clock(4, 10.0, 0.0, H) is None  # a record without a schedule
+    assert next_clock(4, 10.0, 1e12, H).every == H * 3600.0  # clamped
