@@ -48,6 +48,8 @@ class ChaosConfig:
     plan: list[Fault] | None = None
     """faults to apply instead of drawing them from ``model``"""
     node_flags: list[str] = field(default_factory=list)
+    node_extra: dict[int, list[str]] = field(default_factory=dict)
+    """flags for one node alone, after ``node_flags`` (e.g. ``--slowdown 1.2`` for a slower chip)"""
     learner_nice: int = 10
     """niceness of every node's learner thread (``[node] learner_nice``): the nodes share this host's cores,
     and a restarting node's start-up and every node's network side should not queue behind the other
@@ -140,10 +142,11 @@ class ChaosRun:
 
     def launch(self, index: int, peers: list[str]) -> Child:
         (self.cfg.run_dir / f"node-{index}" / "final.json").unlink(missing_ok=True)
+        flags = self.flags + self.cfg.node_extra.get(index, [])
         if self.lab is not None:
-            c = self.lab.start(index, self.cfg.run_dir, self.flags, peers)
+            c = self.lab.start(index, self.cfg.run_dir, flags, peers)
         else:
-            c = start_node(index, self.cfg.run_dir, self.flags, peers)
+            c = start_node(index, self.cfg.run_dir, flags, peers)
         slot = self.slots.setdefault(index, Slot(index, []))
         slot.lives.append(c)
         slot.state, slot.until, slot.started = "starting", None, time.monotonic()

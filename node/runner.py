@@ -78,6 +78,7 @@ class RunConfig:
     seed: int = 0
     net: NetConfig = NetConfig()
     plans: tuple[LearnerPlan, ...] = ()
+    lr_steps: int = 0  # inner steps each learner's lr schedule spans (a node's --steps); 0: its share of the budget
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -200,7 +201,7 @@ class VirtualSwarm:
         self.slots = []
         for m in range(run.learners):
             share = speeds[m] / sum(speeds)
-            steps = max(1, int(run.token_budget * share / task.tokens_per_batch))
+            steps = run.lr_steps or max(1, int(run.token_budget * share / task.tokens_per_batch))
             lrn = Learner(f"L{m}", task, self.cfg, inner, steps, seed=run.seed * 1000 + m + 1, plan=self.plan)
             self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
         base = self.slots[0].learner.base

@@ -1,0 +1,261 @@
+"""Parity benchmark: Decoupled DiLoCo against its baselines on real node processes and in the in-process
+runner, same configuration, equal tokens (issue 15).
+
+For each scenario and seed, every system runs as a swarm of real ``ddiloco node`` processes on loopback
+(``node.chaos`` with no failures: the launcher, the status endpoint, the event records), then the runner
+(``node.runner``, virtual time) runs the same system to the same token count with the same learning-rate
+schedule, data seeds and speeds. Systems:
+
+  decoupled K=1+grace   the default node
+  decoupled K=M         --quorum M --no-grace
+  streaming             --system streaming (fp32, plain mean, every learner, blocks at tau)
+  sync-diloco           --system sync-diloco (fp32, plain mean, one fragment, blocks at each sync)
+
+Scenarios: ``homogeneous``; ``heterogeneous``: the last two nodes 20% slower with +-10% jitter
+(``--slowdown 1.2 --jitter 0.1``; in the runner speed 1/1.2, jitter 0.1).
+
+Equal tokens: the swarms run for the same wall time, so blocking systems train fewer tokens. Each system's
+eval loss is read at T, the fewest tokens any system of that scenario and seed trained: from node 0's eval
+records (the global model every ``--eval-every-s``), with the swarm's token count at each record's time
+from every node's step records, interpolated linearly. The runner trains exactly T.
+
+Per system it prints mean +- std over seeds of the eval loss at T, its ratio to sync-diloco's, learners per
+merge, goodput and tokens/s, for real nodes and the runner side by side.
+
+    python bench/parity.py                                   # 2 scenarios x 4 systems x 3 seeds, ~80 min
+    python bench/parity.py --scenarios homogeneous --systems decoupled,sync-diloco --seeds 2 --duration 90
+    python bench/parity.py --json > parity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from node.chaos import ChaosConfig, run_chaos  # noqa: E402
+from node.chaos_plan import FailureModel  # noqa: E402
+from node.events import EventLog  # noqa: E402
+from node.learner import InnerConfig  # noqa: E402
+from node.runner import LearnerPlan, NetConfig, RunConfig, run_system  # noqa: E402
+from node.task import TaskConfig, load_task  # noqa: E402
+from protocol.config import ProtocolConfig  # noqa: E402
+
+SYSTEMS = ("decoupled", "decoupled-km", "streaming", "sync-diloco")
+SCENARIOS = ("homogeneous", "heterogeneous")
+LR_STEPS = 5000  # a node's default --steps: the span of every learner's lr schedule, nodes and runner alike
+SLOW, JITTER = 1.2, 0.1
+
+
+def node_flags(system: str, nodes: int) -> list[str]:
+    if system == "decoupled-km":
+        return ["--quorum", str(nodes), "--no-grace"]
+    if system in ("streaming", "sync-diloco"):
+        return ["--system", system]
+    return []
+
+
+def runner_setup(system: str, nodes: int) -> tuple[str, ProtocolConfig]:
+    if system == "decoupled-km":
+        return "decoupled", ProtocolConfig(quorum=nodes, grace=False)
+    return system, ProtocolConfig()
+
+
+def slow(scenario: str, i: int, nodes: int) -> bool:
+    return scenario == "heterogeneous" and i >= nodes - 2
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def eval_at(curve: list[tuple[float, float]], tokens: float) -> float | None:
+    """Loss at ``tokens`` on a (tokens, loss) curve, linearly between the records around it."""
+    curve = sorted(curve)
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return None
+
+
+def learners_per_merge(records: list[dict]) -> float:
+    merges = {(r["fragment"], r["round"]): len(r["learners"]) for r in records if r.get("kind") == "merge"}
+    return statistics.mean(merges.values()) if merges else 0.0
+
+
+def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict:
+    extra = {
+        i: ["--data-seed", str(seed * 1000 + i + 1)]
+        + (["--slowdown", str(SLOW), "--jitter", str(JITTER)] if slow(scenario, i, args.nodes) else [])
+        for i in range(args.nodes)
+    }
+    cfg = ChaosConfig(
+        run_dir=run_dir,
+        nodes=args.nodes,
+        duration_s=args.duration,
+        seed=seed,
+        model=FailureModel(mtbf_s=0.0),
+        node_flags=node_flags(system, args.nodes) + ["--eval-every-s", str(args.eval_every_s)],
+        node_extra=extra,
+        quiet=True,
+    )
+    rep, _ = run_chaos(cfg)
+    ev = {i: _read(run_dir / f"node-{i}" / "events.jsonl") for i in range(args.nodes)}
+    per_step = load_task(None, TaskConfig()).tokens_per_batch
+    ends = sorted(r["t1"] for recs in ev.values() for r in recs if r.get("kind") == "step")
+    curve = []
+    for r in ev[0]:
+        if r.get("kind") == "eval":
+            n = sum(1 for t in ends if t <= r["t"])
+            curve.append((n * per_step, r["loss"]))
+    all_records = [r for recs in ev.values() for r in recs]
+    window = rep.get("window_s") or args.duration
+    return {
+        "curve": curve,
+        "tokens": len(ends) * per_step,
+        "goodput": rep.get("goodput", {}).get("goodput"),
+        "learners_per_merge": learners_per_merge(all_records),
+        "tokens_per_s": rep.get("tokens_trained", 0) / window if window else 0.0,
+        "step_s": _step_s(ev),
+        "refused": sum(1 for r in all_records if r.get("kind") == "reject"),
+        "one_hash": rep.get("equal_hashes"),
+    }
+
+
+def _read(path: Path) -> list[dict]:
+    from node.events import read_events
+
+    return read_events(path)
+
+
+def _step_s(ev: dict[int, list[dict]]) -> float:
+    """The median node's mean seconds per step (wall clock, start to start)."""
+    per = []
+    for recs in ev.values():
+        t = sorted(r["t0"] for r in recs if r.get("kind") == "step")
+        if len(t) > 10:
+            per.append((t[-1] - t[0]) / (len(t) - 1))
+    return statistics.median(per) if per else 0.3
+
+
+def runner_run(system: str, scenario: str, seed: int, tokens: int, step_s: float, args) -> dict:
+    name, pcfg = runner_setup(system, args.nodes)
+    plans = tuple(
+        LearnerPlan(speed=1 / SLOW, jitter=JITTER) if slow(scenario, i, args.nodes) else LearnerPlan()
+        for i in range(args.nodes)
+    )
+    run = RunConfig(
+        system=name,
+        learners=args.nodes,
+        token_budget=max(1, int(tokens)),
+        step_time_s=step_s,
+        seed=seed,
+        plans=plans,
+        lr_steps=LR_STEPS,
+        net=NetConfig(latency_s=0.002, bandwidth_mbps=1000.0, merge_s=0.02),
+    )
+    events = EventLog()
+    res = run_system(load_task(None, TaskConfig()), run, pcfg, InnerConfig(), events)
+    return {
+        "loss": res.final_loss,
+        "goodput": res.goodput,
+        "learners_per_merge": learners_per_merge(events.records),
+        "tokens_per_s": res.tokens / res.virtual_s if res.virtual_s else 0.0,
+    }
+
+
+def _ms(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.mean(xs):.4f} +- {statistics.stdev(xs) if len(xs) > 1 else 0.0:.4f}"
+
+
+def table(scenario: str, rows: dict[str, list[dict]]) -> str:
+    base = statistics.mean(r["real_loss"] for r in rows["sync-diloco"]) if "sync-diloco" in rows else None
+    rbase = statistics.mean(r["runner_loss"] for r in rows["sync-diloco"]) if "sync-diloco" in rows else None
+    out = [
+        f"{scenario}",
+        f"{'system':<14} {'real eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'tok/s':>7} "
+        f"{'refused':>7} | {'runner eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'runner/real':>11}",
+    ]
+    for sys_, rs in rows.items():
+        real = statistics.mean(r["real_loss"] for r in rs)
+        run = statistics.mean(r["runner_loss"] for r in rs)
+        out.append(
+            f"{sys_:<14} {_ms([r['real_loss'] for r in rs]):>20} "
+            f"{real / base if base else float('nan'):>6.3f} "
+            f"{statistics.mean(r['real']['learners_per_merge'] for r in rs):>9.2f} "
+            f"{statistics.mean(r['real']['goodput'] or 0 for r in rs):>7.3f} "
+            f"{statistics.mean(r['real']['tokens_per_s'] for r in rs):>7.0f} "
+            f"{sum(r['real']['refused'] for r in rs):>7d} | "
+            f"{_ms([r['runner_loss'] for r in rs]):>20} {run / rbase if rbase else float('nan'):>6.3f} "
+            f"{statistics.mean(r['runner']['learners_per_merge'] for r in rs):>9.2f} "
+            f"{statistics.mean(r['runner']['goodput'] for r in rs):>7.3f} {run / real:>11.3f}"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=150.0, help="seconds each swarm trains")
+    ap.add_argument("--eval-every-s", type=float, default=10.0)
+    ap.add_argument("--no-runner", action="store_true")
+    ap.add_argument("--run-dir", default="")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}: choose from {', '.join(SYSTEMS)}")
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}: choose from {', '.join(SCENARIOS)}")
+    root = Path(args.run_dir or tempfile.mkdtemp(prefix="ddiloco-parity-"))
+    results: dict[str, dict[str, list[dict]]] = {}
+    for scen in scenarios:
+        rows: dict[str, list[dict]] = {s: [] for s in systems}
+        for seed in range(1, args.seeds + 1):
+            reals = {}
+            for s in systems:
+                _log(f"{scen} seed {seed}: {s} on {args.nodes} real nodes, {args.duration:g} s")
+                reals[s] = real_run(s, scen, seed, args, root / f"{scen}-{seed}-{s}")
+            T = min(r["tokens"] for r in reals.values())
+            for s in systems:
+                real = reals[s]
+                row = {"seed": seed, "tokens": T, "real": real, "real_loss": eval_at(real["curve"], T)}
+                if not args.no_runner:
+                    _log(f"{scen} seed {seed}: {s} in the runner to {T:,} tokens")
+                    row["runner"] = runner_run(s, scen, seed, T, real["step_s"], args)
+                    row["runner_loss"] = row["runner"]["loss"]
+                else:
+                    row["runner"] = {"learners_per_merge": 0.0, "goodput": 0.0}
+                    row["runner_loss"] = float("nan")
+                rows[s].append(row)
+                _log(f"  {s}: real eval@{T:,} {row['real_loss']}, runner {row['runner_loss']}")
+        results[scen] = rows
+        if not args.json:
+            print(table(scen, rows), flush=True)
+    if args.json:
+        for rows in results.values():
+            for rs in rows.values():
+                for r in rs:
+                    r["real"].pop("curve", None)
+        print(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
