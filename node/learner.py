@@ -105,8 +105,9 @@ class Learner:
         # Sharded + carry: per adopted fragment, the global change the unit must still add to every slice
         # (None: the fragment was overwritten, the unit writes the base).
         self.shift: dict[int, dict[str, torch.Tensor] | None] = {}
-        # Carry: per fragment, its latest contributions not known to be merged: (c_steps, c_tokens, delta).
-        self.sent: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
+        # Carry: per fragment, its latest contributions not known to be merged: ((c_steps, c_tokens) as sent,
+        # c_steps, c_tokens, delta) with the last three less what an older merged contribution held.
+        self.sent: dict[int, list[tuple[tuple[int, int], int, int, dict[str, torch.Tensor]]]] = {}
         self.overwrites = [0] * len(self.plan.fragments)  # per fragment: adoptions that did not keep
         self.kept = False  # the last adoption kept the learner's unmerged progress (carry)
         self.last_loss = float("nan")
@@ -204,7 +205,7 @@ class Learner:
         it; the last ``SENT_KEPT`` per fragment."""
         if self.pcfg.carry:
             kept = self.sent.setdefault(p, [])
-            kept.append((c_steps, c_tokens, delta))
+            kept.append(((c_steps, c_tokens), c_steps, c_tokens, delta))
             del kept[:-SENT_KEPT]
 
     def _merged_share(self, p: int, merged: list[tuple[int, int]]) -> tuple[int, int, dict | None]:
@@ -212,12 +213,15 @@ class Learner:
         round) names: its counters and progress. It and older ones leave ``sent``; newer ones, which hold
         its progress too, drop that part (the global has it now)."""
         kept = self.sent.get(p, [])
-        hit = max((i for i, (cs, ct, _) in enumerate(kept) if (cs, ct) in merged), default=None)
+        # An entry is known by the counters it was *sent* with (what a merge record names), and holds what
+        # of it the global does not have yet: after an older contribution merged, a newer one keeps its key
+        # but its counters and progress drop that part.
+        hit = max((i for i, (key, *_) in enumerate(kept) if key in merged), default=None)
         if hit is None:
             return 0, 0, None
-        cs, ct, delta = kept[hit]
-        rest = [(a - cs, b - ct, {n: d[n] - delta[n] for n in d}) for a, b, d in kept[hit + 1 :]]
-        self.sent[p] = [r for r in rest if r[0] > 0]
+        _, cs, ct, delta = kept[hit]
+        rest = [(key, a - cs, b - ct, {n: d[n] - delta[n] for n in d}) for key, a, b, d in kept[hit + 1 :]]
+        self.sent[p] = [r for r in rest if r[1] > 0]
         return cs, ct, delta
 
     def adopt(

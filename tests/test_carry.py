@@ -156,3 +156,47 @@ def test_a_learner_restored_after_a_crash_drops_what_it_had_not_merged(tiny_task
     assert [c.c_steps for c in lrn.book.counters] == [0, 0] and lrn.sent == {}
     kept = lrn.opt.state_dict()["state"][0]
     assert all(torch.equal(kept[k], v) for k, v in state.items())  # AdamW state stays
+
+
+def test_two_contributions_from_one_base_merged_in_successive_rounds_are_counted_once(tiny_task):
+    """Regression: contribution A (4 steps) merges in round 1; B, sent later from the same base (8 steps,
+    holding A's 4), merges in round 2. Once B is merged the learner holds only what it trained after B:
+    the counters are 0, not the 12 (or +4) left when B's reduced counters no longer matched its record."""
+    lrn = _learner(tiny_task, carry=True)
+    for _ in range(4):
+        lrn.train_step()
+    a = _send(lrn, 0)
+    for _ in range(4):
+        lrn.train_step()
+    b = _send(lrn, 0)
+    at_b = {n: lrn.params[n].detach().clone() for n in lrn.plan.fragments[0].names}
+    assert (a[0], b[0]) == (4, 8)
+    assert lrn.adopt(0, 1, _global_after(lrn, 0, 0.01), merged=[a])
+    assert lrn.book.counters[0].c_steps == 4  # B's own 4 steps are still the global's to get
+    theta2 = _global_after(lrn, 0, 0.02)
+    assert lrn.adopt(0, 2, theta2, merged=[b])  # the record names B by the counters it was sent with
+    assert lrn.book.counters[0].c_steps == 0
+    assert lrn.sent.get(0) == []
+    for n, t in theta2.items():  # nothing trained after B: the learner holds the global exactly
+        torch.testing.assert_close(lrn.params[n].detach(), t, atol=1e-6, rtol=0)
+    del at_b
+
+
+def test_clipping_scales_the_learners_own_outer_gradient_not_the_global_change_since_its_base():
+    """Regression: a contribution taken against an older round is re-anchored as (Theta_now - base) + delta.
+    The robust merge measures delta and must scale delta alone: the global's own movement since that base
+    is no learner's to clip."""
+    from protocol.replica import NormBook
+
+    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", record_codec="fp32",
+                         outer_lr=1.0, outer_momentum=0.0, clip_factor=3.0)  # fmt: skip
+    rep = FragmentReplica(0, {"w": torch.zeros(100)}, False, norms=NormBook())
+    honest = [Contribution(f"l{i}", 0, 0, 4, 40, 1.0, {"w": torch.full((100,), 0.01)}, f"c{i}") for i in range(3)]
+    rep.apply_record(rep.make_record(1, honest, cfg), cfg)  # the global moved to -0.01 everywhere
+    ref = rep.norm_reference()
+    big = Contribution("x", 0, 0, 4, 40, 1.0, {"w": torch.full((100,), 0.1)}, "x1")  # 10x, from round 0
+    rec = rep.make_record(2, [big], cfg)
+    assert rec.clipped == ("x1",)
+    moved = rep.theta["w"] - rep.base(0)["w"]  # -0.01: the global's change since the learner's base
+    own = torch.full((100,), 0.1) * (cfg.clip_factor * ref / float(torch.full((100,), 0.1).norm()))
+    torch.testing.assert_close(rec.grad["w"], moved + own, atol=1e-6, rtol=0)
