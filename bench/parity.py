@@ -44,6 +44,7 @@ from node.chaos import ChaosConfig, run_chaos  # noqa: E402
 from node.chaos_plan import FailureModel  # noqa: E402
 from node.events import EventLog  # noqa: E402
 from node.learner import InnerConfig  # noqa: E402
+from node.model import ModelConfig  # noqa: E402
 from node.runner import LearnerPlan, NetConfig, RunConfig, run_system  # noqa: E402
 from node.task import TaskConfig, load_task  # noqa: E402
 from protocol.config import ProtocolConfig  # noqa: E402
@@ -90,6 +91,19 @@ def learners_per_merge(records: list[dict]) -> float:
     return statistics.mean(merges.values()) if merges else 0.0
 
 
+def task_config(args) -> TaskConfig:
+    model = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
+    return TaskConfig(batch_size=args.batch_size, model=model)
+
+
+def task_flags(args) -> list[str]:
+    t = task_config(args)
+    return [
+        "--dim", str(t.model.dim), "--layers", str(t.model.layers), "--heads", str(t.model.heads),
+        "--seq-len", str(t.model.seq_len), "--batch-size", str(t.batch_size),
+    ]  # fmt: skip
+
+
 def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict:
     extra = {
         i: ["--data-seed", str(seed * 1000 + i + 1)]
@@ -102,13 +116,16 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         duration_s=args.duration,
         seed=seed,
         model=FailureModel(mtbf_s=0.0),
-        node_flags=node_flags(system, args.nodes) + ["--eval-every-s", str(args.eval_every_s)],
+        node_flags=node_flags(system, args.nodes)
+        + task_flags(args)
+        + ["--eval-every-s", str(args.eval_every_s)]
+        + args.node_flags.split(),
         node_extra=extra,
         quiet=True,
     )
     rep, _ = run_chaos(cfg)
     ev = {i: _read(run_dir / f"node-{i}" / "events.jsonl") for i in range(args.nodes)}
-    per_step = load_task(None, TaskConfig()).tokens_per_batch
+    per_step = load_task(None, task_config(args)).tokens_per_batch
     ends = sorted(r["t1"] for recs in ev.values() for r in recs if r.get("kind") == "step")
     curve = []
     for r in ev[0]:
@@ -162,7 +179,7 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, step_s: float
         net=NetConfig(latency_s=0.002, bandwidth_mbps=1000.0, merge_s=0.02),
     )
     events = EventLog()
-    res = run_system(load_task(None, TaskConfig()), run, pcfg, InnerConfig(), events)
+    res = run_system(load_task(None, task_config(args)), run, pcfg, InnerConfig(), events)
     return {
         "loss": res.final_loss,
         "goodput": res.goodput,
@@ -212,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=150.0, help="seconds each swarm trains")
     ap.add_argument("--eval-every-s", type=float, default=10.0)
     ap.add_argument("--no-runner", action="store_true")
+    ap.add_argument("--dim", type=int, default=ModelConfig.dim)
+    ap.add_argument("--layers", type=int, default=ModelConfig.layers)
+    ap.add_argument("--heads", type=int, default=ModelConfig.heads)
+    ap.add_argument("--seq-len", type=int, default=ModelConfig.seq_len)
+    ap.add_argument("--batch-size", type=int, default=TaskConfig.batch_size)
+    ap.add_argument("--node-flags", default="", help="more flags for every node (not the runner)")
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -142,7 +142,10 @@ class Learner:
         )
 
     def _fragment_fp32(self, p: int) -> dict[str, torch.Tensor]:
-        return {n: self.params[n].detach().to(torch.float32).clone() for n in self.plan.fragments[p].names}
+        """Fragment p as an fp32 copy on the host, where every base lives (contributions are measured there)."""
+        return {
+            n: self.params[n].detach().to("cpu", torch.float32).clone() for n in self.plan.fragments[p].names
+        }
 
     def train_step(self) -> StepResult:
         batch = self.task.batch(self.gen)

@@ -84,10 +84,17 @@ class Replication:
         for i, (p, donors) in enumerate(sorted(donors_of.items())):
             plan.setdefault(donors[i % len(donors)], []).append(p)
         t0 = time.time()
-        results = await asyncio.gather(
-            *(self._fetch_snapshot(pid, frags) for pid, frags in plan.items()), return_exceptions=True
-        )
-        missing = [
+        # Keep this node's membership record fresh while it downloads: a big model takes longer than the
+        # record lives, and a donor refuses a caller it no longer sees as a member.
+        beats = self._spawn(self._publish_while_joining())
+        try:
+            results = await asyncio.gather(
+                *(self._fetch_each(pid, frags) for pid, frags in plan.items()), return_exceptions=True
+            )
+        finally:
+            beats.cancel()
+        missing = sorted(p for res in results if not isinstance(res, BaseException) for p in res)
+        missing += [
             p
             for (pid, frags), res in zip(plan.items(), results)
             if isinstance(res, BaseException)
@@ -110,6 +117,23 @@ class Replication:
             fragments=sorted(donors_of),
             seconds=time.time() - t0,
         )
+
+    async def _publish_while_joining(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            await self._heartbeat_once()
+
+    async def _fetch_each(self, pid: str, frags: list[int]) -> list[int]:
+        """Fetch ``frags`` from one donor, one fragment per request (a whole model in one message can
+        outlast the RPC deadline); returns the fragments that failed, for the other donors to try."""
+        failed = []
+        for p in frags:
+            try:
+                await self._fetch_snapshot(pid, [p])
+            except (TransportError, ProtocolError) as e:
+                logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
+                failed.append(p)
+        return failed
 
     def swarm_step(self) -> float | None:
         """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
