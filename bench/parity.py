@@ -8,6 +8,7 @@ schedule, data seeds and speeds. Systems:
 
   decoupled K=1+grace   the default node
   decoupled K=M         --quorum M --no-grace
+  decoupled-carry       --carry (a learner keeps the steps it trained since sending; not the paper's rule)
   streaming             --system streaming (fp32, plain mean, every learner, blocks at tau)
   sync-diloco           --system sync-diloco (fp32, plain mean, one fragment, blocks at each sync)
 
@@ -49,7 +50,7 @@ from node.runner import LearnerPlan, NetConfig, RunConfig, run_system  # noqa: E
 from node.task import TaskConfig, load_task  # noqa: E402
 from protocol.config import ProtocolConfig  # noqa: E402
 
-SYSTEMS = ("decoupled", "decoupled-km", "streaming", "sync-diloco")
+SYSTEMS = ("decoupled", "decoupled-km", "decoupled-carry", "streaming", "sync-diloco")
 SCENARIOS = ("homogeneous", "heterogeneous")
 LR_STEPS = 5000  # a node's default --steps: the span of every learner's lr schedule, nodes and runner alike
 SLOW, JITTER = 1.2, 0.1
@@ -58,6 +59,8 @@ SLOW, JITTER = 1.2, 0.1
 def node_flags(system: str, nodes: int) -> list[str]:
     if system == "decoupled-km":
         return ["--quorum", str(nodes), "--no-grace"]
+    if system == "decoupled-carry":
+        return ["--carry"]
     if system in ("streaming", "sync-diloco"):
         return ["--system", system]
     return []
@@ -66,6 +69,8 @@ def node_flags(system: str, nodes: int) -> list[str]:
 def runner_setup(system: str, nodes: int) -> tuple[str, ProtocolConfig]:
     if system == "decoupled-km":
         return "decoupled", ProtocolConfig(quorum=nodes, grace=False)
+    if system == "decoupled-carry":
+        return "decoupled", ProtocolConfig(carry=True)
     return system, ProtocolConfig()
 
 
@@ -272,10 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(table(scen, rows), flush=True)
     if args.json:
-        for rows in results.values():
-            for rs in rows.values():
-                for r in rs:
-                    r["real"].pop("curve", None)
         print(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0
 

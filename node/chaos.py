@@ -387,7 +387,9 @@ class ChaosRun:
         while time.monotonic() < deadline:
             self.check_children()
             live = [self.status(s) for s in self.running()]
-            ok = bool(live) and all(x is not None and x["learner"]["idle"] for x in live)
+            ok = bool(live) and all(
+                x is not None and x["learner"]["idle"] and not x.get("in_flight") for x in live
+            )
             streak = streak + 1 if ok and len({x["model_hash"] for x in live}) == 1 else 0
             if streak >= 2:
                 self.settled = True

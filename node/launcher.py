@@ -138,14 +138,15 @@ def columns(rows: list[list[str]]) -> str:
 
 
 def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> bool:
-    """Learners are paused; wait until every node is idle and all hold one model hash (twice in a row)."""
+    """Learners are paused; wait until every node is idle with no merge under way and all hold one model hash
+    (twice in a row)."""
     deadline = time.monotonic() + timeout_s
     streak = 0
     while time.monotonic() < deadline:
         poll(children)
         alive = [c for c in children if c.proc.poll() is None and c.last]
         hashes = {c.last["model_hash"] for c in alive}
-        idle = all(c.last["learner"]["idle"] for c in alive)
+        idle = all(c.last["learner"]["idle"] and not c.last.get("in_flight") for c in alive)
         streak = streak + 1 if alive and idle and len(hashes) == 1 else 0
         if streak >= 2:
             return True

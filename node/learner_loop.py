@@ -316,7 +316,10 @@ class LearnerLoop(threading.Thread):
                 if delay > 0:
                     self.stop_flag.wait(delay)
                 t1 = time.time()
-                self.step_s = (t1 - t0) if self.step_s is None else 0.9 * self.step_s + 0.1 * (t1 - t0)
+                # The run's first step carries the warm-up (allocations, kernel selection): the second
+                # step's time replaces it rather than averaging with it.
+                fresh = self.step_s is None or lrn.steps == first_step + 2
+                self.step_s = (t1 - t0) if fresh else 0.9 * self.step_s + 0.1 * (t1 - t0)
                 self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
                 self.tokens += res.tokens
                 self._rate.append((t1, self.tokens))

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import statistics
 import time
 from dataclasses import replace
 
@@ -29,7 +28,7 @@ from node.wire import (
 )
 from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
-from protocol.schedule import round_due, swarm_period
+from protocol.schedule import bounded_period, round_due, swarm_period
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -289,10 +288,12 @@ class Replication:
         st = self.syncs[p]
         first = t0 if st.first_at is None else st.first_at
         due = round_due(rep.clock, time.time() - (t0 - first))  # the wall clock is the swarm's
-        period = swarm_period(
-            (1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0),
-            fallback=statistics.median(c.step_time_s for c in a.contributions),
-        )
+        # The members' measured step rates (each over its last steps, the warm-up left out); none measured
+        # yet: no schedule in this record, and the learners go by their steps until a later one has one.
+        rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
+        period = 0.0
+        if rates:
+            period = bounded_period(swarm_period(rates, fallback=0.0), rep.clock, self.pcfg.sync_every)
         try:
             rec = rep.make_record(
                 a.round, a.contributions, self.pcfg, live=len(st.live), due=due, period=period

@@ -32,7 +32,7 @@ from protocol.errors import ConfigError, ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
-from protocol.schedule import SlotBook, round_due, swarm_period
+from protocol.schedule import SlotBook, bounded_period, round_due, swarm_period
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -401,9 +401,10 @@ class VirtualSwarm:
         rep = self.replicas[p]
         st = self.syncs[p]
         live = [s for s in self.slots if s.learner.name in st.live]
-        period = swarm_period(
-            (self.run_cfg.step_time_s / s.plan.speed for s in live),
-            fallback=self.run_cfg.step_time_s,
+        period = bounded_period(
+            swarm_period((self.run_cfg.step_time_s / s.plan.speed for s in live), self.run_cfg.step_time_s),
+            rep.clock,
+            self.cfg.sync_every,
         )
         due = round_due(rep.clock, now if st.first_at is None else st.first_at)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)

@@ -135,6 +135,10 @@ def status_doc(node: Node) -> dict:
             "unit": node.unit.status() if node.unit is not None else None,
         },
         "fragments": frags,
+        # Merges this node will make without anything new arriving (rounds in their grace window or being
+        # merged) and contributions it has yet to send: a quiet swarm has none anywhere.
+        "in_flight": sum(1 for st in node.syncs if st.phase.value in ("grace", "merging"))
+        + (node.outbox.qsize() if hasattr(node, "outbox") else 0),
         "peers": [
             {
                 "peer_id": pid,

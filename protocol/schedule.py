@@ -81,6 +81,19 @@ def swarm_period(step_times: Iterable[float], fallback: float) -> float:
     return clamp_period(statistics.median(xs) if xs else fallback)
 
 
+PERIOD_STEP = 2.0  # a record's period stays within this factor of the one before it
+
+
+def bounded_period(period: float, clock: RoundClock | None, sync_every: int) -> float:
+    """``period`` held within ``PERIOD_STEP`` of the period the fragment's last record set (``clock``): the
+    schedule follows the learners' speed but no single measure (a learner's warm-up, a glitch, a lie)
+    can throw a fragment's next round minutes away."""
+    if clock is None:
+        return period
+    prev = clock.every / sync_every
+    return min(prev * PERIOD_STEP, max(prev / PERIOD_STEP, period))
+
+
 @dataclass
 class SlotBook:
     """A learner's record of the slots it has contributed to, per fragment: a slot is taken once."""

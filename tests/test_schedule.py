@@ -80,3 +80,13 @@ def test_the_period_is_the_median_and_a_liar_cannot_move_it():
     assert swarm_period([float("nan"), -1.0], fallback=0.3) == 0.3
     assert next_clock(4, 10.0, 0.0, H) is None  # a record without a schedule
     assert next_clock(4, 10.0, 1e12, H).every == H * 3600.0  # clamped
+
+
+def test_a_period_moves_at_most_a_factor_per_record():
+    from protocol.schedule import PERIOD_STEP, bounded_period
+
+    clock = RoundClock(3, first=10.0, every=H * 0.5)  # the last record's period: 0.5 s
+    assert bounded_period(0.6, clock, H) == 0.6
+    assert bounded_period(30.0, clock, H) == 0.5 * PERIOD_STEP  # a first step's warm-up, or a lie
+    assert bounded_period(1e-4, clock, H) == 0.5 / PERIOD_STEP
+    assert bounded_period(30.0, None, H) == 30.0  # no record yet: nothing to hold it to
