@@ -90,3 +90,43 @@ def test_a_period_moves_at_most_a_factor_per_record():
     assert bounded_period(30.0, clock, H) == 0.5 * PERIOD_STEP  # a first step's warm-up, or a lie
     assert bounded_period(1e-4, clock, H) == 0.5 / PERIOD_STEP
     assert bounded_period(30.0, None, H) == 30.0  # no record yet: nothing to hold it to
+
+
+def _c(learner: str, cid: str = "") -> Contribution:
+    return Contribution(learner, 0, 0, 4, 40, 1.0, {"w": None}, cid or learner)
+
+
+def test_a_round_on_the_schedule_does_not_open_before_its_slot_and_its_grace_runs_from_it():
+    from dataclasses import replace
+
+    from protocol.synchroniser import Merge, SyncState, WakeAt, on_contribution, on_tick
+
+    cfg = ProtocolConfig(quorum=1, grace=True, overlap=2)
+    live = frozenset({"a", "b", "c"})
+    st = replace(SyncState(fragment=0, live=live), due_at=100.0, due_every=50.0)
+    # A contribution left over from the round before (late for it) arrives long before this round's slot:
+    # it waits, and opens nothing.
+    d = on_contribution(cfg, st, _c("a", "a-late"), now=60.0)
+    assert not any(isinstance(x, Merge) for x in d.actions)
+    assert d.actions == (WakeAt(99.0),)  # the round opens one step (xi_step = 1 s) before its slot
+    st = on_tick(cfg, d.state, 99.0).state
+    # K = 1 is reached at once, but the grace window runs from the slot, not from the quorum
+    assert st.deadline is not None and st.deadline >= 100.0
+    d = on_contribution(cfg, st, _c("b"), now=99.5)  # a learner on time
+    assert not any(isinstance(x, Merge) for x in d.actions)
+    d = on_contribution(cfg, d.state, _c("c"), now=100.4)  # on time too: everyone is in, merge now
+    (m,) = [x for x in d.actions if isinstance(x, Merge)]
+    assert [c.learner for c in m.contributions] == ["a", "b", "c"]
+
+
+def test_a_round_that_missed_its_slot_is_taken_at_the_next():
+    from dataclasses import replace
+
+    from protocol.synchroniser import SyncState, on_contribution, slot_due
+
+    cfg = ProtocolConfig(quorum=2, grace=False)
+    st = replace(SyncState(fragment=0, live=frozenset({"a", "b"})), due_at=100.0, due_every=50.0)
+    assert slot_due(st, 90.0) == 100.0
+    assert slot_due(st, 140.0) == 150.0  # nearest slot: the round is due again
+    d = on_contribution(cfg, st, _c("a"), now=140.0)  # before slot 150's opening: waits
+    assert "opens at 149" in d.reason
