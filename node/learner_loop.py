@@ -18,7 +18,7 @@ from node.runner import evaluate
 from node.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader
-from protocol.schedule import SlotBook
+from protocol.schedule import SlotBook, usable
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
@@ -168,8 +168,9 @@ class LearnerLoop(threading.Thread):
         step_s = self.step_s or 0.0
         end, lead = time.time() + step_s, step_s / 2
         out = []
+        now = time.time()
         for p, rep in enumerate(self.node.replicas):
-            clock = rep.clock
+            clock = usable(rep.clock, now)
             if clock is None:
                 if p in by_steps:
                     out.append(p)

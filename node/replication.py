@@ -28,7 +28,7 @@ from node.wire import (
 )
 from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
-from protocol.schedule import bounded_period, round_due, swarm_period
+from protocol.schedule import bounded_period, round_due, sane_clock, swarm_period, usable
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -165,7 +165,7 @@ class Replication:
         if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
             return  # ours is as good or better by now
         rep = self.replicas[p]
-        rep.load_state(st.round, st.theta, st.momentum, st.clock)
+        rep.load_state(st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every))
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
         self.logs[p].clear()
@@ -265,10 +265,11 @@ class Replication:
     def _schedule_of(self, p: int) -> tuple[float, float] | None:
         """When fragment p's open round is due on the swarm's schedule, on this loop's clock (the state
         machines run on it; the schedule is on the wall clock every node shares), and its repeat period."""
-        c = self.replicas[p].clock
+        now = time.time()
+        c = usable(self.replicas[p].clock, now)
         if c is None:
             return None
-        return c.first - time.time() + self.loop.time(), c.every
+        return c.first - now + self.loop.time(), c.every
 
     def _decide(self, p: int, d: Decision) -> None:
         self.syncs[p] = d.state
@@ -286,12 +287,14 @@ class Replication:
         rep = self.replicas[p]
         t0 = self.loop.time()
         st = self.syncs[p]
-        first = t0 if st.first_at is None else st.first_at
-        due = round_due(rep.clock, time.time() - (t0 - first))  # the wall clock is the swarm's
+        # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
+        # arrived first). The wall clock is the swarm's; the state machine runs on the loop's.
+        at = st.quorum_at if st.quorum_at is not None else (st.first_at if st.first_at is not None else t0)
+        due = round_due(rep.clock, time.time() - (t0 - at))
         # The members' measured step rates (each over its last steps, the warm-up left out); none measured
         # yet: no schedule in this record, and the learners go by their steps until a later one has one.
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
-        period = 0.0
+        period = rep.clock.every / self.pcfg.sync_every if rep.clock is not None else 0.0
         if rates:
             period = bounded_period(swarm_period(rates, fallback=0.0), rep.clock, self.pcfg.sync_every)
         try:

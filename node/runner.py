@@ -353,7 +353,7 @@ class VirtualSwarm:
         self._push(now + dur, "step", m)
 
     def _due_on_schedule(self, s: _LearnerSlot, by_steps: list[int], now: float) -> list[int]:
-        """As ``node.learner_loop.LearnerLoop._due_on_schedule``: slots of the swarm's schedule within half
+        """As ``node.learner_loop.LearnerLoop._due_after_step``: slots of the swarm's schedule within half
         a step of ``now``, else (no record yet) the learner's own steps."""
         lead = self.run_cfg.step_time_s / s.plan.speed / 2
         out = []
@@ -406,7 +406,7 @@ class VirtualSwarm:
             rep.clock,
             self.cfg.sync_every,
         )
-        due = round_due(rep.clock, now if st.first_at is None else st.first_at)
+        due = round_due(rep.clock, st.quorum_at if st.quorum_at is not None else now)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
         self.merges += 1

@@ -8,8 +8,8 @@ state beside it. Rank 0 still speaks for the unit but no longer holds whole frag
 reads or writes whole tensors is a collective every rank joins at the same point:
 
 * contributions: after a step, each fragment that falls due is gathered whole (``DTensor.full_tensor``) on
-  every rank, in schedule order. The ranks know which fragments are due without being told: each step's
-  control message carries rank 0's schedule step, and every rank runs the same schedule (``after_step``).
+  every rank, in the same order: each step's control message names the fragments rank 0 takes after that
+  step (due on the swarm's schedule, which only rank 0 reads), and every rank gathers them (``after_step``).
 * adoption: rank 0 broadcasts the whole new values of each adopted fragment (the global fragment; with
   alpha != 0 its mix with the fragment gathered just before) and every rank copies its own slice.
 * STATE: the same broadcast of every fragment from rank 0's whole model, then the inner optimizer's state

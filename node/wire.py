@@ -314,8 +314,9 @@ def encode_snapshot(states: list[FragmentState]) -> bytes:
 
 
 def _snapshot_clock(clocks: dict, p: int, round_: int) -> RoundClock | None:
-    """The clock a snapshot names for fragment p (``[first, every]``), or None; a malformed one is dropped
-    (the schedule falls back to the learners' steps until the next record), never trusted."""
+    """The clock a snapshot names for fragment p (``[first, every]``), or None for a malformed entry (the
+    learners then go by their steps until the next record). The receiver still bounds it
+    (``protocol.schedule.sane_clock``, ``usable``)."""
     c = clocks.get(str(p))
     if not (isinstance(c, list) and len(c) == 2 and all(_is_weight(x) for x in c)) or not c[1] > 0:
         return None

@@ -262,6 +262,6 @@ class FragmentReplica:
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         self.history[rec.round] = theta
-        self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every)
+        self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every, before=self.clock)
         while len(self.history) > self._history_len:
             self.history.popitem(last=False)

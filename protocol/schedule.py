@@ -47,18 +47,38 @@ class RoundClock:
         return self.first + k * self.every
 
 
+def usable(clock: RoundClock | None, now: float) -> RoundClock | None:
+    """``clock``, unless its first slot is more than two repeats ahead of ``now`` (a record written on a
+    clock far ahead of ours, or a lie): then None, and the learners go by their steps until a sane one."""
+    if clock is None or clock.first > now + 2 * clock.every:
+        return None
+    return clock
+
+
+def sane_clock(clock: RoundClock | None, sync_every: int) -> RoundClock | None:
+    """A clock received from a peer (a snapshot's) with its repeat held to ``sync_every`` periods of the
+    bounds every record's period is held to; None for one that is not finite."""
+    if clock is None or not (math.isfinite(clock.first) and math.isfinite(clock.every)):
+        return None
+    return RoundClock(clock.round, clock.first, sync_every * clamp_period(clock.every / sync_every))
+
+
 def clamp_period(period: float) -> float:
     if not math.isfinite(period) or period <= 0:
         return MIN_PERIOD_S
     return min(MAX_PERIOD_S, max(MIN_PERIOD_S, period))
 
 
-def next_clock(round_: int, due: float, period: float, sync_every: int) -> RoundClock | None:
+def next_clock(
+    round_: int, due: float, period: float, sync_every: int, before: RoundClock | None = None
+) -> RoundClock | None:
     """The clock of the round after record ``round_`` (taken at ``due`` with step ``period``); None when the
-    record carries no schedule (``period`` 0: written before the schedule existed, or round 0)."""
+    record carries no schedule (``period`` 0: written before the schedule existed, or by a node that had
+    measured no learner's speed yet). ``before``: the clock the record's round had; every replica holds
+    the record's period within ``PERIOD_STEP`` of it, as its writer should have."""
     if not period > 0 or not math.isfinite(due):
         return None
-    p = clamp_period(period)
+    p = bounded_period(clamp_period(period), before, sync_every)
     return RoundClock(round_ + 1, due + sync_every * p, sync_every * p)
 
 
@@ -90,7 +110,7 @@ def bounded_period(period: float, clock: RoundClock | None, sync_every: int) -> 
     can throw a fragment's next round minutes away."""
     if clock is None:
         return period
-    prev = clock.every / sync_every
+    prev = clamp_period(clock.every / sync_every)
     return min(prev * PERIOD_STEP, max(prev / PERIOD_STEP, period))
 
 

@@ -95,7 +95,7 @@ class Merge:
 
 @dataclass(frozen=True)
 class WakeAt:
-    """Action: call ``on_tick`` at this time (the grace deadline)."""
+    """Action: call ``on_tick`` at this time (the grace deadline, or the scheduled round's opening)."""
 
     at: float
 
@@ -110,6 +110,16 @@ class Decision:
 def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
     """K, but never more than the live learners (a dead learner leaves the membership, not the quorum)."""
     return max(1, min(cfg.quorum, len(state.live))) if state.live else cfg.quorum
+
+
+def live_pending(state: SyncState) -> int:
+    """Contributions in the open round from live learners (all of them when no live set is known)."""
+    return len(set(state.pending) & state.live) if state.live else len(state.pending)
+
+
+def has_quorum(cfg: ProtocolConfig, state: SyncState) -> bool:
+    """The open round holds its quorum: it will merge with nothing new arriving (at its slot, at latest)."""
+    return live_pending(state) >= effective_quorum(cfg, state)
 
 
 def grace_window(cfg: ProtocolConfig, state: SyncState) -> float:
@@ -218,7 +228,7 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
         return Decision(state, (), f"{note}; merge in progress")
     due_at = slot_due(state, now)
     opens = None if due_at is None else due_at - state.xi_step.get()
-    if opens is not None and now < opens:
+    if opens is not None and now < opens and state.quorum_at is None:
         return Decision(
             replace(state, phase=Phase.COLLECTING),
             (WakeAt(opens),) if state.pending else (),
@@ -228,7 +238,7 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
     k = effective_quorum(cfg, state)
     # Only live learners count toward the quorum; a departed learner's contribution is still merged (its
     # work is real) but cannot stand in for a live one.
-    n = len(set(state.pending) & state.live) if state.live else len(state.pending)
+    n = live_pending(state)
     if n < k:
         return Decision(
             replace(state, phase=Phase.COLLECTING),

@@ -130,3 +130,36 @@ def test_a_round_that_missed_its_slot_is_taken_at_the_next():
     assert slot_due(st, 140.0) == 150.0  # nearest slot: the round is due again
     d = on_contribution(cfg, st, _c("a"), now=140.0)  # before slot 150's opening: waits
     assert "opens at 149" in d.reason
+
+
+def test_a_peers_schedule_is_bounded_before_anyone_uses_it():
+    from protocol.schedule import MAX_PERIOD_S, MIN_PERIOD_S, sane_clock, usable
+
+    # A snapshot's clock with a denormal repeat would overflow every slot computation: held to the bounds.
+    c = sane_clock(RoundClock(3, 100.0, 5e-324), H)
+    assert c.every == H * MIN_PERIOD_S and c.slot_at(1e9) is not None
+    assert sane_clock(RoundClock(3, 100.0, 1e300), H).every == H * MAX_PERIOD_S
+    assert sane_clock(RoundClock(3, float("inf"), 1.0), H) is None
+    # A clock whose first slot is far ahead (a writer's clock far off, or a lie) is not followed.
+    assert usable(RoundClock(3, 1000.0, 10.0), now=900.0) is None
+    assert usable(RoundClock(3, 1000.0, 10.0), now=985.0) is not None
+    # Receivers hold a record's period within a factor of the clock they had, as the writer should have.
+    cfg = ProtocolConfig(fragments=1, sync_every=H, codec="fp32", record_codec="fp32")
+    rep = _replica()
+    rep.apply_record(_record(rep, due=10.0, period=1.0, cfg=cfg), cfg)
+    rep.apply_record(_record(rep, due=rep.clock.first, period=1e-3, cfg=cfg), cfg)
+    assert rep.clock.every == H * 0.5
+
+
+def test_a_round_in_its_grace_window_does_not_go_back_to_waiting_for_a_slot():
+    from dataclasses import replace
+
+    from protocol.synchroniser import Merge, SyncState, on_contribution, on_tick
+
+    cfg = ProtocolConfig(quorum=1, grace=True, overlap=2)
+    st = replace(SyncState(fragment=0, live=frozenset({"a", "b"})), due_at=100.0, due_every=4.0)
+    d = on_contribution(cfg, st, _c("a"), now=99.5)
+    assert d.state.quorum_at == 99.5
+    # Past the midpoint to the next slot (102), the round keeps its grace window and merges at its deadline.
+    d = on_tick(cfg, d.state, max(102.5, d.state.deadline))
+    assert any(isinstance(x, Merge) for x in d.actions)
