@@ -23,6 +23,7 @@ from protocol.schedule import SlotBook, usable
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
 PHASE_EVERY = 4  # steps between two checks that the learner is in phase with the swarm's schedule
+RATE_MIN_STEPS = 8  # steps measured before a learner publishes its step rate
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
@@ -102,6 +103,10 @@ class LearnerLoop(threading.Thread):
         return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
 
     def steps_per_s(self) -> float:
+        """Steps per second over the last steps, 0 until ``RATE_MIN_STEPS`` are in: the swarm's schedule is
+        made of these, and a node's first steps (start-up, a join's download) are no measure of its pace."""
+        if len(self._rate) < RATE_MIN_STEPS:
+            return 0.0
         return self.tokens_per_s() / self.learner.tokens_per_step
 
     def _align_schedule(self) -> None:

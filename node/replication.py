@@ -28,7 +28,7 @@ from node.wire import (
 )
 from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
-from protocol.schedule import bounded_period, round_due, sane_clock, swarm_period, usable
+from protocol.schedule import bounded_period, held_to_steps, round_due, sane_clock, swarm_period, usable
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -297,6 +297,9 @@ class Replication:
         period = rep.clock.every / self.pcfg.sync_every if rep.clock is not None else 0.0
         if rates:
             period = bounded_period(swarm_period(rates, fallback=0.0), rep.clock, self.pcfg.sync_every)
+            # and within a factor of the step time the round's own learners report: a first period (no clock
+            # to hold it to) taken from rates measured over a slow start cannot throw the round minutes out
+            period = held_to_steps(period, [c.step_time_s for c in a.contributions])
         try:
             rec = rep.make_record(
                 a.round, a.contributions, self.pcfg, live=len(st.live), due=due, period=period

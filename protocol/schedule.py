@@ -114,6 +114,15 @@ def bounded_period(period: float, clock: RoundClock | None, sync_every: int) -> 
     return min(prev * PERIOD_STEP, max(prev / PERIOD_STEP, period))
 
 
+def held_to_steps(period: float, step_times: Iterable[float]) -> float:
+    """``period`` within ``PERIOD_STEP`` of the median step time the round's contributors reported."""
+    xs = [t for t in step_times if math.isfinite(t) and t > 0]
+    if not xs:
+        return period
+    ref = statistics.median(xs)
+    return min(ref * PERIOD_STEP, max(ref / PERIOD_STEP, period))
+
+
 @dataclass
 class SlotBook:
     """A learner's record of the slots it has contributed to, per fragment: a slot is taken once."""

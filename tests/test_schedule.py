@@ -163,3 +163,12 @@ def test_a_round_in_its_grace_window_does_not_go_back_to_waiting_for_a_slot():
     # Past the midpoint to the next slot (102), the round keeps its grace window and merges at its deadline.
     d = on_tick(cfg, d.state, max(102.5, d.state.deadline))
     assert any(isinstance(x, Merge) for x in d.actions)
+
+
+def test_a_first_period_is_held_to_the_step_times_the_rounds_learners_report():
+    from protocol.schedule import held_to_steps
+
+    # Rates measured over a slow start said 3 s a step; the learners in the round report 0.3 s.
+    assert held_to_steps(3.0, [0.3, 0.31, 0.29]) == 0.6
+    assert held_to_steps(0.3, [0.3, 0.31]) == 0.3
+    assert held_to_steps(3.0, []) == 3.0
