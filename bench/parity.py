@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from node.chaos import ChaosConfig, run_chaos  # noqa: E402
 from node.chaos_plan import FailureModel  # noqa: E402
-from node.events import EventLog  # noqa: E402
+from node.events import EventLog, read_events  # noqa: E402
 from node.learner import InnerConfig  # noqa: E402
 from node.model import ModelConfig  # noqa: E402
 from node.runner import LearnerPlan, NetConfig, RunConfig, run_system  # noqa: E402
@@ -129,7 +129,7 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         quiet=True,
     )
     rep, _ = run_chaos(cfg)
-    ev = {i: _read(run_dir / f"node-{i}" / "events.jsonl") for i in range(args.nodes)}
+    ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(args.nodes)}
     per_step = load_task(None, task_config(args)).tokens_per_batch
     ends = sorted(r["t1"] for recs in ev.values() for r in recs if r.get("kind") == "step")
     curve = []
@@ -149,12 +149,6 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         "refused": sum(1 for r in all_records if r.get("kind") == "reject"),
         "one_hash": rep.get("equal_hashes"),
     }
-
-
-def _read(path: Path) -> list[dict]:
-    from node.events import read_events
-
-    return read_events(path)
 
 
 def _step_s(ev: dict[int, list[dict]]) -> float:

@@ -18,7 +18,7 @@ from node.runner import evaluate
 from node.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader
-from protocol.schedule import SlotBook, usable
+from protocol.schedule import SlotBook, due_fragments, usable
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
@@ -171,17 +171,9 @@ class LearnerLoop(threading.Thread):
         if self.node.blocking:
             return by_steps
         step_s = self.step_s or 0.0
-        end, lead = time.time() + step_s, step_s / 2
-        out = []
         now = time.time()
-        for p, rep in enumerate(self.node.replicas):
-            clock = usable(rep.clock, now)
-            if clock is None:
-                if p in by_steps:
-                    out.append(p)
-            elif self.slots.due(p, clock, end, lead):
-                out.append(p)
-        return out
+        clocks = [usable(rep.clock, now) for rep in self.node.replicas]
+        return due_fragments(self.slots, clocks, by_steps, now + step_s, step_s / 2)
 
     def _service(self) -> tuple[list[int], list]:
         """Adopt what arrived, answer state requests, evaluate when due. Returns the fragments adopted and
@@ -234,7 +226,7 @@ class LearnerLoop(threading.Thread):
 
     def _post_ready(self, wait: bool = False) -> None:
         """Hand the agent every contribution whose snapshot has reached the host (all of them with ``wait``)."""
-        s, lrn = self.node.settings, self.learner
+        lrn = self.learner
         for (base_round, c_steps, c_tokens, step, t), p, enc in lrn.ready_contributions(wait):
             cid = f"{self.node.peer_id[-10:]}:{p}:{step}"
             header = ContributionHeader(

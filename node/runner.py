@@ -32,7 +32,7 @@ from protocol.errors import ConfigError, ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
-from protocol.schedule import SlotBook, bounded_period, round_due, swarm_period
+from protocol.schedule import SlotBook, bounded_period, due_fragments, round_due, swarm_period
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -78,7 +78,8 @@ class RunConfig:
     seed: int = 0
     net: NetConfig = NetConfig()
     plans: tuple[LearnerPlan, ...] = ()
-    lr_steps: int = 0  # inner steps each learner's lr schedule spans (a node's --steps); 0: its share of the budget
+    # inner steps each learner's lr schedule spans (a node's --steps); 0: its share of the budget
+    lr_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -326,7 +327,13 @@ class VirtualSwarm:
         dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
         self.events.emit("step", learner=lrn.name, step=lrn.steps, t0=now, t1=now + dur, loss=res.loss)
         self._last_step_end = max(self._last_step_end, now + dur)
-        for p in res.due if self.blocking else self._due_on_schedule(s, res.due, now + dur):
+        # The node's rule (node.learner_loop): slots of the swarm's schedule within half a step of the step's
+        # end, else (no record yet) the learner's own steps.
+        due = res.due
+        if not self.blocking:
+            lead = self.run_cfg.step_time_s / s.plan.speed / 2
+            due = due_fragments(s.slots, [r.clock for r in self.replicas], res.due, now + dur, lead)
+        for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
             if s.plan.scale != 1.0:
@@ -351,19 +358,6 @@ class VirtualSwarm:
             if self.blocking:
                 s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)
         self._push(now + dur, "step", m)
-
-    def _due_on_schedule(self, s: _LearnerSlot, by_steps: list[int], now: float) -> list[int]:
-        """As ``node.learner_loop.LearnerLoop._due_after_step``: slots of the swarm's schedule within half
-        a step of ``now``, else (no record yet) the learner's own steps."""
-        lead = self.run_cfg.step_time_s / s.plan.speed / 2
-        out = []
-        for p, rep in enumerate(self.replicas):
-            if rep.clock is None:
-                if p in by_steps:
-                    out.append(p)
-            elif s.slots.due(p, rep.clock, now, lead) and s.learner.book.counters[p].c_steps > 0:
-                out.append(p)
-        return out
 
     def _on_contrib(self, now: float, payload) -> None:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload

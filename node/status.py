@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from node.events import EventLog, record_time
 from protocol.errors import DDiLoCoError
-from protocol.synchroniser import has_quorum
 from protocol.goodput import compute_goodput
+from protocol.synchroniser import has_quorum
 
 if TYPE_CHECKING:
     from node.agent import Node
@@ -138,7 +138,9 @@ def status_doc(node: Node) -> dict:
         "fragments": frags,
         # Merges this node will make without anything new arriving (rounds holding their quorum, in their
         # grace window or being merged) and contributions it has yet to send: a quiet swarm has none.
-        "in_flight": sum(1 for st in node.syncs if st.phase.value != "collecting" or has_quorum(node.pcfg, st))
+        "in_flight": sum(
+            1 for st in node.syncs if st.phase.value != "collecting" or has_quorum(node.pcfg, st)
+        )
         + (node.outbox.qsize() if hasattr(node, "outbox") else 0),
         "peers": [
             {

@@ -153,7 +153,9 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         if not (isinstance(parent, str) and isinstance(new, str)):
             raise TypeError(f"hashes {_short(parent)}/{_short(new)} are not strings")
         if not (_is_weight(due) and _is_weight(period)):
-            raise ValueError(f"schedule due={_short(due)} period={_short(period)} is not two finite times >= 0")
+            raise ValueError(
+                f"schedule due={_short(due)} period={_short(period)} is not two finite times >= 0"
+            )
     # RecursionError: JSON nested deeper than the parser's stack
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
@@ -175,7 +177,9 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
     if p not in spec:
         raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {_short(p)} does not exist")
     grad = decode_parts(tensors, codec, block, spec[p])
-    rec = MergeRecord(p, r, parent, new, contributors, grad, codec, block, due=float(due), period=float(period))
+    rec = MergeRecord(
+        p, r, parent, new, contributors, grad, codec, block, due=float(due), period=float(period)
+    )
     return SignedRecord(rec, str(signer), raw)
 
 

@@ -147,3 +147,17 @@ class SlotBook:
 
     def reset(self) -> None:
         self.taken.clear()
+
+
+def due_fragments(
+    slots: SlotBook, clocks: Iterable[RoundClock | None], by_steps: Iterable[int], end: float, lead: float
+) -> list[int]:
+    """The fragments a learner takes at a step ending at ``end``: each whose clock has a slot within
+    ``lead`` of it that ``slots`` has not taken (and marks it), and, for a fragment with no clock (before
+    its first record), the learner's own step count's (``by_steps``). One rule for the node and the runner."""
+    by_steps = set(by_steps)
+    return [
+        p
+        for p, clock in enumerate(clocks)
+        if (p in by_steps if clock is None else slots.due(p, clock, end, lead))
+    ]

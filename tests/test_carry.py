@@ -191,7 +191,9 @@ def test_clipping_scales_the_learners_own_outer_gradient_not_the_global_change_s
     cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", record_codec="fp32",
                          outer_lr=1.0, outer_momentum=0.0, clip_factor=3.0)  # fmt: skip
     rep = FragmentReplica(0, {"w": torch.zeros(100)}, False, norms=NormBook())
-    honest = [Contribution(f"l{i}", 0, 0, 4, 40, 1.0, {"w": torch.full((100,), 0.01)}, f"c{i}") for i in range(3)]
+    honest = [
+        Contribution(f"l{i}", 0, 0, 4, 40, 1.0, {"w": torch.full((100,), 0.01)}, f"c{i}") for i in range(3)
+    ]
     rep.apply_record(rep.make_record(1, honest, cfg), cfg)  # the global moved to -0.01 everywhere
     ref = rep.norm_reference()
     big = Contribution("x", 0, 0, 4, 40, 1.0, {"w": torch.full((100,), 0.1)}, "x1")  # 10x, from round 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from node.wire import FragmentState, decode_snapshot, encode_record, encode_snapshot, decode_record
 from dht.identity import Identity
+from node.wire import FragmentState, decode_record, decode_snapshot, encode_record, encode_snapshot
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_period

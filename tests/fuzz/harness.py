@@ -17,7 +17,6 @@ accepted value) is a crash.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import functools
 import json
