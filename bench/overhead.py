@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from node.learner import InnerConfig, Learner, lr_lambda
-from node.model import ModelConfig
-from node.task import TaskConfig, load_task
+from node.learner.learner import InnerConfig, Learner, lr_lambda
+from node.learner.model import ModelConfig
+from node.learner.task import TaskConfig, load_task
 from protocol.config import ProtocolConfig
 
 

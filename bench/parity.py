@@ -41,13 +41,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.chaos import ChaosConfig, run_chaos  # noqa: E402
-from node.chaos_plan import FailureModel  # noqa: E402
-from node.events import EventLog, read_events  # noqa: E402
-from node.learner import InnerConfig  # noqa: E402
-from node.model import ModelConfig  # noqa: E402
-from node.runner import LearnerPlan, NetConfig, RunConfig, run_system  # noqa: E402
-from node.task import TaskConfig, load_task  # noqa: E402
+from node.chaos.harness import ChaosConfig, run_chaos  # noqa: E402
+from node.chaos.plan import FailureModel  # noqa: E402
+from node.common.events import EventLog, read_events  # noqa: E402
+from node.learner.learner import InnerConfig  # noqa: E402
+from node.learner.model import ModelConfig  # noqa: E402
+from node.learner.task import TaskConfig, load_task  # noqa: E402
+from node.local.run_config import LearnerPlan, NetConfig, RunConfig  # noqa: E402
+from node.local.runner import run_system  # noqa: E402
 from protocol.config import ProtocolConfig  # noqa: E402
 
 SYSTEMS = ("decoupled", "decoupled-km", "decoupled-carry", "streaming", "sync-diloco")

@@ -45,10 +45,11 @@ from pathlib import Path
 
 import torch
 
-from node.learner import InnerConfig
-from node.model import ModelConfig
-from node.runner import LearnerPlan, NetConfig, RunConfig, run_system
-from node.task import TaskConfig, load_task
+from node.learner.learner import InnerConfig
+from node.learner.model import ModelConfig
+from node.learner.task import TaskConfig, load_task
+from node.local.run_config import LearnerPlan, NetConfig, RunConfig
+from node.local.runner import run_system
 from protocol.config import ProtocolConfig
 
 ROOT = Path(__file__).resolve().parents[1]

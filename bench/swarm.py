@@ -38,10 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.config import NodeSettings
-from node.launcher import Child, poll, start_node, stop_all, wait_ready
-from node.learner import InnerConfig, plan_for
-from node.task import TaskConfig, load_task
+from node.learner.learner import InnerConfig, plan_for
+from node.learner.task import TaskConfig, load_task
+from node.local.launcher import Child, poll, start_node, stop_all, wait_ready
+from node.swarm.settings import NodeSettings
 from protocol.codecs import encoded_nbytes
 from protocol.config import ProtocolConfig
 
@@ -162,7 +162,7 @@ def alone_worker(seconds: float, warm_s: float, seed: int, batch: int) -> int:
     """Child process: a plain train_step loop of the node's default learner, one torch thread, no network."""
     import torch
 
-    from node.learner import Learner
+    from node.learner.learner import Learner
 
     torch.set_num_threads(1)
     task = load_task(None, TaskConfig(batch_size=batch))

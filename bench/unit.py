@@ -38,13 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from swarm import TARGET_THROUGHPUT, _snapshot, log  # noqa: E402  (the sibling benchmark's helpers)
 
-from node.launcher import start_node, stop_all, wait_ready  # noqa: E402
-from node.model import ModelConfig  # noqa: E402
+from node.learner.model import ModelConfig  # noqa: E402
+from node.local.launcher import start_node, stop_all, wait_ready  # noqa: E402
 
 
 def _task_config(a: argparse.Namespace):
-    from node.model import ModelConfig
-    from node.task import TaskConfig
+    from node.learner.model import ModelConfig
+    from node.learner.task import TaskConfig
 
     return TaskConfig(
         batch_size=a.batch_size, model=ModelConfig(dim=a.dim, layers=a.layers, seq_len=a.seq_len)
@@ -62,11 +62,11 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
 def _rank_main(rank: int, a: argparse.Namespace, init_file: str, out: str) -> None:
     import torch
 
-    from node.config import NodeSettings
-    from node.learner import InnerConfig, Learner
-    from node.task import load_task
-    from node.unit import STATE, Unit
-    from node.unit_fsdp import ShardedUnit
+    from node.learner.learner import InnerConfig, Learner
+    from node.learner.task import load_task
+    from node.learner.unit import STATE, Unit
+    from node.learner.unit_fsdp import ShardedUnit
+    from node.swarm.settings import NodeSettings
     from protocol.config import ProtocolConfig
 
     torch.set_num_threads(1)
@@ -120,9 +120,9 @@ def alone_unit(a: argparse.Namespace) -> int:
 def alone_single(a: argparse.Namespace) -> int:
     import torch
 
-    from node.config import NodeSettings
-    from node.learner import InnerConfig, Learner, default_device
-    from node.task import load_task
+    from node.learner.learner import InnerConfig, Learner, default_device
+    from node.learner.task import load_task
+    from node.swarm.settings import NodeSettings
     from protocol.config import ProtocolConfig
 
     torch.set_num_threads(1)

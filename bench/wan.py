@@ -57,11 +57,11 @@ from swarm import cpu_seconds
 from wan_dp import DP_PORT
 from wan_report import analyze, render
 
-from node.config import NodeSettings
-from node.events import read_events
-from node.launcher import Child, LaunchError, kill_group, wait_ready
-from node.netns import NetLab
-from node.status import StatusError, fetch_status, send_control
+from node.chaos.netns import NetLab
+from node.common.events import read_events
+from node.common.status_client import StatusError, fetch_status, send_control
+from node.local.launcher import Child, LaunchError, kill_group, wait_ready
+from node.swarm.settings import NodeSettings
 from protocol.errors import ConfigError, DDiLoCoError
 
 SYSTEMS = ("ours", "ours-q", "sync", "dp-fp32", "dp-bf16")

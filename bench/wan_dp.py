@@ -36,7 +36,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from node.events import read_events
+from node.common.events import read_events
 
 GRADS = ("fp32", "bf16")
 REFERENCE_POINTS = 30  # evaluations on the reference run's step grid
@@ -65,9 +65,8 @@ def worker(a: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from node.learner import InnerConfig, Learner
-    from node.runner import evaluate
-    from node.task import TaskConfig, load_task
+    from node.learner.learner import InnerConfig, Learner
+    from node.learner.task import TaskConfig, evaluate, load_task
     from protocol.config import ProtocolConfig
     from protocol.hashing import tensors_hash
 
@@ -200,8 +199,8 @@ def run_reference(
     at. A DP step's arithmetic does not depend on the link (the same gradients, all-reduced in the same
     order), so where both evaluated after the same step the losses must agree; ``max_gap`` says how far
     they do."""
-    from node.launcher import LaunchError
-    from node.netns import NetLab
+    from node.chaos.netns import NetLab
+    from node.local.launcher import LaunchError
 
     tps = next((c["tokens_per_step"] for c in capped if c.get("tokens_per_step")), 0)
     if not tps:

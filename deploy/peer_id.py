@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from dht.identity import Identity
-from node.config import NodeConfig, add_config_args, build_config
+from node.cli.config import add_config_args, build_config
+from node.swarm.settings import NodeConfig
 from protocol.errors import DDiLoCoError
 
 

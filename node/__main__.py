@@ -2,6 +2,6 @@
 
 import sys
 
-from node.cli import main
+from node.cli.main import main
 
 sys.exit(main())

@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
-from node.model import ModelConfig
-from node.task import TaskConfig, load_task
+from node.learner.model import ModelConfig
+from node.learner.task import TaskConfig, load_task
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

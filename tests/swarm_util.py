@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from node.events import read_events
-from node.launcher import Child, poll, start_node, stop_all, wait_ready
-from node.status import StatusError, send_control
+from node.common.events import read_events
+from node.common.status_client import StatusError, send_control
+from node.local.launcher import Child, poll, start_node, stop_all, wait_ready
 
 # A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, a slight step delay
 # so rounds come at a pace a 2-core machine running several nodes keeps up with.

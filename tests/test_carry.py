@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.learner import InnerConfig, Learner
+from node.learner.learner import InnerConfig, Learner
 from protocol.config import ProtocolConfig
 from protocol.goodput import compute_goodput
 from protocol.replica import FragmentReplica, round_share

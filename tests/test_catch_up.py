@@ -3,7 +3,7 @@ snapshot (``node.replication.records_bridge``)."""
 
 from dataclasses import replace
 
-from node.replication import SNAPSHOT_BYTES_PER_PARAM, record_bytes_per_param, records_bridge
+from node.swarm.replication import SNAPSHOT_BYTES_PER_PARAM, record_bytes_per_param, records_bridge
 from protocol.config import ProtocolConfig
 
 

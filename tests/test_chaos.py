@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from node.chaos import ChaosConfig, ChaosRun
-from node.chaos_cli import compare, render, render_comparison
-from node.chaos_plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
-from node.chaos_report import Outage, chaos_goodput, longest_gap, stalls
+from node.chaos.harness import ChaosConfig, ChaosRun
+from node.chaos.plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
+from node.chaos.report import Outage, chaos_goodput, longest_gap, stalls
+from node.cli.chaos import compare, render, render_comparison
 from protocol.errors import ConfigError
 from tests.swarm_util import TINY
 
@@ -42,7 +42,7 @@ def test_plan_errors_name_the_bad_value():
 
 
 def test_a_cpu_quota_needs_namespaces_and_a_sane_share(tmp_path):
-    from node.chaos import ChaosConfig
+    from node.chaos.harness import ChaosConfig
 
     with pytest.raises(ConfigError, match="netns_cpu=0.5 needs netns"):
         ChaosConfig(tmp_path, netns_cpu=0.5).check()
@@ -174,7 +174,7 @@ def test_netns_lab_links_nodes_partitions_and_leaves_nothing_behind():
     import socket
     import subprocess
 
-    from node.netns import NetLab, NetnsError
+    from node.chaos.netns import NetLab, NetnsError
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("network namespaces need root and iproute2")

@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.checkpoint import (
+from node.learner.model import ModelConfig, TinyGPT
+from node.swarm.checkpoint import (
     CheckpointError,
     export_model,
     list_checkpoints,
@@ -12,7 +13,6 @@ from node.checkpoint import (
     load_latest,
     save_checkpoint,
 )
-from node.model import ModelConfig, TinyGPT
 
 
 def tensors(seed):

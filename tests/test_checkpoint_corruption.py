@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from node.checkpoint import CheckpointError, load_checkpoint, load_latest, save_checkpoint
+from node.swarm.checkpoint import CheckpointError, load_checkpoint, load_latest, save_checkpoint
 
 SWARM = "s1"
 
@@ -49,7 +49,7 @@ def header_len(raw: bytes) -> int:
 def assert_previous_is_used(folder, caplog, cause: str) -> None:
     """load_latest skips the newest with a warning that names it and ``cause``, and returns step 1 intact."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="node.swarm.checkpoint"):
         ck = load_latest(folder, SWARM)
     assert ck is not None and ck.step == 1 and ck.meta == meta(1)
     want = tensors(1)
@@ -139,6 +139,6 @@ def test_malformed_document_is_refused_not_crashed_on(folder, caplog, doc, cause
 def test_no_valid_checkpoint_at_all_gives_none_with_a_reason_per_file(folder, caplog):
     for p in folder.glob("ckpt-*.safetensors"):
         p.write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING, logger="node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="node.swarm.checkpoint"):
         assert load_latest(folder, SWARM) is None
     assert len([r for r in caplog.records if "skipping checkpoint" in r.getMessage()]) == 2

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from node.cli import main
+from node.cli.main import main
 
 TINY = [
     "--dim",
@@ -88,8 +88,7 @@ def test_train_local_learns_and_writes_events(tmp_path, capsys):
     # the exported global model is a plain state dict that loads into the model and gives the same loss
     from safetensors.torch import load_file
 
-    from node.runner import evaluate
-    from node.task import load_task
+    from node.learner.task import evaluate, load_task
     from tests.conftest import tiny_task_config
 
     task = load_task(None, tiny_task_config())
@@ -168,7 +167,7 @@ def test_keygen_writes_an_identity_and_refuses_to_overwrite(tmp_path, capsys):
 
 
 def test_several_systems_write_one_file_each():
-    from node.cli import _per_system
+    from node.cli.main import _per_system
 
     assert _per_system("./runs/ev.jsonl", "dp", True) == "runs/ev.dp.jsonl"
     assert _per_system("./runs/ev.jsonl", "dp", False) == "./runs/ev.jsonl"

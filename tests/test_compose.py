@@ -23,8 +23,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from dht.identity import Identity
-from node.config import NodeConfig, build_config
-from node.model import TinyGPT
+from node.cli.config import build_config
+from node.learner.model import TinyGPT
+from node.swarm.settings import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

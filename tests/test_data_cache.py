@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import node.data as data
+import node.learner.data as data
 
 MAKE = data.generated_text  # the generator itself, before a test counts its calls
 

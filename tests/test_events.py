@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from node.events import EventLog, read_events, record_time
+from node.common.events import EventLog, read_events, record_time
 
 
 def test_a_bounded_log_holds_the_newest_records_and_writes_every_one(tmp_path):
@@ -65,7 +65,7 @@ def _train(log: EventLog, steps: int) -> None:
 
 
 def test_status_goodput_covers_the_records_held_and_says_since_when():
-    from node.status import held_goodput
+    from node.swarm.status import held_goodput
 
     whole = EventLog()
     _train(whole, 10)

@@ -19,8 +19,8 @@ from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
 from dht.records import Member, live_view, sign_member
-from node import checkpoint as ckpt
-from node import wire
+from node.swarm import checkpoint as ckpt
+from node.swarm import wire
 from protocol.hashing import tensors_hash
 from tests.fuzz import TARGETS, Target, outcome
 from tests.fuzz.disk_targets import checkpoint_dir, reseal_checkpoint

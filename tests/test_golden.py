@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from node.events import EventLog
-from node.learner import InnerConfig
-from node.runner import LearnerPlan, RunConfig, run_system
+from node.common.events import EventLog
+from node.learner.learner import InnerConfig
+from node.local.run_config import LearnerPlan, RunConfig
+from node.local.runner import run_system
 from protocol.config import ProtocolConfig
 
 FIXTURE = Path(__file__).parent / "golden" / "decoupled_tiny.json"

@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 from dht.identity import Identity
 from dht.records import Member
 from dht.swarm import Membership, start_dht
-from node.transport import Transport
+from node.swarm.transport import Transport
 from tests.swarm_util import Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 

@@ -35,5 +35,5 @@ def test_layering_and_pure_core():
 
 def test_checker_sees_a_violation(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("from node.cli import main\nimport socket\n")
+    f.write_text("from node.cli.main import main\nimport socket\n")
     assert imports_of(f) == {"node", "socket"}

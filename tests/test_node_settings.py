@@ -2,7 +2,7 @@
 
 import pytest
 
-from node.config import NodeSettings
+from node.swarm.settings import NodeSettings
 from protocol.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.config import NodeSettings
+from node.swarm.settings import NodeSettings
 from protocol.errors import ConfigError
 from tests.swarm_util import TINY, Swarm, wait_until
 

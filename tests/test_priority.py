@@ -1,4 +1,4 @@
-"""node.priority: the network side of a node is niced, the learner thread is not (run in a child process,
+"""node.common.priority: the network side of a node is niced, the learner thread is not (run in a child process,
 since niceness cannot be lowered back without privileges)."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 SCRIPT = r"""
 import os, subprocess, sys, threading, time
-from node.priority import lower_network_priority
+from node.common.priority import lower_network_priority
 ready, stop = threading.Event(), threading.Event()
 def learner():
     ready.set(); stop.wait()
@@ -31,7 +31,7 @@ def test_network_side_is_niced_and_the_learner_thread_keeps_its_priority():
 
 OWN_SCRIPT = r"""
 import os, threading
-from node.priority import lower_own_thread_priority
+from node.common.priority import lower_own_thread_priority
 base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 out = {}
 def learner():
@@ -54,7 +54,7 @@ def test_launched_nodes_share_the_launchers_session_in_a_process_group_of_their_
     CPU whatever its threads' niceness, and ``learner_nice`` would not reach across nodes."""
     import os
 
-    from node.launcher import start_node
+    from node.local.launcher import start_node
 
     child = start_node(0, tmp_path, ["--help"], [])
     try:

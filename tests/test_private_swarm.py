@@ -19,8 +19,8 @@ from dht.admission import Admission, AdmissionError, Certificate, admit, init_sw
 from dht.identity import Identity
 from dht.records import Member
 from dht.swarm import Membership, SwarmUnreachable, start_dht
-from node.sealed import SealedTransport
-from node.transport import Transport
+from node.swarm.sealed import SealedTransport
+from node.swarm.transport import Transport
 from tests.swarm_util import Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 

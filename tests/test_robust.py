@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.events import EventLog
-from node.guard import Guard
-from node.learner import InnerConfig
-from node.runner import LearnerPlan, RunConfig, run_system
+from node.common.events import EventLog
+from node.learner.learner import InnerConfig
+from node.local.run_config import LearnerPlan, RunConfig
+from node.local.runner import run_system
+from node.swarm.guard import Guard
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.replica import FragmentReplica, NormBook

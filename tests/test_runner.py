@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.events import EventLog
-from node.learner import InnerConfig, lr_lambda
-from node.runner import LearnerPlan, RunConfig, VirtualSwarm, run_system
+from node.common.events import EventLog
+from node.learner.learner import InnerConfig, lr_lambda
+from node.local.run_config import LearnerPlan, RunConfig
+from node.local.runner import VirtualSwarm, run_system
 from protocol.config import ProtocolConfig
 from protocol.goodput import compute_goodput
 

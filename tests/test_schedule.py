@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dht.identity import Identity
-from node.wire import FragmentState, decode_record, decode_snapshot, encode_record, encode_snapshot
+from node.swarm.wire import FragmentState, decode_record, decode_snapshot, encode_record, encode_snapshot
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_period

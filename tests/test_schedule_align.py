@@ -6,7 +6,7 @@ import pytest
 
 from dht.records import Member
 from dht.swarm import get_dht_time
-from node.replication import Replication
+from node.swarm.replication import Replication
 
 
 def _member(pid: str, step: int, age_s: float, rate: float) -> Member:

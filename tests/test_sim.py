@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import main
+from node.cli.main import main
 from protocol.errors import ConfigError
 from protocol.goodput import compute_goodput
 from sim import DAY_S, HOUR_S, YEAR_S, SimConfig, simulate

@@ -73,7 +73,7 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     # Restart the killed node on its state folder: it resumes from its checkpoint, catches up, contributes.
     t_restart = time.time()
     swarm.start(victim, peers_from=survivors[0])
-    from node.launcher import wait_ready
+    from node.local.launcher import wait_ready
 
     wait_ready([swarm.children[victim]], 120)
     st = swarm.status()[victim]

@@ -10,7 +10,7 @@ import pytest
 
 from dht.identity import Identity
 from dht.swarm import start_dht
-from node.transport import Reply, Transport, TransportError
+from node.swarm.transport import Reply, Transport, TransportError
 from protocol.errors import ProtocolError, RejectCode
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -20,9 +20,9 @@ from tests.swarm_util import Swarm, assert_unit_trained_and_converged, exit_now,
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    from node.learner import InnerConfig, Learner
-    from node.task import load_task
-    from node.unit import PAUSE, STATE, STEP, STOP, Unit
+    from node.learner.learner import InnerConfig, Learner
+    from node.learner.task import load_task
+    from node.learner.unit import PAUSE, STATE, STEP, STOP, Unit
     from protocol.config import ProtocolConfig
     from tests.conftest import tiny_task_config
 

@@ -21,9 +21,9 @@ from tests.swarm_util import Swarm, assert_unit_trained_and_converged, exit_now,
 
 
 def _setup(rank: int, init_file: str, seed: int):
-    from node.learner import InnerConfig, Learner
-    from node.task import load_task
-    from node.unit_fsdp import ShardedUnit
+    from node.learner.learner import InnerConfig, Learner
+    from node.learner.task import load_task
+    from node.learner.unit_fsdp import ShardedUnit
     from protocol.config import ProtocolConfig
     from tests.conftest import tiny_task_config
 
@@ -43,13 +43,13 @@ def _whole(lrn) -> dict[str, torch.Tensor]:
 
 
 def _hex(tensors) -> str:
-    from node.unit import digest
+    from node.learner.unit import digest
 
     return digest(tensors).numpy().tobytes().hex()
 
 
 def _step(unit, lrn) -> None:
-    from node.unit import STEP
+    from node.learner.unit import STEP
 
     unit.exchange(lrn, STEP)
     res = lrn.train_step()
@@ -62,8 +62,8 @@ def _step(unit, lrn) -> None:
 
 
 def _train(rank: int, init_file: str, out_dir: str) -> None:
-    from node.checkpoint import save_checkpoint
-    from node.unit import PAUSE, STATE, STOP
+    from node.learner.unit import PAUSE, STATE, STOP
+    from node.swarm.checkpoint import save_checkpoint
     from protocol.codecs import decode_tensors
 
     unit, lrn = _setup(rank, init_file, seed=10 + rank)
@@ -159,8 +159,8 @@ def _train(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def _restore(rank: int, init_file: str, out_dir: str) -> None:
-    from node.checkpoint import load_latest
-    from node.unit import PAUSE, STATE, STOP
+    from node.learner.unit import PAUSE, STATE, STOP
+    from node.swarm.checkpoint import load_latest
 
     unit, lrn = _setup(rank, init_file, seed=20 + rank)
     log: dict = {}
@@ -265,7 +265,7 @@ def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
 
 # ------------------------------------------------------------------------------------------- bad input
 def test_shard_without_a_multi_process_unit_is_refused(tmp_path, capsys):
-    from node.cli import main
+    from node.cli.main import main
 
     assert main(["node", "--shard", "--state-dir", str(tmp_path / "s")]) == 2
     assert "shard=True is invalid for a single-process learner" in capsys.readouterr().err
@@ -273,7 +273,7 @@ def test_shard_without_a_multi_process_unit_is_refused(tmp_path, capsys):
 
 
 def test_models_fsdp_cannot_shard_are_named():
-    from node.unit_fsdp import check_shardable, shard_blocks
+    from node.learner.unit_fsdp import check_shardable, shard_blocks
     from protocol.errors import ConfigError
 
     class Scalar(nn.Module):
@@ -288,7 +288,7 @@ def test_models_fsdp_cannot_shard_are_named():
         check_shardable(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double()))
     with pytest.raises(ConfigError, match="no parameters"):
         check_shardable(nn.ReLU())
-    from node.model import ModelConfig, TinyGPT
+    from node.learner.model import ModelConfig, TinyGPT
 
     m = TinyGPT(ModelConfig(dim=32, layers=3, heads=2, seq_len=32))
     check_shardable(m)
@@ -298,7 +298,7 @@ def test_models_fsdp_cannot_shard_are_named():
 def test_a_snapshot_is_measured_from_the_step_that_made_it_due(tiny_task):
     """An adoption that lands while a fragment's snapshot is in flight changes neither the parameters the
     contribution measures nor the base it measures them against (the CPU run of the GPU path's logic)."""
-    from node.learner import InnerConfig, Learner
+    from node.learner.learner import InnerConfig, Learner
     from protocol.codecs import decode_tensors
     from protocol.config import ProtocolConfig
 

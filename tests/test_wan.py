@@ -85,7 +85,7 @@ def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
     different data both ranks hold the same model, and the gradients' bytes crossed the link."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("network namespaces need root and iproute2")
-    from node.netns import NetLab, NetnsError
+    from node.chaos.netns import NetLab, NetnsError
 
     wan_dp = _load("wan_dp")
     lab = NetLab(2, rate="100mbit", tag=f"d{os.getpid() % 100000}")
@@ -112,7 +112,7 @@ def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
     assert finals[0]["steps"] == finals[1]["steps"] >= 3
     assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one model: averaged
     # every step all-reduces the fp32 gradients: with 2 ranks each sends and receives the whole model
-    from node.task import TaskConfig, load_task
+    from node.learner.task import TaskConfig, load_task
 
     params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
     assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
@@ -125,7 +125,7 @@ def test_a_cpu_quota_holds_each_node_and_every_process_it_starts():
         pytest.skip("network namespaces need root and iproute2")
     import subprocess
 
-    from node.netns import CPU_CGROUPS, NetLab, NetnsError
+    from node.chaos.netns import CPU_CGROUPS, NetLab, NetnsError
     from protocol.errors import ConfigError
 
     try:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dht.identity import Identity
-from node.wire import (
+from node.swarm.wire import (
     FragmentState,
     decode_record,
     decode_snapshot,

@@ -15,11 +15,11 @@ import torch
 from dht.identity import Identity
 from dht.records import Member
 from dht.swarm import Membership, start_dht
-from node.learner import plan_for
-from node.model import ModelConfig
-from node.task import TaskConfig, load_task
-from node.transport import GO, PROTOCOL_NAME, Transport, _read_frame
-from node.wire import encode_record, pack_list, sign_contribution
+from node.learner.learner import plan_for
+from node.learner.model import ModelConfig
+from node.learner.task import TaskConfig, load_task
+from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
+from node.swarm.wire import encode_record, pack_list, sign_contribution
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.messages import ContributionHeader, encode_contribution

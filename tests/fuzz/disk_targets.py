@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from node import checkpoint as ckpt
+from node.swarm import checkpoint as ckpt
 from protocol.hashing import tensors_hash
 from tests.fuzz.harness import BYTE_MUTATORS, SWARM, Target, mutate_st_header, mutate_st_tensors, st_meta
 

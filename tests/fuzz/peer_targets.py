@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dht.admission import Admission, AdmissionError, Certificate
 from dht.identity import Identity
 from dht.records import Member, RecordError, live_view, parse_member, sign_member
-from node import status
+from node.swarm import status
 from tests.fuzz.harness import (
     BYTE_MUTATORS,
     NOW,

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from node import transport, wire
+from node.swarm import transport, wire
 from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError
 from protocol.hashing import tensors_hash

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from node.data import TextData
-from node.model import ModelConfig, TinyGPT, lm_loss
+from node.learner.data import TextData
+from node.learner.model import ModelConfig, TinyGPT, lm_loss
 from protocol.errors import ConfigError
 
 Batch = Any
@@ -96,3 +96,11 @@ def load_task(spec: str | None, cfg: TaskConfig) -> Task:
         if not hasattr(task, attr):
             raise ConfigError(f"task={spec!r} returned {type(task).__name__}, which lacks '{attr}'")
     return task
+
+
+def evaluate(task: Task, model: torch.nn.Module) -> float:
+    model.eval()
+    with torch.no_grad():
+        losses = [task.loss(model, b).item() for b in task.eval_batches()]
+    model.train()
+    return sum(losses) / len(losses)

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from node.config import add_config_args
+    from node.cli.config import add_config_args
 
     p = argparse.ArgumentParser(prog="ddiloco", description="Peer-to-peer Decoupled DiLoCo training node.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     tl.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     tl.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(tl)
-    from node.config import NodeConfig
+    from node.swarm.settings import NodeConfig
 
     nd = sub.add_parser(
         "node",
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     upp.add_argument(
         "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
     )
-    from node.swarm_cli import add_swarm_parser
+    from node.cli.swarm import add_swarm_parser
 
     add_swarm_parser(sub)
     st = sub.add_parser(
@@ -92,10 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     kg.add_argument("--out", default="identity.key", help="key file to write (default: identity.key)")
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
-    from node.sim_cli import add_sim_parser
+    from node.cli.sim import add_sim_parser
 
     add_sim_parser(sub)
-    from node.chaos_cli import add_chaos_parser
+    from node.cli.chaos import add_chaos_parser
 
     add_chaos_parser(sub)
     return p
@@ -163,10 +163,11 @@ def _per_system(path: str | None, system: str, several: bool) -> str | None:
 def cmd_train_local(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from node.config import build_config, describe
-    from node.events import EventLog
-    from node.runner import LearnerPlan, RunConfig, run_system
-    from node.task import load_task
+    from node.cli.config import build_config, describe
+    from node.common.events import EventLog
+    from node.learner.task import load_task
+    from node.local.run_config import LearnerPlan, RunConfig
+    from node.local.runner import run_system
 
     cfg = build_config(args, args.config)
     r = cfg.run
@@ -204,7 +205,7 @@ def cmd_train_local(args: argparse.Namespace) -> int:
             events.close()
             bar.done()
         if r.export:
-            from node.checkpoint import export_model
+            from node.swarm.checkpoint import export_model
 
             out = _per_system(r.export, system, "," in r.system)
             export_model(out, res.final_params, {"system": system, "model_hash": res.model_hash})
@@ -240,17 +241,18 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
 def cmd_node(args: argparse.Namespace, argv: list[str]) -> int:
     import os
 
-    from node.agent import Node
-    from node.config import NodeConfig, build_config, describe
-    from node.unit import Unit, run_rank
+    from node.cli.config import build_config, describe
+    from node.learner.unit import Unit, run_rank
+    from node.swarm.agent import Node
+    from node.swarm.settings import NodeConfig
 
     cfg = build_config(args, args.config, root=NodeConfig)
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
     unit_cls = Unit
     if cfg.node.shard:
-        from node.task import load_task
-        from node.unit_fsdp import ShardedUnit, check_shardable
+        from node.learner.task import load_task
+        from node.learner.unit_fsdp import ShardedUnit, check_shardable
 
         if max(n, int(world or 1)) < 2:
             raise ConfigError(
@@ -287,7 +289,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from node.launcher import up
+    from node.local.launcher import up
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     flags = shlex.split(args.node_flags)
@@ -338,7 +340,7 @@ def _status_table(s: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from node.status import fetch_status
+    from node.common.status_client import fetch_status
 
     url = args.url
     if not url:
@@ -388,15 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return cmd_status(args)
         if args.command == "sim":
-            from node.sim_cli import cmd_sim
+            from node.cli.sim import cmd_sim
 
             return cmd_sim(args)
         if args.command == "swarm":
-            from node.swarm_cli import cmd_swarm
+            from node.cli.swarm import cmd_swarm
 
             return cmd_swarm(args)
         if args.command == "chaos":
-            from node.chaos_cli import cmd_chaos
+            from node.cli.chaos import cmd_chaos
 
             return cmd_chaos(args)
     except DDiLoCoError as e:

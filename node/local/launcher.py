@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.status import StatusError, fetch_status, send_control
+from node.common.status_client import StatusError, fetch_status, send_control
 from protocol.errors import ConfigError, DDiLoCoError
 
 

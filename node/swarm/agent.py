@@ -39,20 +39,20 @@ import torch
 from dht.identity import Identity
 from dht.records import Member
 from dht.swarm import peer_ids_of
-from node.config import NodeConfig, NodeSettings
-from node.events import EventLog
-from node.guard import Guard
-from node.learner import Learner
-from node.learner_loop import LearnerLoop
-from node.persistence import Persistence
-from node.priority import lower_network_priority
-from node.replication import Replication
-from node.runner import system_protocol
-from node.task import load_task
-from node.transport import Reply, Transport, TransportError
-from node.unit import Unit
-from node.view import SwarmView
-from node.wire import (
+from node.common.events import EventLog
+from node.common.priority import lower_network_priority
+from node.learner.learner import Learner
+from node.learner.loop import LearnerLoop
+from node.learner.task import load_task
+from node.learner.unit import Unit
+from node.swarm.guard import Guard
+from node.swarm.persistence import Persistence
+from node.swarm.replication import Replication
+from node.swarm.settings import NodeConfig, NodeSettings
+from node.swarm.status import StatusServer
+from node.swarm.transport import Reply, Transport, TransportError
+from node.swarm.view import SwarmView
+from node.swarm.wire import (
     SignedRecord,
     pack_list,
     parse_redirect,
@@ -69,6 +69,7 @@ from protocol.synchroniser import (
     SyncState,
     on_contribution,
 )
+from protocol.systems import system_protocol
 
 logger = logging.getLogger(__name__)
 IMPORTED_AT = time.time()  # the start-up phase "imports" ends here (torch, hivemind and this package)
@@ -278,7 +279,7 @@ class Node(SwarmView, Replication, Persistence):
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s)
         if self.admission is not None:
-            from node.sealed import SealedTransport
+            from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
         for op, h in (
@@ -290,8 +291,6 @@ class Node(SwarmView, Replication, Persistence):
             self.transport.register(op, h)
         await self.transport.start()
         self._phase("transport")
-        from node.status import StatusServer
-
         self.status_server = StatusServer(self)
         await self.status_server.start(s.status_host, s.status_port)
         self.outbox: asyncio.Queue = asyncio.Queue()

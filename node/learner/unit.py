@@ -284,8 +284,8 @@ def run_rank(cfg, unit: Unit) -> int:
     shutdown, and if rank 0 dies the unit's collectives fail and this process exits."""
     import signal
 
-    from node.learner import Learner
-    from node.task import load_task
+    from node.learner.learner import Learner
+    from node.learner.task import load_task
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -294,7 +294,7 @@ def run_rank(cfg, unit: Unit) -> int:
     if s.threads > 0:
         torch.set_num_threads(s.threads)
     task = load_task(None, cfg.task_config())
-    from node.runner import system_protocol
+    from protocol.systems import system_protocol
 
     # the same protocol settings as rank 0's learner (the agent's): the same fragments, the same rules
     pcfg, _ = system_protocol(s.system, cfg.protocol, 1 << 16)

@@ -19,7 +19,7 @@ import time
 from dataclasses import fields, replace
 from pathlib import Path
 
-from node.chaos_plan import FailureModel, plan_from_json
+from node.chaos.plan import FailureModel, plan_from_json
 
 
 def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,7 +119,7 @@ def _pct(x: float | None) -> str:
 
 
 def render(rep: dict) -> str:
-    from node.launcher import columns
+    from node.local.launcher import columns
 
     net = ""
     if rep.get("netns"):
@@ -226,7 +226,7 @@ def _with_stop_signals(fn):
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from node.chaos import ChaosConfig, run_chaos
+    from node.chaos.harness import ChaosConfig, run_chaos
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     flags = shlex.split(args.node_flags)

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from node.checkpoint import export_model, load_latest, save_checkpoint
+from node.swarm.checkpoint import export_model, load_latest, save_checkpoint
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint

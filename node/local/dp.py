@@ -14,10 +14,10 @@ import random
 
 import torch
 
-from node.events import EventLog
-from node.learner import InnerConfig, default_device, lr_lambda
-from node.runner import RunConfig, RunResult, evaluate, jittered
-from node.task import Task
+from node.common.events import EventLog
+from node.learner.learner import InnerConfig, default_device, lr_lambda
+from node.learner.task import Task, evaluate
+from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.goodput import compute_goodput
 from protocol.hashing import tensors_hash
 

@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.chaos_plan import FailureModel, Fault, draw_plan
-from node.chaos_report import Outage, chaos_goodput, first_merge_after, outage_windows, stalls, steps_between
-from node.events import read_events
-from node.launcher import Child, kill_group, start_node, wait_ready
-from node.status import StatusError, fetch_status, send_control
+from node.chaos.plan import FailureModel, Fault, draw_plan
+from node.chaos.report import Outage, chaos_goodput, first_merge_after, outage_windows, stalls, steps_between
+from node.common.events import read_events
+from node.common.status_client import StatusError, fetch_status, send_control
+from node.local.launcher import Child, kill_group, start_node, wait_ready
 from protocol.errors import ConfigError
 
 RESTART_TRIES = 3  # a restart whose process exits by itself (e.g. its bootstrap peer just died) is retried
@@ -321,7 +321,7 @@ class ChaosRun:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             if cfg.netns:
-                from node.netns import NetLab
+                from node.chaos.netns import NetLab
 
                 self.lab = NetLab(cfg.nodes, cfg.netns_rate, cpu=cfg.netns_cpu).open()
                 cap = f", links capped at {cfg.netns_rate} each way" if cfg.netns_rate else ""

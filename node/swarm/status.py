@@ -1,4 +1,4 @@
-"""The node's HTTP status endpoint and the client that reads it (``ddiloco status``), DESIGN §7.
+"""The node's HTTP status endpoint, DESIGN §7 (the client is ``node.common.status_client``).
 
 ``GET /status`` returns the node's view of the swarm as JSON: peers, who synchronises what, rounds, loss,
 tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}``
@@ -14,31 +14,20 @@ import asyncio
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
-from typing import TYPE_CHECKING
+from typing import Any
 
-from node.events import EventLog, record_time
+from node.common.events import EventLog, record_time
+from node.common.status_client import ACTIONS, StatusError  # noqa: F401 - re-exported for the server's callers
 from protocol.errors import DDiLoCoError
 from protocol.goodput import compute_goodput
 from protocol.synchroniser import has_quorum
-
-if TYPE_CHECKING:
-    from node.agent import Node
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024
 
 
-class StatusError(DDiLoCoError):
-    """The status endpoint could not be read; the message says which URL and what to check."""
-
-
 class BadRequest(DDiLoCoError, ValueError):
     """An HTTP request to the status endpoint is malformed; answered with 400 and this message."""
-
-
-ACTIONS = ("pause", "resume", "stop", "block")
 
 
 def parse_request_head(head: bytes) -> tuple[str, str, int]:
@@ -95,7 +84,7 @@ def held_goodput(
         return None, since
 
 
-def status_doc(node: Node) -> dict:
+def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (which imports this module)
     ll = node.learner_loop
     members = node.live_members()
     frags = []
@@ -165,7 +154,7 @@ def status_doc(node: Node) -> dict:
 
 
 class StatusServer:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Any) -> None:
         self.node = node
         self.server: asyncio.AbstractServer | None = None
         self.url = ""
@@ -233,29 +222,3 @@ class StatusServer:
                 node.events.emit("partition", t=time.time(), blocked=sorted(peers))
             return 200, {"ok": True, "action": action}
         return 404, {"error": f"no route {method} {path}: use GET /status or POST /control"}
-
-
-# ------------------------------------------------------------------------------------------ client side
-def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
-    return _request(url.rstrip("/") + "/status", None, timeout_s)
-
-
-def send_control(url: str, action: str, timeout_s: float = 5.0, **extra) -> dict:
-    return _request(url.rstrip("/") + "/control", json.dumps({"action": action, **extra}).encode(), timeout_s)
-
-
-def _request(url: str, data: bytes | None, timeout_s: float) -> dict:
-    try:
-        with urllib.request.urlopen(url, data=data, timeout=timeout_s) as resp:  # noqa: S310 - our own URL
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        try:
-            msg = json.loads(e.read()).get("error", "")
-        except ValueError:
-            msg = ""
-        raise StatusError(f"{url}: HTTP {e.code} {msg}") from e
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise StatusError(
-            f"{url}: no answer ({getattr(e, 'reason', e)}); is the node running, and is this its status "
-            "address (see STATE_DIR/ready.json)?"
-        ) from e

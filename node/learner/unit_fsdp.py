@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from node.snapshot import Snapshots
-from node.unit import STATE, Unit, digest
+from node.learner.snapshot import Snapshots
+from node.learner.unit import STATE, Unit, digest
 from protocol.errors import ConfigError
 from protocol.merge import adopt
 

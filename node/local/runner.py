@@ -19,16 +19,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from dataclasses import dataclass, field, replace
 
 import torch
 
-from node.events import EventLog
-from node.learner import InnerConfig, Learner, plan_for
-from node.task import Task
+from node.common.events import EventLog
+from node.learner.learner import InnerConfig, Learner, plan_for
+from node.learner.task import Task, evaluate
+from node.local.dp import run_dp
+from node.local.run_config import LearnerPlan, RunConfig, RunResult, jittered
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
-from protocol.errors import ConfigError, ProtocolError
+from protocol.errors import ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
@@ -44,74 +45,7 @@ from protocol.synchroniser import (
     on_merged,
     on_tick,
 )
-
-SYSTEMS = ("decoupled", "streaming", "sync-diloco", "dp")
-
-
-@dataclass(frozen=True)
-class LearnerPlan:
-    """How one learner behaves in virtual time: its speed, jitter and down intervals."""
-
-    speed: float = 1.0  # relative; 0.8 means steps take 25% longer
-    jitter: float = 0.0  # each step's time is scaled by a uniform factor in [1 - jitter, 1 + jitter]
-    down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
-    scale: float = 1.0  # multiplies the learner's outer gradients: >1 plays a hostile learner (robust merge)
-
-
-@dataclass(frozen=True)
-class NetConfig:
-    latency_s: float = field(default=0.05, metadata={"help": "one-way message latency (virtual s)"})
-    bandwidth_mbps: float = field(default=1000.0, metadata={"help": "per-learner link (Mbit/s)"})
-    merge_s: float = field(default=0.02, metadata={"help": "time a merge takes (virtual s)"})
-
-    def transfer_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes * 8 / (self.bandwidth_mbps * 1e6)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    system: str = "decoupled"
-    learners: int = 4
-    token_budget: int = 4_000_000
-    step_time_s: float = 1.0
-    eval_points: int = 10
-    seed: int = 0
-    net: NetConfig = NetConfig()
-    plans: tuple[LearnerPlan, ...] = ()
-    # inner steps each learner's lr schedule spans (a node's --steps); 0: its share of the budget
-    lr_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ConfigError(f"system={self.system!r} is invalid: choose one of {', '.join(SYSTEMS)}")
-        if self.plans and len(self.plans) != self.learners:
-            raise ConfigError(f"{len(self.plans)} learner plans given for learners={self.learners}")
-        if self.token_budget <= 0:
-            raise ConfigError(f"token_budget={self.token_budget} is invalid: must be > 0")
-
-    def plan(self, m: int) -> LearnerPlan:
-        return self.plans[m] if self.plans else LearnerPlan()
-
-
-@dataclass
-class RunResult:
-    system: str
-    final_loss: float
-    evals: list[tuple[int, float, float]]  # (tokens, virtual t, eval loss)
-    goodput: float
-    virtual_s: float
-    tokens: int
-    merges: int
-    bytes_sent: int
-    steps: int
-    model_hash: str
-    rejected: int = 0
-    final_params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-
-    def summary(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k not in ("evals", "final_params")}
-        d["tokens_per_virtual_s"] = self.tokens / self.virtual_s if self.virtual_s else 0.0
-        return d
+from protocol.systems import system_protocol
 
 
 def run_system(
@@ -124,44 +58,8 @@ def run_system(
 ) -> RunResult:
     """Run any of ``SYSTEMS`` on ``task`` to ``run.token_budget`` tokens."""
     if run.system == "dp":
-        from node.dp import run_dp  # node.dp imports this module
-
         return run_dp(task, run, inner, events, progress)
     return VirtualSwarm(task, run, pcfg, inner, events, progress).run()
-
-
-def system_protocol(system: str, pcfg: ProtocolConfig, learners: int) -> tuple[ProtocolConfig, bool]:
-    """The protocol settings and blocking mode that make ``system`` out of the one core."""
-    # The baselines as their authors run them: every learner in every round, each adopting what it waited
-    # for, the plain mean of fp32 outer gradients, no clipping (torchft's DiLoCo; the decoupled defaults
-    # int4 and clipping moved Theta by about 23% of an update away from it on identical inputs).
-    as_published = dict(
-        quorum=learners,
-        grace=False,
-        merge="mean",
-        carry=False,
-        codec="fp32",
-        record_codec="fp32",
-        clip_factor=0.0,
-    )
-    if system == "streaming":
-        return replace(pcfg, **as_published), True
-    if system == "sync-diloco":
-        return replace(pcfg, fragments=1, overlap=0, **as_published), True
-    return pcfg, False
-
-
-def jittered(rng: random.Random, plan: LearnerPlan, step_time_s: float) -> float:
-    f = 1.0 + (rng.uniform(-plan.jitter, plan.jitter) if plan.jitter else 0.0)
-    return step_time_s / plan.speed * f
-
-
-def evaluate(task: Task, model: torch.nn.Module) -> float:
-    model.eval()
-    with torch.no_grad():
-        losses = [task.loss(model, b).item() for b in task.eval_batches()]
-    model.train()
-    return sum(losses) / len(losses)
 
 
 class _LearnerSlot:

@@ -12,10 +12,10 @@ from collections import deque
 
 import torch
 
-from node.learner import Learner
-from node.priority import lower_own_thread_priority
-from node.runner import evaluate
-from node.unit import PAUSE, STATE, STEP, STOP
+from node.common.priority import lower_own_thread_priority
+from node.learner.learner import Learner
+from node.learner.task import evaluate
+from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader
 from protocol.schedule import SlotBook, due_fragments, usable

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from node.launcher import Child
+from node.local.launcher import Child
 from protocol.errors import ConfigError, DDiLoCoError
 
 T = TypeVar("T")

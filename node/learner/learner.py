@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.snapshot import Snapshots
-from node.task import Task
+from node.learner.snapshot import Snapshots
+from node.learner.task import Task
 from protocol.codecs import Encoded, encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError

@@ -9,7 +9,7 @@ open is refused with ``not_admitted`` before any handler sees it; a reply that d
 from __future__ import annotations
 
 from dht.admission import AdmissionError
-from node.transport import Reply, Transport, TransportError
+from node.swarm.transport import Reply, Transport, TransportError
 from protocol.errors import ProtocolError, RejectCode
 
 

@@ -12,9 +12,9 @@ import time
 from dataclasses import replace
 
 from dht.swarm import get_dht_time
-from node.config import NodeSettings
-from node.transport import Reply, TransportError
-from node.wire import (
+from node.swarm.settings import NodeSettings
+from node.swarm.transport import Reply, TransportError
+from node.swarm.wire import (
     FragmentState,
     SignedRecord,
     decode_record,
