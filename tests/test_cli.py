@@ -167,7 +167,7 @@ def test_keygen_writes_an_identity_and_refuses_to_overwrite(tmp_path, capsys):
 
 
 def test_several_systems_write_one_file_each():
-    from node.cli.main import _per_system
+    from node.cli.train_local import _per_system
 
     assert _per_system("./runs/ev.jsonl", "dp", True) == "runs/ev.dp.jsonl"
     assert _per_system("./runs/ev.jsonl", "dp", False) == "./runs/ev.jsonl"

@@ -22,7 +22,7 @@ from pathlib import Path
 from node.chaos.plan import FailureModel, plan_from_json
 
 
-def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     d = {f.name: f.default for f in fields(FailureModel)}
     cp = sub.add_parser(
         "chaos",
@@ -225,7 +225,7 @@ def _with_stop_signals(fn):
             signal.signal(s, h)
 
 
-def cmd_chaos(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from node.chaos.harness import ChaosConfig, run_chaos
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")

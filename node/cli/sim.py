@@ -25,7 +25,7 @@ from sim.model import DAY_S, HOUR_S, SYSTEMS, YEAR_S, SimConfig
 MAX_EVENT_RECORDS = 2_000_000
 
 
-def add_sim_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     d = {f.name: f.default for f in fields(SimConfig)}
     sp = sub.add_parser(
         "sim",
@@ -211,7 +211,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cmd_sim(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from sim import simulate
     from sim.accounting import RecordSink
 

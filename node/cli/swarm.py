@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 
-def add_swarm_parser(sub) -> None:
+def add_parser(sub) -> None:
     sw = sub.add_parser(
         "swarm",
         help="private swarms: create an authority, admit and revoke peers",
@@ -33,7 +33,7 @@ def add_swarm_parser(sub) -> None:
     r.add_argument("--dir", required=True, help="the swarm folder made by 'swarm init'")
 
 
-def cmd_swarm(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from dht.admission import admit, init_swarm, revoke
 
     d = Path(args.dir)

@@ -1,0 +1,83 @@
+"""``ddiloco node``: one node of a real swarm, or (with ``--nproc N``) the torchrun launch of its learner unit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from node.cli.config import add_config_args
+from node.swarm.settings import NodeConfig
+from protocol.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    nd = sub.add_parser(
+        "node",
+        help="run one node of a swarm: a learner plus its network agent",
+        description="Run one swarm node: it joins the DHT through --initial-peers (or starts a swarm), "
+        "trains its learner, sends contributions to the elected synchroniser of each fragment, takes that "
+        "role when elected, and keeps a replica of the global model. Status: GET STATUS_URL/status (the URL "
+        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export.",
+    )
+    nd.add_argument("--config", help="TOML file with [node] [protocol] [task] [model] [inner] tables")
+    add_config_args(nd, root=NodeConfig)
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """argv less ``flag VALUE`` / ``flag=VALUE`` (torchrun's parser would take --nproc as its own prefix)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    import os
+
+    from node.cli.config import build_config, describe
+    from node.learner.unit import Unit, run_rank
+    from node.swarm.agent import Node
+
+    cfg = build_config(args, args.config, root=NodeConfig)
+    n = cfg.node.nproc
+    world = os.environ.get("WORLD_SIZE")
+    unit_cls = Unit
+    if cfg.node.shard:
+        from node.learner.task import load_task
+        from node.learner.unit_fsdp import ShardedUnit, check_shardable
+
+        if max(n, int(world or 1)) < 2:
+            raise ConfigError(
+                "shard=True is invalid for a single-process learner: FSDP2 shards across the processes of a "
+                "learner unit; add --nproc N with N >= 2 (or start the node under torchrun)"
+            )
+        check_shardable(load_task(None, cfg.task_config()).new_model())
+        unit_cls = ShardedUnit
+    if n > 1 and world is None:
+        # A multi-process learner unit: torchrun starts n copies of this command, ranks in the environment.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+        cmd += ["-m", "node", *_without_flag(argv, "--nproc")]
+        print(f"starting a {n}-process learner unit: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.execv(sys.executable, cmd)
+    if n > 1 and int(world) != n:
+        raise ConfigError(f"nproc={n} is invalid: torchrun started {world} processes (WORLD_SIZE)")
+    unit = unit_cls.from_env(cfg.node.unit_timeout_s)
+    if unit is not None and not unit.lead:
+        rc = run_rank(cfg, unit)
+        # No interpreter teardown: after destroy_process_group, gloo's threads now and then abort it
+        # (SIGABRT, "terminate called without an active exception") once all the rank's work is done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
+    node = Node(cfg, unit)
+    print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
+    return node.run()

@@ -1,0 +1,80 @@
+"""``ddiloco status``: a running node's view of the swarm, read from its HTTP status endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from protocol.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    st = sub.add_parser(
+        "status",
+        help="show a node's view of the swarm",
+        description="Read a running node's status endpoint (plain HTTP; no p2p daemon is started) and show "
+        "peers, who synchronises which fragment, rounds, loss, tokens/s, bytes sent and received, refusals "
+        "and goodput.",
+    )
+    st.add_argument(
+        "--url", help="status URL, e.g. http://127.0.0.1:8470 (default: from STATE_DIR/ready.json)"
+    )
+    st.add_argument("--state-dir", default="node-state", help="node state folder holding ready.json")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+
+
+def _status_table(s: dict) -> str:
+    lr = s["learner"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    lines = [
+        f"node {s['peer_id']}  swarm {s['swarm']}{'  (client mode)' if s['client_mode'] else ''}  "
+        f"up {s['uptime_s']:.0f}s  joined by {s['joined_by']}",
+        f"learner: steps {lr['steps']}  tokens {lr['tokens']:,}  {lr['tokens_per_s']:.0f} tok/s  "
+        f"loss {fmt(lr['loss'], '.3f')}  eval loss {fmt(lr['eval_loss'], '.3f')}"
+        f"{'  PAUSED' if lr['paused'] else ''}",
+        *(
+            [
+                f"learner unit: {u['world']} processes ({u['backend']}"
+                f"{', FSDP2 shards' if u.get('mode') == 'fsdp' else ''}), {lr['tokens_per_step']:,} tokens/step, "
+                f"rank checks {u['checks']}, mismatches {u['mismatches']}"
+            ]
+            if (u := lr.get("unit"))
+            else []
+        ),
+        f"global model {s['model_hash'][:16]}  rounds merged {s['rounds_merged']}  "
+        f"tokens merged {s['tokens_merged']:,.0f}  goodput {fmt(s['goodput'], '.1%')}",
+        f"bytes sent {s['bytes_sent'] / 1e6:.2f} MB  received {s['bytes_received'] / 1e6:.2f} MB  "
+        f"refused {s['refused'] or 'none'}",
+        "counters: " + "  ".join(f"{k} {v}" for k, v in s["counters"].items()),
+        "",
+        f"peers ({len(s['peers'])}):",
+    ]
+    for m in s["peers"]:
+        lines.append(
+            f"  {m['peer_id']}  step {m['step']}  {m['tokens_per_s']:.0f} tok/s  rounds {m['rounds']}"
+            f"{'  client' if m['client_mode'] else ''}"
+        )
+    lines.append("")
+    lines.append("fragment  round  hash              synchroniser")
+    for f in s["fragments"]:
+        me = "  (this node)" if f["synchroniser"] == s["peer_id"] else ""
+        lines.append(f"{f['fragment']:>8}  {f['round']:>5}  {f['hash']}  {f['synchroniser'] or '-'}{me}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from node.common.status_client import fetch_status
+
+    url = args.url
+    if not url:
+        ready = Path(args.state_dir) / "ready.json"
+        if not ready.is_file():
+            raise ConfigError(
+                f"no --url given and {ready} does not exist; pass --url http://HOST:PORT or the node's --state-dir"
+            )
+        url = json.loads(ready.read_text())["status_url"]
+    s = fetch_status(url)
+    print(json.dumps(s, indent=2) if args.json else _status_table(s))
+    return 0
