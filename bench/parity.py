@@ -41,7 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node.chaos.harness import ChaosConfig, run_chaos  # noqa: E402
+from node.chaos.config import ChaosConfig  # noqa: E402
+from node.chaos.harness import run_chaos  # noqa: E402
 from node.chaos.plan import FailureModel  # noqa: E402
 from node.common.events import EventLog, read_events  # noqa: E402
 from node.learner.learner import InnerConfig  # noqa: E402

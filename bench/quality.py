@@ -37,67 +37,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from quality_report import check_targets, report
+from quality_systems import SCENARIOS, SYSTEMS, _fmt_s, _log, protocol_for, scenario_plans
 
 from node.learner.learner import InnerConfig
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig, load_task
-from node.local.run_config import LearnerPlan, NetConfig, RunConfig
+from node.local.run_config import NetConfig, RunConfig
 from node.local.runner import run_system
 from protocol.config import ProtocolConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "quality.png"
-
-
-@dataclass(frozen=True)
-class System:
-    key: str
-    label: str
-    runner: str  # a node.runner system
-    overrides: tuple[tuple[str, object], ...] = ()  # ProtocolConfig fields; "M" stands for the learner count
-
-
-SYSTEMS = (
-    System("dp", "DP", "dp"),
-    System("sync", "Sync DiLoCo", "sync-diloco"),
-    System("streaming", "Streaming DiLoCo", "streaming"),
-    System("dec-kM", "Decoupled K=M", "decoupled", (("quorum", "M"), ("grace", False))),
-    System("dec-k1", "Decoupled K=1", "decoupled", (("quorum", 1), ("grace", False))),
-    System(
-        "dec-k1-grace",
-        "Decoupled K=1+grace",
-        "decoupled",
-        (("quorum", 1), ("grace", True), ("grace_gamma", 0.5)),
-    ),
-)
-SCENARIOS = ("homogeneous", "heterogeneous", "one-down")
-
-
-def scenario_plans(name: str, learners: int, steps: int, step_time_s: float) -> tuple[LearnerPlan, ...]:
-    """Learner plans for a scenario; ``steps`` is the expected inner steps of a speed-1 learner."""
-    if name == "homogeneous":
-        return tuple(LearnerPlan() for _ in range(learners))
-    if name == "heterogeneous":
-        slow = set(range(learners - learners // 2, learners))  # the second half
-        return tuple(LearnerPlan(speed=1 / 1.2 if m in slow else 1.0, jitter=0.1) for m in range(learners))
-    if name == "one-down":
-        duration = steps * step_time_s
-        down = ((0.25 * duration, 0.50 * duration),)
-        return tuple(LearnerPlan(down=down if m == learners - 1 else ()) for m in range(learners))
-    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
-
-
-def protocol_for(system: System, base: ProtocolConfig, learners: int) -> ProtocolConfig:
-    fields = {k: (learners if v == "M" else v) for k, v in system.overrides}
-    return ProtocolConfig(**{**asdict(base), **fields})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,127 +127,6 @@ def _resolve(args: argparse.Namespace) -> None:
         args.batch_size = 8
     if args.quick and args.eval_batches == 16:
         args.eval_batches = 4
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt_s(s: float) -> str:
-    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
-
-
-def check_targets(results: dict[str, dict[str, dict]]) -> list[dict]:
-    """The issue's targets, per scenario where the rows exist."""
-    out = []
-
-    def loss(scen: str, key: str) -> float | None:
-        r = results.get(scen, {}).get(key)
-        return r["final_loss"] if r and r.get("final_loss") is not None else None
-
-    for scen in results:
-        g, dp, sync, k1 = (loss(scen, k) for k in ("dec-k1-grace", "dp", "sync", "dec-k1"))
-        if g is not None and dp is not None:
-            out.append(
-                {
-                    "scenario": scen,
-                    "target": "Decoupled K=1+grace within 2% of DP",
-                    "value": g / dp,
-                    "limit": 1.02,
-                    "holds": g / dp <= 1.02,
-                    "detail": f"{g:.4f} vs {dp:.4f}",
-                }
-            )
-        if g is not None and sync is not None:
-            out.append(
-                {
-                    "scenario": scen,
-                    "target": "Decoupled K=1+grace within 1% of Sync DiLoCo",
-                    "value": g / sync,
-                    "limit": 1.01,
-                    "holds": g / sync <= 1.01,
-                    "detail": f"{g:.4f} vs {sync:.4f}",
-                }
-            )
-        if scen == "heterogeneous" and g is not None and k1 is not None:
-            out.append(
-                {
-                    "scenario": scen,
-                    "target": "Decoupled K=1+grace beats K=1",
-                    "value": g / k1,
-                    "limit": 1.0,
-                    "holds": g < k1,
-                    "detail": f"{g:.4f} vs {k1:.4f}",
-                }
-            )
-    return out
-
-
-def format_table(scen: str, rows: dict[str, dict]) -> str:
-    head = f"{'system':<22} {'final loss':>10} {'vs DP':>7} {'goodput':>8} {'tok/s (virt)':>13} {'virt s':>8} {'merges':>7}"
-    lines = [f"== {scen}", head, "-" * len(head)]
-    dp = rows.get("dp", {}).get("final_loss")
-    for r in rows.values():
-        if r.get("error"):
-            lines.append(f"{r['label']:<22} FAILED: {r['error']}")
-            continue
-        ratio = f"{r['final_loss'] / dp:7.4f}" if dp else f"{'-':>7}"
-        lines.append(
-            f"{r['label']:<22} {r['final_loss']:10.4f} {ratio} {r['goodput']:8.3f} "
-            f"{r['tokens_per_virtual_s']:13.1f} {r['virtual_s']:8.1f} {r['merges']:7d}"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, dict[str, dict]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {s.key: f"C{i}" for i, s in enumerate(SYSTEMS)}  # one colour per system in every panel
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
-    for ax, (scen, rows) in zip(axes[0], results.items()):
-        lo, hi = math.inf, -math.inf
-        failed = []
-        for r in rows.values():
-            if r.get("error") or not r.get("evals"):
-                failed.append(r["label"])
-                continue
-            toks = [e[0] / 1e6 for e in r["evals"]]
-            losses = [e[2] for e in r["evals"]]
-            style = "-" if r["key"].startswith("dec") else "--"
-            ax.plot(toks, losses, style, marker=".", color=colours.get(r["key"]), label=r["label"])
-            lo = min(lo, min(losses))
-            hi = max(hi, losses[min(2, len(losses) - 1)])  # zoom past the first drop
-        if lo < hi:
-            ax.set_ylim(lo - 0.02 * (hi - lo), hi)
-        ax.set_title(scen)
-        if failed:
-            ax.text(
-                0.98,
-                0.97,
-                "failed: " + ", ".join(failed),
-                transform=ax.transAxes,
-                ha="right",
-                va="top",
-                fontsize=8,
-                color="crimson",
-            )
-        ax.set_xlabel("tokens (M)")
-        ax.set_ylabel("eval loss (nats/byte)")
-        ax.grid(alpha=0.3)
-    handles = {}
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    order = [s.label for s in SYSTEMS if s.label in handles]
-    axes[0][0].legend([handles[lab] for lab in order], order, fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,47 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     report(payload, args)
     _log(f"done in {_fmt_s(payload['wall_s'])}")
     return 1 if failed else 0
-
-
-def report(payload: dict, args: argparse.Namespace) -> None:
-    """Plot, then print the tables and targets (or the JSON object) of a finished or saved benchmark."""
-    st, results, targets = payload["settings"], payload["results"], payload["targets"]
-    m = st["model"]
-    if args.plot:
-        try:
-            plot(
-                results,
-                args.plot,
-                f"eval loss vs tokens, M={st['learners']}, {m['params'] / 1e6:.2f}M params, "
-                f"P={st['fragments']} H={st['sync_every']} tau={st['overlap']}",
-            )
-            _log(f"plot: {args.plot}")
-        except ImportError:
-            _log("plot skipped: matplotlib is not installed (pip install -e '.[bench]')")
-    if args.json:
-        print(json.dumps(payload, indent=2))
-        return
-    print(f"data: {st['data']}")
-    print(
-        f"model: dim {m['dim']}, {m['layers']} layers, {m['heads']} heads, seq {m['seq_len']}, "
-        f"{m['params']:,} params; batch {st['batch_size']} x {m['seq_len']} = {st['tokens_per_batch']} tokens"
-    )
-    print(
-        f"budget: {st['token_budget']:,} tokens ({st['steps_per_learner']} steps per speed-1 learner, "
-        f"M = {st['learners']}); P={st['fragments']} H={st['sync_every']} tau={st['overlap']}, "
-        f"codec {st['codec']}, outer lr {st['outer_lr']} momentum {st['outer_momentum']}"
-    )
-    for scen, rows in results.items():
-        print()
-        print(format_table(scen, rows))
-    print()
-    print("targets:")
-    for t in targets:
-        print(
-            f"  [{'HOLDS ' if t['holds'] else 'MISSED'}] {t['scenario']:<13} {t['target']:<46} "
-            f"ratio {t['value']:.4f} (limit {t['limit']:.2f}; {t['detail']})"
-        )
-    print(f"\nwall time: {_fmt_s(payload['wall_s'])}")
 
 
 if __name__ == "__main__":

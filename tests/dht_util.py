@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dht.identity import Identity
-from dht.swarm import start_dht
+from dht.launch import start_dht
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

@@ -1,9 +1,9 @@
 """How a node catches up a fragment it is behind on: records while they bridge the gap cheaply, else one
-snapshot (``node.replication.records_bridge``)."""
+snapshot (``node.swarm.catch_up.records_bridge``)."""
 
 from dataclasses import replace
 
-from node.swarm.replication import SNAPSHOT_BYTES_PER_PARAM, record_bytes_per_param, records_bridge
+from node.swarm.catch_up import SNAPSHOT_BYTES_PER_PARAM, record_bytes_per_param, records_bridge
 from protocol.config import ProtocolConfig
 
 

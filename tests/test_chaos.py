@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from node.chaos.harness import ChaosConfig, ChaosRun
+from node.chaos.config import ChaosConfig
+from node.chaos.harness import ChaosRun
 from node.chaos.plan import FailureModel, Fault, draw_plan, plan_from_json, plan_to_json
 from node.chaos.report import Outage, chaos_goodput, longest_gap, stalls
 from node.cli.chaos import compare, render, render_comparison
@@ -42,7 +43,7 @@ def test_plan_errors_name_the_bad_value():
 
 
 def test_a_cpu_quota_needs_namespaces_and_a_sane_share(tmp_path):
-    from node.chaos.harness import ChaosConfig
+    from node.chaos.config import ChaosConfig
 
     with pytest.raises(ConfigError, match="netns_cpu=0.5 needs netns"):
         ChaosConfig(tmp_path, netns_cpu=0.5).check()

@@ -15,8 +15,9 @@ import uuid
 import pytest
 
 from dht.identity import Identity
+from dht.launch import SwarmUnreachable
 from dht.records import Member
-from dht.swarm import Membership, SwarmUnreachable, get_dht_time
+from dht.swarm import Membership, get_dht_time
 from tests.dht_util import dht_chain
 
 
@@ -112,7 +113,7 @@ def test_relink_skips_bad_ids_and_refuses_through_a_stopped_dht(swarm3, tmp_path
 
 
 def test_peer_ids_of_initial_peers():
-    from dht.swarm import peer_ids_of
+    from dht.launch import peer_ids_of
     from protocol.errors import ConfigError
 
     pid = Identity.generate().peer_id

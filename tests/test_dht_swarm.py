@@ -14,8 +14,9 @@ import uuid
 import pytest
 
 from dht.identity import Identity
+from dht.launch import DHTStartError, SwarmUnreachable, start_dht
 from dht.records import Member, RecordError, sign_member
-from dht.swarm import DHTStartError, Membership, SwarmUnreachable, get_dht_time, start_dht
+from dht.swarm import Membership, get_dht_time
 from protocol.errors import ConfigError
 from tests.dht_util import LOOPBACK, dht_chain
 
@@ -196,11 +197,11 @@ def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
     import sys
     import time
 
-    from dht.swarm import _children
+    from dht.launch import _children
 
     key = Identity.generate().save(tmp_path / "id.key")
     code = (
-        "import sys, time\nfrom dht.swarm import start_dht\n"
+        "import sys, time\nfrom dht.launch import start_dht\n"
         f"d = start_dht({str(key)!r}, ['/ip4/127.0.0.1/tcp/0'])\nprint('up', flush=True)\ntime.sleep(120)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -14,8 +14,9 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
+from dht.launch import start_dht
 from dht.records import Member
-from dht.swarm import Membership, start_dht
+from dht.swarm import Membership
 from node.swarm.transport import Transport
 from tests.swarm_util import Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec

@@ -17,8 +17,9 @@ from hivemind.utils import get_dht_time
 
 from dht.admission import Admission, AdmissionError, Certificate, admit, init_swarm, revoke
 from dht.identity import Identity
+from dht.launch import SwarmUnreachable, start_dht
 from dht.records import Member
-from dht.swarm import Membership, SwarmUnreachable, start_dht
+from dht.swarm import Membership
 from node.swarm.sealed import SealedTransport
 from node.swarm.transport import Transport
 from tests.swarm_util import Swarm, wait_until

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from dht.identity import Identity
-from dht.swarm import start_dht
+from dht.launch import start_dht
 from node.swarm.transport import Reply, Transport, TransportError
 from protocol.errors import ProtocolError, RejectCode
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from dht.launch import start_dht
 from dht.records import Member
-from dht.swarm import Membership, start_dht
+from dht.swarm import Membership
 from node.learner.learner import plan_for
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig, load_task

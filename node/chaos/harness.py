@@ -24,72 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-from node.chaos.plan import FailureModel, Fault, draw_plan
-from node.chaos.report import Outage, chaos_goodput, first_merge_after, outage_windows, stalls, steps_between
+from node.chaos.config import ChaosConfig
+from node.chaos.plan import Fault, draw_plan
+from node.chaos.report import Outage, run_report
 from node.common.events import read_events
 from node.common.status_client import StatusError, fetch_status, send_control
 from node.local.launcher import Child, kill_group, start_node, wait_ready
-from protocol.errors import ConfigError
 
 RESTART_TRIES = 3  # a restart whose process exits by itself (e.g. its bootstrap peer just died) is retried
-
-
-@dataclass
-class ChaosConfig:
-    run_dir: Path
-    nodes: int = 4
-    duration_s: float = 300.0
-    """seconds of training under the plan, counted from the moment every node is up"""
-    seed: int = 0
-    model: FailureModel = field(default_factory=FailureModel)
-    plan: list[Fault] | None = None
-    """faults to apply instead of drawing them from ``model``"""
-    node_flags: list[str] = field(default_factory=list)
-    node_extra: dict[int, list[str]] = field(default_factory=dict)
-    """flags for one node alone, after ``node_flags`` (e.g. ``--slowdown 1.2`` for a slower chip)"""
-    learner_nice: int = 10
-    """niceness of every node's learner thread (``[node] learner_nice``): the nodes share this host's cores,
-    and a restarting node's start-up and every node's network side should not queue behind the other
-    nodes' learners, as they would not on hosts of their own (0: leave priorities alone)"""
-    stall_bound_s: float = 30.0
-    """the longest interval with no merge anywhere that the run may show"""
-    min_alive: int = 2
-    """a kill or pause that would leave fewer running nodes is skipped"""
-    settle_s: float = 90.0
-    """the final quiet period's bound on reaching one model hash"""
-    start_timeout_s: float = 180.0
-    refresh_s: float = 2.0
-    netns: bool = False
-    """one network namespace per node (root only); needed for partitions and bandwidth caps"""
-    netns_rate: str = ""
-    """with netns: tc tbf rate of every node's link in each direction, e.g. '100mbit' ('': no cap)"""
-    netns_cpu: float = 0.0
-    """with netns: CPU cores each node may use, a cgroup quota (0: none, the nodes share the machine)"""
-    quiet: bool = False
-
-    def check(self) -> None:
-        if self.nodes < 2:
-            raise ConfigError(f"nodes={self.nodes} is invalid: a chaos run needs at least 2 nodes")
-        if self.duration_s <= 0:
-            raise ConfigError(f"duration_s={self.duration_s} is invalid: must be > 0")
-        if not 1 <= self.min_alive <= self.nodes:
-            raise ConfigError(f"min_alive={self.min_alive} is invalid: between 1 and nodes={self.nodes}")
-        if not 0 <= self.learner_nice <= 19:
-            raise ConfigError(f"learner_nice={self.learner_nice} is invalid: must be in [0, 19]")
-        if self.netns_rate and not self.netns:
-            raise ConfigError(f"netns_rate={self.netns_rate!r} needs netns (caps are set on namespace links)")
-        if not 0 <= self.netns_cpu <= (os.cpu_count() or 1):
-            raise ConfigError(
-                f"netns_cpu={self.netns_cpu:g} is invalid: cores per node, 0 to {os.cpu_count()}"
-            )
-        if self.netns_cpu and not self.netns:
-            raise ConfigError(
-                f"netns_cpu={self.netns_cpu:g} needs netns (the quota goes with a node's namespace)"
-            )
-        self.model.check()
 
 
 @dataclass
@@ -431,78 +375,8 @@ class ChaosRun:
         return {i: read_events(self.cfg.run_dir / f"node-{i}" / "events.jsonl") for i in self.slots}
 
     def report(self) -> dict:
-        cfg = self.cfg
-        t0, t1 = self.t0, self.t1 or time.time()
-        rep: dict = {
-            "nodes": cfg.nodes,
-            "seed": cfg.seed,
-            "netns": cfg.netns,
-            "netns_rate": cfg.netns_rate,
-            "netns_cpu": cfg.netns_cpu,
-            "window_s": round(t1 - t0, 1) if t0 else 0.0,
-            "run_dir": str(cfg.run_dir),
-            "interrupted": self.interrupted,
-            "settled": self.settled,
-            "plan": [vars(f) for f in self.plan],
-            "faults": self.applied,
-        }
-        if not t0:
-            return rep
-        ev = self.events()
-        try:
-            rep["goodput"] = chaos_goodput(ev, self.peer_ids, self.outages, t0, t1).as_dict()
-        except ValueError as e:
-            rep["goodput"] = {"error": str(e)}
-        st = {k: round(v, 2) if isinstance(v, float) else v for k, v in stalls(ev, t0, t1).items()}
-        rep["stall"] = {**st, "bound_s": cfg.stall_bound_s, "ok": st["global_s"] <= cfg.stall_bound_s}
-        rep["outages"] = outage_windows(ev, self.outages, t0, t1)
-        for rec in self.applied:
-            if rec.get("kind") == "kill_sync" and rec.get("node") is not None:
-                gap = first_merge_after(ev, rec["fragment"], rec["t"])
-                rec["fragment_merged_again_s"] = None if gap is None else round(gap, 2)
-        finals = {}
-        for i, s in self.slots.items():
-            f = s.child.state_dir / "final.json"
-            if s.state == "running" and f.exists():
-                finals[i] = json.loads(f.read_text())
-        evals = [r for r in ev.get(0, []) if r.get("kind") == "eval"]
-        losses = [f["eval_loss"] for f in finals.values() if f.get("eval_loss") is not None]
-        hashes = {i: f["model_hash"] for i, f in finals.items()}
-        rep.update(
-            eval_loss_initial=evals[0]["loss"] if evals else None,
-            eval_loss_final=min(losses) if losses else None,
-            survivors=sorted(finals),
-            hashes=hashes,
-            equal_hashes=len(set(hashes.values())) == 1,
-            tokens_merged=max((f["tokens_merged"] for f in finals.values()), default=0.0),
-            rounds_merged=max((f["rounds_merged"] for f in finals.values()), default=0),
-        )
-        per = []
-        for i, s in sorted(self.slots.items()):
-            lasts = [c.last for c in s.lives if c.last]
-            per.append(
-                {
-                    "node": i,
-                    "peer": self.peer_ids.get(i, ""),
-                    "lives": len(s.lives),
-                    "state": s.state,
-                    "steps": steps_between(ev[i], t0, t1),
-                    "mb_sent": round(sum(x["bytes_sent"] for x in lasts) / 1e6, 2),
-                    "mb_received": round(sum(x["bytes_received"] for x in lasts) / 1e6, 2),
-                    "exit_code": s.child.proc.returncode,
-                    **{
-                        k: sum(x["counters"].get(k, 0) for x in lasts)
-                        for k in ("failovers", "forks", "resyncs")
-                    },
-                    "hash": hashes.get(i),
-                }
-            )
-        rep["per_node"] = per
-        tps = next(
-            (c.last["learner"]["tokens_per_step"] for s in self.slots.values() for c in s.lives if c.last), 0
-        )
-        rep["tokens_trained"] = tps * sum(n["steps"] for n in per)  # steps inside the window
-        return rep
+        """What the run cost: goodput, stalls, outages, final hashes and losses, per-node numbers."""
+        return run_report(self)
 
 
 def run_chaos(cfg: ChaosConfig) -> tuple[dict, list[Fault]]:

@@ -24,6 +24,8 @@ costs). Pure: records in, numbers out.
 from __future__ import annotations
 
 import bisect
+import json
+import time
 from dataclasses import dataclass
 
 from protocol.goodput import Goodput, compute_goodput
@@ -217,3 +219,77 @@ def outage_windows(events: dict[int, list[dict]], outages: list[Outage], t0: flo
             }
         )
     return out
+
+
+def run_report(run) -> dict:
+    """The report of a finished (or interrupted) ``node.chaos.harness.ChaosRun``: the numbers above, scored
+    from the nodes' event records and final files inside the run's window."""
+    cfg = run.cfg
+    t0, t1 = run.t0, run.t1 or time.time()
+    rep: dict = {
+        "nodes": cfg.nodes,
+        "seed": cfg.seed,
+        "netns": cfg.netns,
+        "netns_rate": cfg.netns_rate,
+        "netns_cpu": cfg.netns_cpu,
+        "window_s": round(t1 - t0, 1) if t0 else 0.0,
+        "run_dir": str(cfg.run_dir),
+        "interrupted": run.interrupted,
+        "settled": run.settled,
+        "plan": [vars(f) for f in run.plan],
+        "faults": run.applied,
+    }
+    if not t0:
+        return rep
+    ev = run.events()
+    try:
+        rep["goodput"] = chaos_goodput(ev, run.peer_ids, run.outages, t0, t1).as_dict()
+    except ValueError as e:
+        rep["goodput"] = {"error": str(e)}
+    st = {k: round(v, 2) if isinstance(v, float) else v for k, v in stalls(ev, t0, t1).items()}
+    rep["stall"] = {**st, "bound_s": cfg.stall_bound_s, "ok": st["global_s"] <= cfg.stall_bound_s}
+    rep["outages"] = outage_windows(ev, run.outages, t0, t1)
+    for rec in run.applied:
+        if rec.get("kind") == "kill_sync" and rec.get("node") is not None:
+            gap = first_merge_after(ev, rec["fragment"], rec["t"])
+            rec["fragment_merged_again_s"] = None if gap is None else round(gap, 2)
+    finals = {}
+    for i, s in run.slots.items():
+        f = s.child.state_dir / "final.json"
+        if s.state == "running" and f.exists():
+            finals[i] = json.loads(f.read_text())
+    evals = [r for r in ev.get(0, []) if r.get("kind") == "eval"]
+    losses = [f["eval_loss"] for f in finals.values() if f.get("eval_loss") is not None]
+    hashes = {i: f["model_hash"] for i, f in finals.items()}
+    rep.update(
+        eval_loss_initial=evals[0]["loss"] if evals else None,
+        eval_loss_final=min(losses) if losses else None,
+        survivors=sorted(finals),
+        hashes=hashes,
+        equal_hashes=len(set(hashes.values())) == 1,
+        tokens_merged=max((f["tokens_merged"] for f in finals.values()), default=0.0),
+        rounds_merged=max((f["rounds_merged"] for f in finals.values()), default=0),
+    )
+    per = []
+    for i, s in sorted(run.slots.items()):
+        lasts = [c.last for c in s.lives if c.last]
+        per.append(
+            {
+                "node": i,
+                "peer": run.peer_ids.get(i, ""),
+                "lives": len(s.lives),
+                "state": s.state,
+                "steps": steps_between(ev[i], t0, t1),
+                "mb_sent": round(sum(x["bytes_sent"] for x in lasts) / 1e6, 2),
+                "mb_received": round(sum(x["bytes_received"] for x in lasts) / 1e6, 2),
+                "exit_code": s.child.proc.returncode,
+                **{k: sum(x["counters"].get(k, 0) for x in lasts) for k in ("failovers", "forks", "resyncs")},
+                "hash": hashes.get(i),
+            }
+        )
+    rep["per_node"] = per
+    tps = next(
+        (c.last["learner"]["tokens_per_step"] for s in run.slots.values() for c in s.lives if c.last), 0
+    )
+    rep["tokens_trained"] = tps * sum(n["steps"] for n in per)  # steps inside the window
+    return rep

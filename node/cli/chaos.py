@@ -226,7 +226,8 @@ def _with_stop_signals(fn):
 
 
 def run(args: argparse.Namespace) -> int:
-    from node.chaos.harness import ChaosConfig, run_chaos
+    from node.chaos.config import ChaosConfig
+    from node.chaos.harness import run_chaos
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     flags = shlex.split(args.node_flags)

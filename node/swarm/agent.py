@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -37,37 +36,30 @@ from pathlib import Path
 import torch
 
 from dht.identity import Identity
+from dht.launch import peer_ids_of
 from dht.records import Member
-from dht.swarm import peer_ids_of
 from node.common.events import EventLog
 from node.common.priority import lower_network_priority
 from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
+from node.swarm.catch_up import CatchUp
+from node.swarm.contributions import Contributions
 from node.swarm.guard import Guard
 from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.status import StatusServer
-from node.swarm.transport import Reply, Transport, TransportError
+from node.swarm.transport import Transport
 from node.swarm.view import SwarmView
 from node.swarm.wire import (
     SignedRecord,
-    pack_list,
-    parse_redirect,
-    sign_contribution,
-    unpack_signed_contribution,
-    verify_contribution,
 )
-from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
-from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
 from protocol.replica import FragmentReplica, NormBook
 from protocol.synchroniser import (
-    Contribution,
     SyncState,
-    on_contribution,
 )
 from protocol.systems import system_protocol
 
@@ -89,13 +81,12 @@ def process_start_time() -> float:
         return time.time()
 
 
-HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, Persistence):
+class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -127,7 +118,7 @@ class Node(SwarmView, Replication, Persistence):
 
     def _launch_dht(self):
         """Fork the DHT process (before any thread starts: hivemind forks it); ``run`` waits for it."""
-        from dht.swarm import launch_dht
+        from dht.launch import launch_dht
 
         s = self.settings
         if s.client_mode and s.announce_maddrs:
@@ -392,147 +383,3 @@ class Node(SwarmView, Replication, Persistence):
             # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
                 self._spawn(self._catch_up(p, holders[0], head))
-
-    # ---------------------------------------------------------------- contributions (learner side)
-    def post_contribution(self, header: ContributionHeader, enc) -> None:
-        """Called from the learner thread; never blocks."""
-        self.last_contribution[header.fragment] = (header, enc)
-        self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
-
-    def resend(self, p: int) -> None:
-        """Send fragment p's last contribution again, to whoever holds the open round now (learner thread).
-
-        For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
-        own learner's contribution, and with every live learner as the quorum neither would merge. The one
-        the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
-        on a chain; the replay guard refuses it once a merge record names it)."""
-        if p in self.last_contribution:
-            self.loop.call_soon_threadsafe(self.outbox.put_nowait, self.last_contribution[p])
-
-    async def _sender_loop(self) -> None:
-        while True:
-            header, enc = await self.outbox.get()
-            self._spawn(self._send(header, enc))
-
-    async def _send(self, header: ContributionHeader, enc) -> None:
-        """Route one contribution to fragment p's synchroniser, failing over within ``failover_s``.
-
-        The request carries the peers this sender found dead, so the next candidate knows it may take the
-        round before their membership records expire. A peer that refuses the role names who it thinks
-        should have it; we try that one next, else the next candidate.
-        """
-        p = header.fragment
-        behind = self.rounds_behind(p)
-        if self.pcfg.carry and behind > HOLD_BEHIND:
-            # Catching up (say, restored from a checkpoint): a contribution measured against a fragment
-            # this old would be anchored far back and pull the global toward it. With carry nothing is
-            # lost by holding it: the progress goes out with the first contribution after the catch-up.
-            self.counters["contributions_dropped"] += 1
-            why = f"held: {behind} rounds behind the swarm on fragment {p}, catching up"
-            self.events.emit("drop", t=time.time(), fragment=p, cid=header.cid, why=why)
-            return
-        raw = encode_contribution(header, enc)
-        sig = sign_contribution(self.settings.swarm, self.identity, raw)
-        deadline = self.loop.time() + self.settings.failover_s
-        dead: set[str] = set()
-        refused: set[str] = set()
-        hint: str | None = None
-        last = ""
-        while self.loop.time() < deadline:
-            order = [x for x in self.candidates(p) if x not in dead and x not in refused]
-            if hint is not None and hint not in dead and hint not in refused:
-                order.insert(0, hint)
-            hint = None
-            if not order:
-                await asyncio.sleep(0.2)
-                refused.clear()
-                continue
-            target = order[0]
-            payload = pack_list([json.dumps({"dead": sorted(dead)}).encode(), raw, sig])
-            if target == self.peer_id:
-                reply = await self._accept(self.peer_id, payload)
-            else:
-                try:
-                    left = max(0.5, deadline - self.loop.time())
-                    reply = await self.transport.call(
-                        target, "contribute", payload, timeout_s=min(left, self.settings.rpc_timeout_s)
-                    )
-                except TransportError as e:
-                    dead.add(target)
-                    self.suspect[target] = time.monotonic() + self.settings.ttl_s
-                    self.counters["failovers"] += 1
-                    self.events.emit(
-                        "failover", t=time.time(), fragment=p, dead=target, cid=header.cid, why=str(e)[:200]
-                    )
-                    logger.warning(
-                        "synchroniser %s of fragment %d unreachable; trying the next candidate", target, p
-                    )
-                    continue
-            if reply.ok:
-                self.counters["contributions_sent"] += 1
-                return
-            last = f"{target}: {reply.code} {reply.message}"
-            if reply.code == RejectCode.NOT_SYNCHRONISER.value:
-                refused.add(target)
-                with contextlib.suppress(ProtocolError):
-                    hint = parse_redirect(reply.body)
-                continue
-            if reply.code in (RejectCode.FUTURE_BASE.value, RejectCode.UNKNOWN_PEER.value):
-                refused.add(target)
-                continue
-            break  # stale or invalid: the learner moves on with its next contribution
-        self.counters["contributions_dropped"] += 1
-        self.events.emit(
-            "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
-        )
-
-    # ---------------------------------------------------------------- ops (server side)
-    async def _h_contribute(self, caller: str, raw: bytes) -> Reply:
-        return await self._accept(caller, raw)
-
-    async def _accept(self, caller: str, payload: bytes) -> Reply:
-        try:
-            dead, raw, sig = unpack_signed_contribution(payload)
-            p = peek_fragment(raw)
-            if p not in self.spec:
-                raise ProtocolError(
-                    RejectCode.WRONG_FRAGMENT, f"fragment {p} does not exist (0..{len(self.spec) - 1})"
-                )
-            if not await self._known(caller):
-                raise ProtocolError(
-                    RejectCode.UNKNOWN_PEER, f"{caller} is not a live member of swarm {self.settings.swarm}"
-                )
-            h, delta = decode_contribution(raw, self.spec[p])
-            if h.learner != caller:
-                raise ProtocolError(
-                    RejectCode.UNKNOWN_PEER, f"contribution claims learner {h.learner}, sent by {caller}"
-                )
-            verify_contribution(self.settings.swarm, h.learner, raw, sig)
-            who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
-            if who != self.peer_id:
-                return self._refuse_role(caller, p, who)
-            self.guard.check_replay(h.cid)
-            self.replicas[p].check_delta(delta, self.pcfg)
-            c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid)
-            d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
-        except ProtocolError as e:
-            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            if caller == self.peer_id:
-                self.transport._count(e.code.value)
-            else:
-                self.penalise(caller, e.code)
-            return Reply(False, e.code.value, str(e))
-        self.guard.reward(caller)
-        self.leases[p] = self.replicas[p].round + 1
-        self.counters["contributions_accepted"] += 1
-        self._decide(p, d)
-        return Reply(True)
-
-    def penalise(self, peer: str, code: RejectCode) -> None:
-        if self.guard.penalise(peer, code, time.monotonic()):
-            self.events.emit("ban", t=time.time(), peer=peer, seconds=self.guard.ban_s, last=code.value)
-
-    def _refuse_role(self, caller: str, p: int, who: str | None) -> Reply:
-        """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""
-        msg = f"{self.peer_id} does not hold fragment {p}'s round {self.replicas[p].round + 1}; try {who}"
-        return Reply(False, RejectCode.NOT_SYNCHRONISER.value, msg, json.dumps({"try": who}).encode())

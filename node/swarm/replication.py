@@ -1,34 +1,25 @@
 """Replicated global state of a node (DESIGN §4): applying signed merge records, merging as the
-synchroniser, pushing records, catching up from records or snapshots, joining by download, and the server
-side of the record, records and snapshot ops. A mixin of ``node.agent.Node``, which owns the state."""
+synchroniser, pushing records, and the server side of the record and records ops. A mixin of
+``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import replace
 
-from dht.swarm import get_dht_time
-from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
-    FragmentState,
     SignedRecord,
     decode_record,
-    decode_snapshot,
     encode_record,
-    encode_snapshot,
     pack_list,
     parse_records_request,
-    parse_snapshot_request,
-    unpack_list,
 )
-from protocol.codecs import encoded_nbytes
 from protocol.errors import ProtocolError, RejectCode
-from protocol.schedule import bounded_period, held_to_steps, round_due, sane_clock, swarm_period, usable
+from protocol.schedule import bounded_period, held_to_steps, round_due, swarm_period, usable
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -40,163 +31,10 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
-SNAPSHOT_BYTES_PER_PARAM = 8.0  # a fragment's snapshot: fp32 parameters and fp32 outer momentum
-
-
-def record_bytes_per_param(codec: str, block: int) -> float:
-    """Wire bytes per parameter of a merge record's merged outer gradient in ``codec``."""
-    return encoded_nbytes(block, codec, block) / block
-
-
-def records_bridge(gap: int, pcfg) -> bool:
-    """Catch up a fragment ``gap`` rounds behind by fetching records (True) rather than a snapshot (False):
-    only while every record is still in a peer's log (``history`` rounds) and they weigh less than one
-    snapshot. A node back from a pause or a restart is usually far behind: a records request would bring
-    back the log's last rounds, which do not follow its own, and the snapshot would be fetched after all."""
-    if gap <= 0 or gap > pcfg.history:
-        return False
-    return gap * record_bytes_per_param(pcfg.record_codec, pcfg.codec_block) < SNAPSHOT_BYTES_PER_PARAM
 
 
 class Replication:
-    """Record, catch-up and snapshot logic; ``Node`` provides the state it works on."""
-
-    # ---------------------------------------------------------------- join, catch-up, re-sync
-    async def _join_if_behind(self) -> None:
-        """A node with no state: when the swarm is past round 0, download it (several donors) before training."""
-        deadline = self.loop.time() + 3 * self.settings.heartbeat_s
-        while (
-            not self.members
-            and NodeSettings.split(self.settings.initial_peers)
-            and self.loop.time() < deadline
-        ):
-            await asyncio.sleep(self.settings.heartbeat_s / 2)
-            await self._heartbeat_once()
-        plan: dict[str, list[int]] = {}
-        donors_of: dict[int, list[str]] = {}
-        for p in range(len(self.replicas)):
-            _, holders = self.winning_heads(p, self.members)
-            if holders:
-                donors_of[p] = holders
-        if not donors_of:
-            return
-        for i, (p, donors) in enumerate(sorted(donors_of.items())):
-            plan.setdefault(donors[i % len(donors)], []).append(p)
-        t0 = time.time()
-        # Keep this node's membership record fresh while it downloads: a big model takes longer than the
-        # record lives, and a donor refuses a caller it no longer sees as a member.
-        beats = self._spawn(self._publish_while_joining())
-        try:
-            results = await asyncio.gather(
-                *(self._fetch_each(pid, frags) for pid, frags in plan.items()), return_exceptions=True
-            )
-        finally:
-            beats.cancel()
-        missing = sorted(p for res in results if not isinstance(res, BaseException) for p in res)
-        missing += [
-            p
-            for (pid, frags), res in zip(plan.items(), results)
-            if isinstance(res, BaseException)
-            for p in frags
-        ]
-        for p in missing:  # a donor failed: try the others, one fragment at a time
-            for pid in donors_of[p]:
-                try:
-                    await self._fetch_snapshot(pid, [p])
-                    break
-                except (TransportError, ProtocolError) as e:
-                    logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
-        rounds = [r.round for r in self.replicas]
-        self.learner.join(rounds, [r.theta for r in self.replicas])
-        self.joined_by = f"download from {len(plan)} donor(s)"
-        self.events.emit(
-            "download",
-            t=time.time(),
-            donors=sorted(plan),
-            fragments=sorted(donors_of),
-            seconds=time.time() - t0,
-        )
-
-    async def _publish_while_joining(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_s)
-            await self._heartbeat_once()
-
-    async def _fetch_each(self, pid: str, frags: list[int]) -> list[int]:
-        """Fetch ``frags`` from one donor, one fragment per request (a whole model in one message can
-        outlast the RPC deadline); returns the fragments that failed, for the other donors to try."""
-        failed = []
-        for p in frags:
-            try:
-                await self._fetch_snapshot(pid, [p])
-            except (TransportError, ProtocolError) as e:
-                logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
-                failed.append(p)
-        return failed
-
-    def swarm_step(self) -> float | None:
-        """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
-        None when no peer has stepped yet.
-
-        Each peer's step is extrapolated from when its membership record was issued at its published step
-        rate. Read from the learner thread: ``members`` is only ever replaced whole."""
-        now = get_dht_time()
-        steps = [
-            m.step + max(0.0, now - m.issued_at) * m.steps_per_s for m in self.members.values() if m.step > 0
-        ]
-        return max(steps, default=None)
-
-    async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
-        reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
-        if not reply.ok:
-            raise TransportError(
-                f"snapshot of fragments {frags} refused by {pid}: {reply.code} {reply.message}"
-            )
-        states = decode_snapshot(reply.body, self.spec)
-        if sorted(s.fragment for s in states) != sorted(frags):
-            raise ProtocolError(
-                RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
-            )
-        for st in states:
-            self._install_snapshot(st, pid)
-
-    def _install_snapshot(self, st: FragmentState, pid: str) -> None:
-        p = st.fragment
-        if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
-            return  # ours is as good or better by now
-        rep = self.replicas[p]
-        rep.load_state(st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every))
-        self.heads[p] = (st.round, st.hash, st.n, st.weight)
-        self.merged_tokens[p] = st.tokens
-        self.logs[p].clear()
-        self.counters["resyncs"] += 1
-        self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
-        self._reset_sync(p)
-        if self.learner_loop.is_alive():
-            self.learner_loop.deliver(p, st.round, rep.theta, True)
-
-    async def _catch_up(self, p: int, pid: str, head: list) -> None:
-        if p in self._syncing:
-            return
-        self._syncing.add(p)
-        try:
-            rep = self.replicas[p]
-            if records_bridge(int(head[0]) - rep.round, self.pcfg):
-                req = {"fragment": p, "from": rep.round + 1}
-                reply = await self.transport.call(pid, "records", json.dumps(req).encode())
-                if reply.ok:
-                    for raw in unpack_list(reply.body):
-                        sr = decode_record(raw, self.settings.swarm, self.spec)
-                        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
-                            break
-                        self._apply(sr)
-            if self._head_key(self.heads[p]) > self._head_key(head):
-                await self._fetch_snapshot(pid, [p])
-            self.lagging_since.pop(p, None)
-        except (TransportError, ProtocolError) as e:
-            logger.warning("catching up fragment %d from %s failed: %s", p, pid, e)
-        finally:
-            self._syncing.discard(p)
+    """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
     def _apply(self, sr: SignedRecord) -> None:
@@ -399,26 +237,3 @@ class Replication:
             return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
         items = [sr.raw for r, sr in self.logs[p].items() if r >= start]
         return Reply(True, body=pack_list(items))
-
-    async def _h_snapshot(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            frags = parse_snapshot_request(raw)
-        except ProtocolError as e:
-            return Reply(False, e.code.value, str(e))
-        if not frags or any(p not in self.spec for p in frags):
-            return Reply(
-                False,
-                RejectCode.WRONG_FRAGMENT.value,
-                f"fragments {frags} not all in 0..{len(self.spec) - 1}",
-            )
-        states = []
-        for p in frags:
-            rep = self.replicas[p]
-            r, h, n, w = self.heads[p]
-            states.append(
-                FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p], rep.clock)
-            )
-        body = await asyncio.to_thread(encode_snapshot, states)
-        return Reply(True, body=body)

@@ -1,0 +1,214 @@
+"""bench/wan.py's node systems: a swarm of real nodes, one per network namespace on capped links, and the measurement window they are read in."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from swarm import cpu_seconds
+from wan_config import NODE_SYSTEM, WanConfig
+
+from node.chaos.netns import NetLab
+from node.common.events import read_events
+from node.common.status_client import StatusError, fetch_status, send_control
+from node.local.launcher import Child, LaunchError, kill_group, wait_ready
+
+
+# ------------------------------------------------------------------------------------------------ the window
+def until(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable[[], None]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        check()
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(1.0)
+
+
+def window(
+    cfg: WanConfig,
+    lab: NetLab,
+    say: Callable[[str], None],
+    progress: Callable[[], str],
+    pids: list[int],
+    payload: Callable[[], list[int]] | None = None,
+) -> dict:
+    """Warm-up, then the measured window: wall times, every link's counters and the CPU time of every
+    process tree in ``pids`` at both ends (and, for nodes, ``payload``: the bytes their transports sent,
+    without DHT traffic or framing)."""
+    end = time.monotonic() + cfg.warm_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(5.0, left))
+        say(f"warm-up  {progress()}")
+    p_a = payload() if payload else None
+    c_a = [cpu_seconds(p) for p in pids]
+    a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
+    end = time.monotonic() + cfg.duration_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(10.0, left))
+        say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
+    b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    c_b = [cpu_seconds(p) for p in pids]
+    p_b = payload() if payload else None
+    return {
+        "t_a": t_a,
+        "t_b": t_b,
+        "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
+        "received_B": [y[1] - x[1] for x, y in zip(a, b)],
+        "payload_sent_B": [y - x for x, y in zip(p_a, p_b)] if p_a and p_b else None,
+        # CPU seconds in the window per process tree (node: its process, DHT process and p2pd; DP: a worker),
+        # and of its busiest thread (the training thread)
+        "cpu_s": [b[0] - a[0] for a, b in zip(c_a, c_b)],
+        "train_thread_cpu_s": [
+            max((v - a[2].get(t, 0.0) for t, v in b[2].items()), default=0.0) for a, b in zip(c_a, c_b)
+        ],
+        "load_avg": [load_a, os.getloadavg()[0]],
+    }
+
+
+# ------------------------------------------------------------------------------------------ node systems
+def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callable[[str], None]) -> dict:
+    flags = ["--threads", "1", "--swarm", f"wan-{os.getpid()}", "--batch-size", str(cfg.batch_size)]
+    flags += ["--eval-every-s", f"{cfg.eval_every_s:g}", "--sync-every", str(cfg.sync_every)]
+    flags += ["--steps", str(cfg.steps), "--system", NODE_SYSTEM[system], *cfg.node_flags]
+    if system == "ours-q":
+        flags += ["--quorum", str(cfg.nodes - 1)]  # a round waits for every learner but one
+    children: list[Child] = []
+
+    def status(c: Child) -> dict | None:
+        try:
+            c.last = lab.inside(c.index, lambda: fetch_status(c.url, timeout_s=5))
+        except StatusError:
+            pass
+        return c.last
+
+    def control(c: Child, action: str) -> bool:
+        try:
+            lab.inside(c.index, lambda: send_control(c.url, action))
+            return True
+        except StatusError:
+            return False
+
+    def check() -> None:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise LaunchError(
+                    f"node {c.index} exited with code {c.proc.returncode}; its log:\n{c.tail()}"
+                )
+
+    def progress() -> str:
+        check()
+        docs = [status(c) or {} for c in children]
+        steps = " ".join(str(d.get("learner", {}).get("steps", "?")) for d in docs)
+        tps = sum(d.get("learner", {}).get("tokens_per_s", 0.0) for d in docs)
+        rounds = max((d.get("rounds_merged", 0) for d in docs), default=0)
+        return f"steps {steps}  ~{tps:,.0f} tok/s  rounds {rounds}"
+
+    settled = False
+    try:
+        say(f"starting {cfg.nodes} nodes ({' '.join(flags)})")
+        # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
+        # step or two first) and all resume together once every one has joined, so no node trains alone
+        # while the others download the state and the eval loss per token compares the algorithms.
+        children.append(lab.start(0, run_dir, flags, []))
+        wait_ready(children, cfg.start_timeout_s)
+        control(children[0], "pause")
+        for i in range(1, cfg.nodes):
+            children.append(lab.start(i, run_dir, flags, children[0].maddrs))
+        waiting, deadline = list(children[1:]), time.monotonic() + cfg.start_timeout_s
+        while waiting:
+            check()
+            for c in [c for c in waiting if (c.state_dir / "ready.json").exists()]:
+                wait_ready([c], 10)
+                control(c, "pause")
+                waiting.remove(c)
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"nodes {[c.index for c in waiting]} not up within {cfg.start_timeout_s:g} s"
+                )
+            time.sleep(0.1)
+        t_start = time.time()
+        for c in children:
+            control(c, "resume")
+        until(
+            lambda: all((status(c) or {}).get("learner", {}).get("steps", 0) > 0 for c in children),
+            cfg.start_timeout_s,
+            "every node training",
+            check,
+        )
+        if system == "sync":
+            # Every learner waits at its first contribution until all have made theirs: the window opens
+            # after the first round that merged every learner.
+            until(
+                lambda: any(
+                    r["kind"] == "merge" and len(r.get("learners", [])) == cfg.nodes
+                    for r in read_events(children[0].state_dir / "events.jsonl")
+                ),
+                cfg.start_timeout_s,
+                f"a round merging all {cfg.nodes} learners",
+                check,
+            )
+
+        def payload() -> list[int]:
+            docs = [status(c) for c in children]
+            return [d["bytes_sent"] for d in docs] if all(docs) else []
+
+        win = window(cfg, lab, say, progress, [c.proc.pid for c in children], payload)
+        tokens_per_step = children[0].last["learner"]["tokens_per_step"]
+        for c in children:
+            control(c, "pause")
+        streak, deadline = 0, time.monotonic() + cfg.settle_s
+        while time.monotonic() < deadline and streak < 2:
+            docs = [status(c) for c in children]
+            same = len({d["model_hash"] for d in docs if d}) == 1
+            streak = streak + 1 if all(d and d["learner"]["idle"] for d in docs) and same else 0
+            time.sleep(1.0)
+        settled = streak >= 2
+        say("paused; one model hash" if settled else f"paused; hashes still differ after {cfg.settle_s:g} s")
+        for c in children:
+            if not control(c, "stop"):
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - killed below
+                pass
+    finally:
+        for c in children:
+            kill_group(c)
+            try:
+                c.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - nothing more to do
+                say(f"node {c.index} (pid {c.proc.pid}) did not exit after SIGKILL")
+            base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
+            for d in Path(base).glob(f"ddiloco-dht-{c.proc.pid}-*"):  # p2pd's unix sockets
+                shutil.rmtree(d, ignore_errors=True)
+    learners = []
+    for c in children:
+        ev = read_events(c.state_dir / "events.jsonl")
+        final = c.state_dir / "final.json"
+        learners.append(
+            {
+                "steps": [
+                    (r["t0"], r["t1"], tokens_per_step)
+                    for r in ev
+                    if r["kind"] == "step" and r.get("learner") == c.peer_id
+                ],
+                "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
+                "merges": sum(r["kind"] == "merge" for r in ev if win["t_a"] <= r.get("t", 0) < win["t_b"]),
+                "final": json.loads(final.read_text()) if final.exists() else {},
+            }
+        )
+    return {
+        **win,
+        "learners": learners,
+        "settled": settled,
+        "tokens_per_step": tokens_per_step,
+        "t_start": t_start,
+    }
