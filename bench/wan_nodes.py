@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -181,14 +179,9 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
                 pass
     finally:
         for c in children:
-            kill_group(c)
-            try:
-                c.proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - nothing more to do
+            kill_group(c)  # reaps it, and removes what a kill -9 left in its TMPDIR
+            if c.proc.poll() is None:
                 say(f"node {c.index} (pid {c.proc.pid}) did not exit after SIGKILL")
-            base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
-            for d in Path(base).glob(f"ddiloco-dht-{c.proc.pid}-*"):  # p2pd's unix sockets
-                shutil.rmtree(d, ignore_errors=True)
     learners = []
     for c in children:
         ev = read_events(c.state_dir / "events.jsonl")

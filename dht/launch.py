@@ -58,6 +58,12 @@ class NodeDHT(hivemind.DHT):
         threading.Thread(target=_orphan_watchdog, args=(os.getppid(),), daemon=True).start()
         super().run()
 
+    async def replicate_p2p(self) -> P2P:
+        # The replica's client socket goes in our directory too, not in /tmp (hivemind names it by a class
+        # attribute; one node's DHT per process, and a test's several DHTs each set it before replicating).
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{self.sock_dir}/hivemind-"
+        return await super().replicate_p2p()
+
     def shutdown(self) -> None:
         try:
             super().shutdown()

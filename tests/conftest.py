@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -17,9 +18,43 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # rather than read from or left in the user's cache.
 _OWN_CACHE = None
 if "DDILOCO_CACHE" not in os.environ:
-    import tempfile
-
     _OWN_CACHE = os.environ["DDILOCO_CACHE"] = tempfile.mkdtemp(prefix="ddiloco-test-cache-")
+
+
+# What a run of the project may leave in the temporary folder: p2pd and hivemind client sockets, a DHT's
+# socket folder, a node's private TMPDIR (``node.local.launcher.private_tmp``), multiprocessing's and
+# torchrun's folders. After the suite none may be there that was not there before (issue 16).
+LEFTOVER_PATTERNS = (
+    "hivemind-p2pclient-*.sock",
+    "hivemind-p2pd-*.sock",
+    "ddiloco-dht-*",
+    "ddiloco-node*-*",
+    "pymp-*",
+    "torchelastic_*",
+)
+
+
+def project_leftovers(tmp: str | None = None) -> set[str]:
+    import glob
+    import multiprocessing.process
+
+    tmp = tmp or tempfile.gettempdir()
+    found = {p for pat in LEFTOVER_PATTERNS for p in glob.glob(os.path.join(tmp, pat))}
+    own = multiprocessing.process.current_process()._config.get("tempdir")  # removed when pytest exits
+    return found - {own}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_tmp_as_found():
+    """The suite leaves the machine as it found it: nothing of the project's is left in the temporary
+    folder (the test of this check is ``tests/test_tmp_hygiene.py``)."""
+    before = project_leftovers()
+    yield
+    import gc
+
+    gc.collect()  # an in-process DHT's socket folder goes with its finaliser
+    left = project_leftovers() - before
+    assert not left, f"the test session left these in {tempfile.gettempdir()}: {sorted(left)}"
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 from node.common.events import read_events
 from node.common.status_client import StatusError, send_control
-from node.local.launcher import Child, poll, start_node, stop_all, wait_ready
+from node.local.launcher import Child, kill_group, poll, start_node, stop_all, wait_ready
 
 # A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, a slight step delay
 # so rounds come at a pace a 2-core machine running several nodes keeps up with.
@@ -33,6 +32,8 @@ class Swarm:
         peers = []
         if peers_from is not None and peers_from in self.children and peers_from != index:
             peers = self.children[peers_from].maddrs
+        if index in self.children:  # a restart: the previous life is over, its TMPDIR goes with it
+            kill_group(self.children[index])
         c = start_node(index, self.run_dir, self.flags + list(extra), peers)
         self.children[index] = c
         return c
@@ -60,9 +61,7 @@ class Swarm:
 
     def kill9(self, index: int) -> None:
         """kill -9 the node's whole process group: the node, its DHT process and its p2pd, as a crash would."""
-        c = self.children[index]
-        os.killpg(c.proc.pid, signal.SIGKILL)
-        c.proc.wait(timeout=30)
+        kill_group(self.children[index])
 
     def events(self, index: int) -> list[dict]:
         return read_events(self.children[index].state_dir / "events.jsonl")

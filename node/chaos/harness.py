@@ -15,14 +15,11 @@ continued and stopped; namespaces are deleted.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -360,13 +357,7 @@ class ChaosRun:
                     c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         finally:
             for _, c in lives:
-                kill_group(c)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=10)
-                # a node killed -9 leaves its p2pd's unix sockets behind (dht.swarm names the folder by pid)
-                base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
-                for d in glob.glob(os.path.join(base, f"ddiloco-dht-{c.proc.pid}-*")):
-                    shutil.rmtree(d, ignore_errors=True)
+                kill_group(c)  # reaps it, and removes what a kill -9 left in its TMPDIR
             if self.lab is not None:
                 self.lab.close()
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from node.local.launcher import Child
+from node.local.launcher import Child, private_tmp
 from protocol.errors import ConfigError, DDiLoCoError
 
 T = TypeVar("T")
@@ -173,13 +173,14 @@ class NetLab:
         if peers:
             cmd += ["--initial-peers", ",".join(peers)]
         cmd = self.command(index, cmd)
-        env = dict(os.environ)
+        tmp = private_tmp(index)
+        env = dict(os.environ, TMPDIR=tmp)
         if "--threads" in flags:
             env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
         with open(log, "ab") as fh:
-            # its own process group, in this session: see ``node.launcher.start_node``
+            # its own process group, in this session: see ``node.local.launcher.start_node``
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
-        return Child(index, d, proc, log)
+        return Child(index, d, proc, log, tmp=tmp)
 
     def inside(self, i: int, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread that has entered node ``i``'s network namespace (sockets it opens live

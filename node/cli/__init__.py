@@ -1,0 +1,6 @@
+"""The ``ddiloco`` command line (``main``), one module per subcommand, each with ``add_parser(sub)`` and
+``run(args)``: ``train_local``, ``node_cmd``, ``up``, ``swarm``, ``status``, ``keygen``, ``sim``, ``chaos``;
+and the configuration machinery that turns dataclass sections into flags and TOML tables (``config``).
+
+May import: anything in the project.
+"""

@@ -1,0 +1,8 @@
+"""The learner side of a node, with no network: the model (``model``), data (``data``) and task (``task``:
+model + data + loss, ``load_task``, ``evaluate``); the learner (``learner``: inner optimiser, fragment
+snapshots, bases, the outer gradients it contributes and the merged fragments it adopts); the loop that
+trains it in its own thread (``loop``); and multi-process learner units over ``torch.distributed``
+(``unit``: DDP, ``unit_fsdp``: FSDP2).
+
+May import: ``protocol``, ``node.common``.
+"""

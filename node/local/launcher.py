@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ class Child:
     peer_id: str = ""
     maddrs: list[str] = field(default_factory=list)
     last: dict | None = None
+    tmp: str | None = None  # this life's TMPDIR (p2pd sockets, multiprocessing and torchrun folders)
 
     def tail(self, n: int = 15) -> str:
         try:
@@ -60,8 +63,9 @@ def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[
     cmd = [sys.executable, "-m", "node", "node", "--state-dir", str(d), "--exit-with-parent", *flags]
     if initial_peers:
         cmd += ["--initial-peers", ",".join(initial_peers)]
+    tmp = private_tmp(index)
     with open(log, "ab") as fh:
-        env = dict(os.environ)
+        env = dict(os.environ, TMPDIR=tmp)
         if "--threads" in flags:  # OpenMP reads this at start-up, before any torch call
             env.setdefault("OMP_NUM_THREADS", flags[flags.index("--threads") + 1])
         # A process group of its own (a kill -9 takes the node with its DHT process and p2pd), but not a
@@ -69,7 +73,13 @@ def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[
         # the CPU equally with the others whatever its threads' niceness, so ``learner_nice`` would not
         # reach across nodes (a restarting node would get a fifth of the cores, not what the learners leave).
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
-    return Child(index, d, proc, log)
+    return Child(index, d, proc, log, tmp=tmp)
+
+
+def private_tmp(index: int) -> str:
+    """A temporary folder for one life of a node: what it leaves there when it is killed -9 (its p2p
+    daemon's unix sockets, ``pymp-*`` and ``torchelastic_*`` folders) goes when ``kill_group`` reaps it."""
+    return tempfile.mkdtemp(prefix=f"ddiloco-node{index}-")
 
 
 def wait_ready(children: list[Child], timeout_s: float) -> None:
@@ -180,6 +190,10 @@ def kill_group(c: Child) -> None:
     """A node runs in its own process group (its DHT process and p2pd with it): take down what is left."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(c.proc.pid, signal.SIGKILL)
+    if c.tmp is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=10)  # reaped, so nothing of its group writes there any more
+        shutil.rmtree(c.tmp, ignore_errors=True)
 
 
 def up(

@@ -10,7 +10,6 @@ import json
 import logging
 import time
 
-from dht.swarm import get_dht_time
 from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
@@ -119,18 +118,6 @@ class CatchUp:
                 logger.warning("snapshot of fragment %d from %s failed: %s", p, pid, e)
                 failed.append(p)
         return failed
-
-    def swarm_step(self) -> float | None:
-        """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
-        None when no peer has stepped yet.
-
-        Each peer's step is extrapolated from when its membership record was issued at its published step
-        rate. Read from the learner thread: ``members`` is only ever replaced whole."""
-        now = get_dht_time()
-        steps = [
-            m.step + max(0.0, now - m.issued_at) * m.steps_per_s for m in self.members.values() if m.step > 0
-        ]
-        return max(steps, default=None)
 
     async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
         reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())

@@ -167,3 +167,15 @@ class SwarmView:
                 self._unknown_asked = {caller: now}
             await self._refresh_view()
         return caller in self.members
+
+    def swarm_step(self) -> float | None:
+        """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
+        None when no peer has stepped yet.
+
+        Each peer's step is extrapolated from when its membership record was issued at its published step
+        rate. Read from the learner thread: ``members`` is only ever replaced whole."""
+        now = get_dht_time()
+        steps = [
+            m.step + max(0.0, now - m.issued_at) * m.steps_per_s for m in self.members.values() if m.step > 0
+        ]
+        return max(steps, default=None)
