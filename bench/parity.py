@@ -2,8 +2,8 @@
 runner, same configuration, equal tokens (issue 15).
 
 For each scenario and seed, every system runs as a swarm of real ``ddiloco node`` processes on loopback
-(``node.chaos`` with no failures: the launcher, the status endpoint, the event records), then the runner
-(``node.runner``, virtual time) runs the same system to the same token count with the same learning-rate
+(``node.chaos.harness`` with no failures: the launcher, the status endpoint, the event records), then the runner
+(``node.local.runner``, virtual time) runs the same system to the same token count with the same learning-rate
 schedule, data seeds and speeds. Systems:
 
   decoupled K=1+grace   the default node

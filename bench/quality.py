@@ -1,7 +1,7 @@
 """Quality benchmark: Decoupled DiLoCo against its baselines at an equal token budget (M = 4 learners).
 
 Every system trains the same byte-level transformer from the same initial weights on the same data until
-the swarm has consumed the same number of tokens, in the in-process runner (``node.runner``: real models,
+the swarm has consumed the same number of tokens, in the in-process runner (``node.local.runner``: real models,
 real batches, virtual time). Rows:
 
   DP                    data-parallel: one AdamW step per round on the averaged gradients of all learners

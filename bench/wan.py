@@ -3,7 +3,7 @@
 Tokens/s of Decoupled DiLoCo against synchronous DiLoCo and data-parallel on the same nodes, model and
 bandwidth caps, and how the ratio moves with the cap.
 
-For each cap of ``--caps`` and each system, N processes run in N network namespaces (``node.netns``: one
+For each cap of ``--caps`` and each system, N processes run in N network namespaces (``node.chaos.netns``: one
 per node on a bridge, every node's link capped by ``tc tbf`` in both directions, no added delay):
 
   ours     real ``ddiloco node`` processes with default flags (decoupled: P = H = 24, tau = 2, K = 1 with

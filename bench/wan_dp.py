@@ -1,9 +1,9 @@
 """The data-parallel baseline of ``bench/wan.py``: one worker process per network namespace, a real gloo
 process group across them, DDP over the node's default learner.
 
-Each worker is a ``node.learner.Learner`` (the embedded task's model, AdamW, lr schedule, gradient clipping,
+Each worker is a ``node.learner.learner.Learner`` (the embedded task's model, AdamW, lr schedule, gradient clipping,
 the same per-worker batch as a node) whose forward model is wrapped in ``DistributedDataParallel``, as a
-multi-process learner unit's is (``node.unit``): DDP's gradient buckets are all-reduced over gloo while the
+multi-process learner unit's is (``node.learner.unit``): DDP's gradient buckets are all-reduced over gloo while the
 backward pass runs, so every step's gradients cross the capped links. ``--grads bf16`` registers the
 equivalent of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the bytes); ``fp32`` is DDP's
 default.
@@ -149,7 +149,7 @@ def worker(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ the launcher side
 def start_workers(lab, run_dir: Path, port: int, grads: str, eval_every_s: float, batch: int, timeout_s: float,
                   steps: int, seed: int = 0, extra: list[str] | tuple[str, ...] = ()) -> list[subprocess.Popen]:  # fmt: skip
-    """One worker per namespace of ``lab`` (``node.netns.NetLab``); rank 0 listens on node 0's address.
+    """One worker per namespace of ``lab`` (``node.chaos.netns.NetLab``); rank 0 listens on node 0's address.
     ``extra``: more worker flags (the reference run's ``--stop-at-tokens`` and evaluation grid)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}

@@ -5,7 +5,7 @@ After step k it contributes the fragments the schedule makes due (``protocol.fra
 k = offset(p) mod H); the contribution reaches fragment p's synchroniser ``contrib_s`` later. The
 synchroniser is ``protocol.synchroniser`` itself, one ``SyncState`` per fragment, fed with
 ``on_contribution`` / ``on_tick`` / ``on_membership`` / ``on_merged`` in virtual time, exactly as the
-in-process runner (``node.runner``) and the real node drive it; only the tensors are absent (a contribution's
+in-process runner (``node.local.runner``) and the real node drive it; only the tensors are absent (a contribution's
 delta is None, and nothing in the state machine looks at it). A merge reaches the learners ``sync_s`` after
 it is decided; a learner adopts it at its next step boundary, and its next contribution of that fragment is
 based on it.

@@ -11,7 +11,7 @@ runs the two data-parallel baselines, which are one job over every block:
     back at full size on a spare host; ``elastic-dp`` pauses for ``resize_s`` and trains on without the
     failed host until it is repaired (``repair_s``), when it joins at a step boundary.
 
-Run it from the command line with ``ddiloco sim`` (``node/sim_cli.py``) or ``python bench/goodput.py``.
+Run it from the command line with ``ddiloco sim`` (``node/cli/sim.py``) or ``python bench/goodput.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chaos harness (``node/chaos.py``): its failure plan and scoring on hand-built records, and one short
+"""The chaos harness (``node/chaos/harness.py``): its failure plan and scoring on hand-built records, and one short
 run of four real nodes in which the synchroniser of a fragment and then another learner are killed -9 and
 the first comes back from its checkpoint."""
 

@@ -1,4 +1,4 @@
-"""The event log (``node.events``): a node holds only its newest records in memory, its file holds all."""
+"""The event log (``node.common.events``): a node holds only its newest records in memory, its file holds all."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """``ddiloco chaos``: a swarm of real node processes under a failure plan, then what it cost (issue 4).
 
-N nodes start as ``ddiloco up`` starts them (``node.launcher``: node 0 first, the others bootstrap from it,
-each in its own process group). Once all are up, a plan (``node.chaos_plan``: drawn from a seeded failure
+N nodes start as ``ddiloco up`` starts them (``node.local.launcher``: node 0 first, the others bootstrap from it,
+each in its own process group). Once all are up, a plan (``node.chaos.plan``: drawn from a seeded failure
 model, or given) is executed against them: kill -9 of a node's whole process group — some aimed at the node
 that synchronises a fragment at that moment, read from the status endpoint — SIGSTOP/SIGCONT pauses, and
 restarts of a killed node on its own state folder after its return time. With ``netns`` each node runs in
-its own network namespace (``node.netns``: optional bandwidth caps, and partitions as faults). At the end
+its own network namespace (``node.chaos.netns``: optional bandwidth caps, and partitions as faults). At the end
 the learners are paused, the survivors get a quiet period to agree on one model hash, every node is
-stopped, and ``node.chaos_report`` scores the run from the nodes' event records. Every child is reaped: a
+stopped, and ``node.chaos.report`` scores the run from the nodes' event records. Every child is reaped: a
 killed node's group is killed and waited for, and whatever is left at the end (also on Ctrl+C) is
 continued and stopped; namespaces are deleted.
 """

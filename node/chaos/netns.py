@@ -162,7 +162,7 @@ class NetLab:
         return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
 
     def start(self, index: int, run_dir: Path, flags: list[str], peers: list[str]) -> Child:
-        """``node.launcher.start_node`` inside node ``index``'s namespace (``ip netns exec`` execs, so the
+        """``node.local.launcher.start_node`` inside node ``index``'s namespace (``ip netns exec`` execs, so the
         process is the node itself, leading its own process group)."""
         d = run_dir / f"node-{index}"
         d.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,13 @@
 """The failure plan of a chaos run of real nodes (``ddiloco chaos``): what fails, when, and for how long.
 
 A plan is a declarative list of faults, drawn once from a seeded failure model before the faults start, so
-a run can be printed, stored and replayed; ``node.chaos`` executes it against node processes. The model:
+a run can be printed, stored and replayed; ``node.chaos.harness`` executes it against node processes. The model:
 failures anywhere in the swarm arrive as a Poisson process (exponential gaps, mean ``mtbf_s``); each one is
 
   kill       kill -9 of a node's whole process group (node, DHT process, p2pd), as a machine crash;
   kill_sync  the same, aimed at the node that synchronises a fragment's open round at that moment;
   pause      SIGSTOP of the group for ``hold_s``, then SIGCONT (a hung host, a long GC, a live migration);
-  partition  (only with network namespaces, ``node.netns``) half the nodes cut off from the other half for
+  partition  (only with network namespaces, ``node.chaos.netns``) half the nodes cut off from the other half for
              ``hold_s``, then healed; ``node`` says where the half starts.
 
 A killed node comes back after its return time ``hold_s`` (None: it stays down): the same node index on

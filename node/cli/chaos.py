@@ -4,8 +4,8 @@
     ddiloco chaos --nodes 4 --duration 600 --mtbf-s 60 --seed 1 --json
     ddiloco chaos --plan faults.json --node-flags "--fragments 8 --sync-every 8"
 
-The harness is ``node/chaos.py``, the failure model ``node/chaos_plan.py``, the numbers
-``node/chaos_report.py``; docs/chaos.md ("Real nodes under failures") has a run and how to read it.
+The harness is ``node/chaos/harness.py``, the failure model ``node/chaos/plan.py``, the numbers
+``node/chaos/report.py``; docs/chaos.md ("Real nodes under failures") has a run and how to read it.
 """
 
 from __future__ import annotations

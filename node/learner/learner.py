@@ -113,7 +113,7 @@ class Learner:
         self.last_loss = float("nan")
 
     def attach_unit(self, unit) -> None:
-        """Span a ``node.unit.Unit``: gradients averaged over its ranks (DDP, or FSDP2 shards), steps count
+        """Span a ``node.learner.unit.Unit``: gradients averaged over its ranks (DDP, or FSDP2 shards), steps count
         the unit's tokens."""
         unit.attach(self)
         self.tokens_per_step = self.task.tokens_per_batch * unit.world

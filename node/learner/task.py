@@ -1,6 +1,6 @@
 """What a learner trains: model, data and loss, behind one small interface.
 
-The default task is the byte-level transformer on text (``node.model``, ``node.data``). A user brings their
+The default task is the byte-level transformer on text (``node.learner.model``, ``node.learner.data``). A user brings their
 own with ``--task module:function``: ``function(TaskConfig) -> Task``, where the returned object has the
 attributes and methods of ``Task`` below. See docs/custom-task.md.
 """

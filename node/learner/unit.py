@@ -18,7 +18,7 @@ model, the inner optimizer's state and the lr-schedule step (at the start, after
 takes after this step (due on the swarm's schedule, which only rank 0 reads), so every rank joins the
 same gathers; ``save`` asks every rank to join the gather of a checkpoint (sharded units only).
 Followers wait on the control broadcast, so a paused node keeps them idle with ``PAUSE`` every 50 ms and
-no collective outlives its deadline. ``node.unit_fsdp.ShardedUnit`` is the same exchange over FSDP2 shards.
+no collective outlives its deadline. ``node.learner.unit_fsdp.ShardedUnit`` is the same exchange over FSDP2 shards.
 
 Launch: ``torchrun --nproc-per-node N -m node node ...`` or ``ddiloco node --nproc N`` (which runs torchrun).
 """

@@ -1,7 +1,7 @@
 """FSDP2 learner units: parameters, gradients and optimizer state sharded across a node's processes (issue 6).
 
 For models that do not fit one device (``ddiloco node --nproc N --shard``). ``ShardedUnit`` runs
-``node.unit.Unit``'s exchange over shards. The learner builds its model on the CPU; ``fully_shard`` then
+``node.learner.unit.Unit``'s exchange over shards. The learner builds its model on the CPU; ``fully_shard`` then
 takes it block by block (the elements of its ModuleLists, innermost first) and finally as a whole, so each
 rank keeps its dim-0 slice of every tensor (``torch.chunk``'s layout) on its device, with the inner AdamW
 state beside it. Rank 0 still speaks for the unit but no longer holds whole fragments, so everything that

@@ -11,7 +11,7 @@ would in a swarm of that shape. The same loop runs the fragment-based systems:
                at tau steps after contributing until the merged fragment is back
   sync-diloco  DiLoCo: one fragment, every live learner, plain mean, learners block right after contributing
 
-Data-parallel lives in ``node.dp``. Every system writes the same event records (``node.events``).
+Data-parallel lives in ``node.local.dp``. Every system writes the same event records (``node.common.events``).
 """
 
 from __future__ import annotations

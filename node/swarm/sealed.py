@@ -1,6 +1,6 @@
 """RPC payloads of a private swarm, sealed with the swarm key (``dht.admission.Admission``).
 
-``SealedTransport`` wraps ``node.transport.Transport``: a request body is sealed for (op, callee) and a reply
+``SealedTransport`` wraps ``node.swarm.transport.Transport``: a request body is sealed for (op, callee) and a reply
 body for (op, caller), so a sealed message opens only where it was meant to go. A request that does not
 open is refused with ``not_admitted`` before any handler sees it; a reply that does not open is a
 ``TransportError`` for the caller. Refusals carry no body and are not sealed.

@@ -1,6 +1,6 @@
 """A node's view of its swarm (DESIGN §4, "Discovery and membership"): its own signed membership record,
 the live members it reads every heartbeat, the heads they publish and the synchroniser each fragment's open
-round has in that view, and the DHT links it keeps (``Membership.relink``). A mixin of ``node.agent.Node``,
+round has in that view, and the DHT links it keeps (``Membership.relink``). A mixin of ``node.swarm.agent.Node``,
 which owns the state."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no lon
 
 
 class SwarmView:
-    """Membership, heads and election for ``node.agent.Node``."""
+    """Membership, heads and election for ``node.swarm.agent.Node``."""
 
     def self_member(self, now: float) -> Member:
         return Member(

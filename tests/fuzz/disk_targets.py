@@ -1,4 +1,4 @@
-"""Fuzz targets for checkpoints on disk (``node.checkpoint``): one file loaded alone, and the newest of a
+"""Fuzz targets for checkpoints on disk (``node.swarm.checkpoint``): one file loaded alone, and the newest of a
 folder whose older checkpoint is valid (``load_latest``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fuzz targets for membership records, the live view, admission certificates and sealed payloads (``dht``),
-and the status endpoint's HTTP requests (``node.status``)."""
+and the status endpoint's HTTP requests (``node.swarm.status``)."""
 
 from __future__ import annotations
 

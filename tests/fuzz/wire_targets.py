@@ -1,5 +1,5 @@
 """Fuzz targets for what peers send over the RPC transport: contributions, merge records, snapshots, list
-frames, small JSON requests and frame headers (``protocol.messages``, ``node.wire``, ``node.transport``)."""
+frames, small JSON requests and frame headers (``protocol.messages``, ``node.swarm.wire``, ``node.swarm.transport``)."""
 
 from __future__ import annotations
 
