@@ -14,7 +14,7 @@ from wan_config import NODE_SYSTEM, WanConfig
 
 from node.chaos.netns import NetLab
 from node.common.events import read_events
-from node.common.status_client import StatusError, fetch_status, send_control
+from node.common.status_client import StatusError, fetch_status, read_control_token, send_control
 from node.local.launcher import Child, LaunchError, kill_group, wait_ready
 
 
@@ -87,7 +87,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
 
     def control(c: Child, action: str) -> bool:
         try:
-            lab.inside(c.index, lambda: send_control(c.url, action))
+            lab.inside(c.index, lambda: send_control(c.url, action, token=read_control_token(c.state_dir)))
             return True
         except StatusError:
             return False

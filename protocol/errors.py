@@ -41,6 +41,8 @@ class RejectCode(enum.Enum):
     NOT_ADMITTED = "not_admitted"  # private swarm: payload not sealed with the swarm's key, or no admission
     REPLAYED = "replayed"  # a contribution already merged (same learner and contribution id)
     BANNED = "banned"  # the sender's score fell below the ban threshold; refused until the ban ends
+    FORGED_RECORD = "forged_record"  # a merge record naming contributions or a signer the receiver can refute
+    RECORD_TOO_LARGE = "record_too_large"  # a merge record's merged outer gradient out of all proportion
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from node.common.events import read_events
-from node.common.status_client import StatusError, send_control
+from node.common.status_client import StatusError, read_control_token, send_control
 from node.local.launcher import Child, kill_group, poll, start_node, stop_all, wait_ready
 
 # A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, a slight step delay
@@ -57,7 +57,8 @@ class Swarm:
         return {c.index: c.last for c in live if c.last is not None}
 
     def control(self, index: int, action: str, **extra) -> dict:
-        return send_control(self.children[index].url, action, **extra)
+        c = self.children[index]
+        return send_control(c.url, action, token=read_control_token(c.state_dir), **extra)
 
     def kill9(self, index: int) -> None:
         """kill -9 the node's whole process group: the node, its DHT process and its p2pd, as a crash would."""
@@ -75,7 +76,7 @@ class Swarm:
         """Pause every learner and wait until every live node holds one model hash (twice in a row)."""
         for c in self.alive():
             try:
-                send_control(c.url, "pause")
+                send_control(c.url, "pause", token=read_control_token(c.state_dir))
             except StatusError:
                 pass
         streak, last = 0, {}

@@ -27,7 +27,7 @@ from node.chaos.config import ChaosConfig
 from node.chaos.plan import Fault, draw_plan
 from node.chaos.report import Outage, run_report
 from node.common.events import read_events
-from node.common.status_client import StatusError, fetch_status, send_control
+from node.common.status_client import StatusError, fetch_status, read_control_token, send_control
 from node.local.launcher import Child, kill_group, start_node, wait_ready
 
 RESTART_TRIES = 3  # a restart whose process exits by itself (e.g. its bootstrap peer just died) is retried
@@ -109,7 +109,9 @@ class ChaosRun:
     def control(self, slot: Slot, action: str) -> None:
         url = slot.child.url
         with contextlib.suppress(StatusError):
-            self._http(slot, lambda: send_control(url, action))
+            self._http(
+                slot, lambda: send_control(url, action, token=read_control_token(slot.child.state_dir))
+            )
 
     def donors(self) -> list[str]:
         """Initial peers for a restart: every running node (one dying meanwhile must not strand it)."""

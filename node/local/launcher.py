@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.common.status_client import StatusError, fetch_status, send_control
+from node.common.status_client import StatusError, fetch_status, read_control_token, send_control
 from protocol.errors import ConfigError, DDiLoCoError
 
 
@@ -169,7 +169,7 @@ def stop_all(children: list[Child], timeout_s: float = 60.0) -> None:
     for c in children:
         if c.proc.poll() is None and c.url:
             try:
-                send_control(c.url, "stop")
+                send_control(c.url, "stop", token=read_control_token(c.state_dir))
             except StatusError:
                 c.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
@@ -251,7 +251,7 @@ def up(
                 for c in children:
                     if c.proc.poll() is None:
                         try:
-                            send_control(c.url, "pause")
+                            send_control(c.url, "pause", token=read_control_token(c.state_dir))
                         except StatusError:
                             pass
                 settled = _quiet_period(children, 10.0 if interrupted else 45.0, quiet)

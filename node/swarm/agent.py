@@ -40,12 +40,13 @@ from dht.launch import peer_ids_of
 from dht.records import Member
 from node.common.events import EventLog
 from node.common.priority import lower_network_priority
+from node.common.status_client import write_control_token
 from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
-from node.swarm.contributions import Contributions
+from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.guard import Guard
 from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
@@ -198,6 +199,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             "hash_mismatches": 0,
             "checkpoints": 0,
         }
+        self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
         self.published_self: Member | None = None  # this node's membership record as peers read it
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
@@ -282,7 +284,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             self.transport.register(op, h)
         await self.transport.start()
         self._phase("transport")
-        self.status_server = StatusServer(self)
+        self.status_server = StatusServer(self, write_control_token(self.state_dir))
         await self.status_server.start(s.status_host, s.status_port)
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:

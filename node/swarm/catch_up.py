@@ -151,6 +151,16 @@ class CatchUp:
     async def _catch_up(self, p: int, pid: str, head: list) -> None:
         if p in self._syncing:
             return
+        if not self.credible(p, pid, int(head[0]), self.live_members()):
+            self.transport._count("untrusted_head")
+            self.events.emit("untrusted_head", t=time.time(), fragment=p, peer=pid, round=int(head[0]))
+            logger.warning(
+                "fragment %d: %s claims round %d, which no majority of the swarm backs; not following it",
+                p,
+                pid,
+                int(head[0]),
+            )
+            return
         self._syncing.add(p)
         try:
             rep = self.replicas[p]
@@ -158,11 +168,18 @@ class CatchUp:
                 req = {"fragment": p, "from": rep.round + 1}
                 reply = await self.transport.call(pid, "records", json.dumps(req).encode())
                 if reply.ok:
-                    for raw in unpack_list(reply.body):
-                        sr = decode_record(raw, self.settings.swarm, self.spec)
-                        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
-                            break
-                        self._apply(sr)
+                    try:
+                        for raw in unpack_list(reply.body):
+                            sr = decode_record(raw, self.settings.swarm, self.spec)
+                            if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+                                break
+                            self._apply(sr)
+                    except ProtocolError as e:
+                        if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+                            raise
+                        # A record this node's own checks doubt, on a head the swarm's majority holds: the
+                        # majority's state, hash-checked, wins over the local heuristic (a snapshot below).
+                        logger.warning("fragment %d: a record from %s failed our checks (%s)", p, pid, e)
             if self._head_key(self.heads[p]) > self._head_key(head):
                 await self._fetch_snapshot(pid, [p])
             self.lagging_since.pop(p, None)

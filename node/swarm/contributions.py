@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
@@ -30,10 +31,49 @@ logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 
 
+class OwnCids:
+    """The contribution ids this node sent in this life, to refute a record that claims one it never sent.
+
+    A cid ends with the learner's step. Ids from before the first one sent in this life (a restart) cannot be
+    refuted, nor can ids older than the ``keep`` newest: ``refutes`` says True only when it knows."""
+
+    def __init__(self, peer_id: str, keep: int = 65536) -> None:
+        self.prefix = f"{peer_id[-10:]}:"
+        self.keep = keep
+        self.sent: OrderedDict[str, None] = OrderedDict()
+        self.since: int | None = None  # the step from which every id we sent is in ``sent``
+
+    @staticmethod
+    def step_of(cid: str) -> int | None:
+        try:
+            return int(cid.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            return None
+
+    def add(self, cid: str) -> None:
+        step = self.step_of(cid)
+        if step is None:
+            return
+        if self.since is None:
+            self.since = step
+        self.sent[cid] = None
+        while len(self.sent) > self.keep:
+            old, _ = self.sent.popitem(last=False)
+            self.since = max(self.since, (self.step_of(old) or 0) + 1)
+
+    def refutes(self, cid: str) -> bool:
+        """True when ``cid``, claimed as ours, is one this node knows it never sent."""
+        step = self.step_of(cid)
+        if not cid.startswith(self.prefix) or step is None:
+            return True  # not even of our form
+        return self.since is not None and step >= self.since and cid not in self.sent
+
+
 class Contributions:
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
         """Called from the learner thread; never blocks."""
+        self.own_cids.add(header.cid)
         self.last_contribution[header.fragment] = (header, enc)
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
 

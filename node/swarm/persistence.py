@@ -93,7 +93,9 @@ class Persistence:
             "peer_id": self.peer_id,
             "heads": [list(h) for h in self.heads],
             "learner": lmeta,
-            "merged_tokens": self.merged_tokens,
+            # copies, taken with the heads and the replicas above: a record applied while the file is being
+            # written must count in neither, or a restart applies it again and counts its tokens twice
+            "merged_tokens": list(self.merged_tokens),
             "tokens": self.learner_loop.tokens,
         }
         path = await asyncio.to_thread(

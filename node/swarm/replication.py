@@ -43,6 +43,9 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         own = sr.signer == self.peer_id
+        if not own:
+            self._vouch(sr)
+            rep.check_record(rec, self.pcfg)
         try:
             rep.apply_record(rec, self.pcfg)
         except ProtocolError as e:
@@ -76,6 +79,27 @@ class Replication:
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
+
+    def _vouch(self, sr: SignedRecord) -> None:
+        """What this node can refute of another's record from its own knowledge: a signer it has never seen
+        in the swarm, a contributor it has never seen, or a contribution of its own it never sent."""
+        known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
+        rec = sr.record
+        if sr.signer not in known:
+            raise ProtocolError(
+                RejectCode.FORGED_RECORD, f"round {rec.round} signed by {sr.signer}, never a member"
+            )
+        for learner, cid, *_ in rec.contributors:
+            if learner not in known:
+                raise ProtocolError(
+                    RejectCode.FORGED_RECORD,
+                    f"round {rec.round} names {learner}, never a member, as a contributor",
+                )
+            if learner == self.peer_id and self.own_cids.refutes(cid):
+                raise ProtocolError(
+                    RejectCode.FORGED_RECORD,
+                    f"round {rec.round} names contribution {cid} of ours, never sent",
+                )
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
@@ -188,8 +212,9 @@ class Replication:
         if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
             try:
                 self._apply(sr)
-            except ProtocolError:
-                self._spawn(self._catch_up(p, caller, sr.head))
+            except ProtocolError as e:
+                if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+                    self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)

@@ -1,8 +1,9 @@
 """The node's HTTP status endpoint, DESIGN §7 (the client is ``node.common.status_client``).
 
 ``GET /status`` returns the node's view of the swarm as JSON: peers, who synchronises what, rounds, loss,
-tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}``
-pauses or resumes the learner or stops the node (``ddiloco up`` uses it to end a run cleanly); with
+tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}`` and the node's control token
+(``Authorization: Bearer TOKEN``, the token in ``STATE_DIR/control.token``, readable by the node's user
+only) pauses or resumes the learner or stops the node (``ddiloco up`` uses it to end a run cleanly); with
 ``test_hooks`` on, ``{"action": "block", "peers": [...]}`` makes the node treat those peers as unreachable,
 which is how the test suite partitions a swarm on one host. Reading needs no second p2p daemon: plain HTTP
 on the node's status port (bind it to loopback, the default, or put it behind your own access control).
@@ -11,6 +12,7 @@ on the node's status port (bind it to loopback, the default, or put it behind yo
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -50,6 +52,17 @@ def parse_request_head(head: bytes) -> tuple[str, str, int]:
     if length > MAX_REQUEST:
         raise BadRequest(f"request body of {length} bytes exceeds {MAX_REQUEST}")
     return method, path, length
+
+
+def bearer_token(head: bytes) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header in a request head, if any."""
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        k, _, v = line.partition(":")
+        if k.strip().lower() == "authorization":
+            scheme, _, token = v.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
 
 
 def parse_control(body: bytes) -> tuple[str, list[str]]:
@@ -154,7 +167,8 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
 
 
 class StatusServer:
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, token: str) -> None:
+        self.token = token  # what POST /control must carry (``write_control_token``)
         self.node = node
         self.server: asyncio.AbstractServer | None = None
         self.url = ""
@@ -177,9 +191,20 @@ class StatusServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(10):
-                method, path, length = parse_request_head(await reader.readuntil(b"\r\n\r\n"))
-                body = await reader.readexactly(length) if length else b""
-                code, doc = self._route(method, path, body)
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, path, length = parse_request_head(head)
+                if method == "POST" and not self._authorised(head):
+                    # refused before the body is read, and nothing changes
+                    code, doc = (
+                        403,
+                        {
+                            "error": "POST /control needs the node's control token: send "
+                            "'Authorization: Bearer TOKEN' with STATE_DIR/control.token"
+                        },
+                    )
+                else:
+                    body = await reader.readexactly(length) if length else b""
+                    code, doc = self._route(method, path, body)
         except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             code, doc = 400, {"error": f"bad request: {type(e).__name__}: {e}"}
         except Exception as e:  # noqa: BLE001 - a status bug must not take the node down
@@ -198,6 +223,10 @@ class StatusServer:
             pass
         finally:
             writer.close()
+
+    def _authorised(self, head: bytes) -> bool:
+        token = bearer_token(head)
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
 
     def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
         node = self.node

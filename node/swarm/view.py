@@ -18,6 +18,7 @@ from protocol.synchroniser import on_membership
 
 logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
+HEAD_SLACK = 2  # rounds a published head may be ahead of ours without other members' word for it
 RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 
 
@@ -54,13 +55,28 @@ class SwarmView:
     def _head_key(self, h) -> tuple:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
+    def credible(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
+        """Whether ``pid``'s claim to hold round ``round_`` of fragment p may steer this node (its election,
+        its catch-up, a snapshot it installs). A membership record is the claimant's word alone: a claim
+        within ``HEAD_SLACK`` rounds of our own is taken; one further ahead needs the word of a majority of
+        the other reachable members, each at most ``HEAD_SLACK`` rounds behind it. A node that really fell
+        behind finds the rest of the swarm agreeing; a lone member claiming a thousand rounds more does not
+        (issue 19). With no other member to ask, the claimant is believed."""
+        if round_ <= self.replicas[p].round + HEAD_SLACK:
+            return True
+        others = [m for q, m in members.items() if q not in (pid, self.peer_id) and not m.client_mode]
+        backing = sum(1 for m in others if m.head_round(p) >= round_ - HEAD_SLACK)
+        return backing >= (len(others) + 1) // 2
+
     def winning_heads(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
-        """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats ours;
-        else (None, [])."""
+        """The best credible head of fragment p among reachable ``members`` and the peers holding it, if it
+        beats ours; else (None, [])."""
         best_key, best_head, holders = self._head_key(self.heads[p]), None, []
         for pid, m in sorted(members.items()):
             h = m.heads.get(str(p))
             if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
+                continue
+            if not self.credible(p, pid, int(h[0]), members):
                 continue
             k = self._head_key(h)
             if k < best_key:
@@ -79,6 +95,9 @@ class SwarmView:
         own = self.published_self
         if own is not None and own.expires_at > get_dht_time():
             seen[self.peer_id] = own
+        seen = {
+            q: m for q, m in seen.items() if q == self.peer_id or self.credible(p, q, m.head_round(p), seen)
+        }
         elig = eligible(list(seen.values()), p)
         order = candidates(self.settings.swarm, p, open_round, elig)
         holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
@@ -89,7 +108,12 @@ class SwarmView:
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
-        heads = [m.head_round(p) for m in self.members.values() if not m.client_mode]
+        members = self.members
+        heads = [
+            m.head_round(p)
+            for pid, m in members.items()
+            if not m.client_mode and self.credible(p, pid, m.head_round(p), members)
+        ]
         return max(0, max(heads, default=0) - self.replicas[p].round)
 
     def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:

@@ -1,0 +1,262 @@
+"""Hostile members against the swarm's shared state (issue 19), with real node processes and an attacker
+that has its own identity, DHT and p2p daemon (this test process):
+
+  * a forged merge record (right parent, matching new hash, a merged gradient of RMS 5) is refused as
+    ``record_too_large`` and changes nothing; one that names a contribution of the receiver it never sent
+    is refused as ``forged_record``;
+  * a member publishing heads a thousand rounds ahead, with an all-zero snapshot to serve, is not followed:
+    rounds keep merging on the honest nodes, nothing is fetched from it, and they end on one hash;
+  * ``POST /control`` without the node's token is refused with 403 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import stat
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from dht.identity import Identity
+from dht.launch import start_dht
+from dht.records import Member
+from dht.swarm import Membership
+from node.swarm.transport import Reply, Transport
+from node.swarm.wire import FragmentState, decode_snapshot, encode_record, encode_snapshot
+from protocol.config import ProtocolConfig
+from protocol.hashing import tensors_hash
+from protocol.merge import contribution_weight, outer_step
+from protocol.replica import MergeRecord
+from tests.swarm_util import Swarm, wait_until
+from tests.test_wire_refusals import _spec
+
+pytestmark = pytest.mark.timeout(400)
+SWARM = "ddiloco-local"
+
+
+class Attacker:
+    """A member of the swarm by its own signed record, with a transport of its own on a loop in a thread."""
+
+    def __init__(self, tmp_path, bootstrap: list[str]) -> None:
+        self.ident = Identity.generate()
+        self.dht = start_dht(
+            self.ident.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], bootstrap, timeout_s=30
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tr: Transport = self.run(self._transport())
+        self.calls: dict[str, int] = {}
+
+    async def _transport(self) -> Transport:
+        return Transport(await self.dht.replicate_p2p(), timeout_s=20)
+
+    def run(self, coro, timeout_s: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def publish(self, heads: dict | None = None) -> None:
+        now = get_dht_time()
+        m = Member(self.ident.peer_id, (), "ddiloco/0.3", now, now + 300, heads=heads or {})
+        Membership(self.dht, SWARM, self.ident).publish(m)
+
+    def serve(self, op: str, handler) -> None:
+        async def counted(caller: str, raw: bytes) -> Reply:
+            self.calls[op] = self.calls.get(op, 0) + 1
+            return await handler(caller, raw)
+
+        self.tr.register(op, counted)
+
+    def call(self, peer: str, op: str, payload: bytes) -> Reply:
+        return self.run(self.tr.call(peer, op, payload))
+
+    def close(self) -> None:
+        try:
+            self.run(self.tr.p2p.shutdown(), timeout_s=20)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.dht.shutdown()
+
+
+def _paused_at_rest(swarm: Swarm, n: int) -> dict[int, dict]:
+    for i in range(n):
+        swarm.control(i, "pause")
+    return swarm.settle()
+
+
+def _forged(attacker: Attacker, st: FragmentState, grad: dict, contributors) -> bytes:
+    cfg = ProtocolConfig()
+    theta, _ = outer_step(st.theta, st.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
+    rec = MergeRecord(
+        fragment=st.fragment,
+        round=st.round + 1,
+        parent_hash=st.hash,
+        new_hash=tensors_hash(theta),
+        contributors=tuple(contributors),
+        grad=grad,
+    )
+    return encode_record(SWARM, rec, attacker.ident)
+
+
+def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    try:
+        swarm.start_many(2)
+        wait_until(
+            lambda: all(s["fragments"][0]["round"] >= 3 for s in swarm.status().values()),
+            120,
+            "rounds merging",
+        )
+        before = _paused_at_rest(swarm, 2)
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        bad.publish()
+        node0, node1 = swarm.children[0].peer_id, swarm.children[1].peer_id
+        wait_until(lambda: bad.call(node0, "snapshot", b'{"fragments": [0]}').ok, 30, "the attacker admitted")
+        spec = _spec()
+        st = decode_snapshot(bad.call(node0, "snapshot", b'{"fragments": [0]}').body, spec)[0]
+        # the issue's attack: a merged gradient of RMS 5, its own work as the only contribution
+        huge = {n: torch.randn(t.shape) * 5 for n, t in st.theta.items()}
+        own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
+        replies = [bad.call(pid, "record", _forged(bad, st, huge, own)) for pid in (node0, node1)]
+        assert [r.code for r in replies] == ["record_too_large", "record_too_large"], replies
+        # a small gradient, but credited to a contribution of node 0's that node 0 never sent
+        small = {n: torch.randn(t.shape) * 1e-4 for n, t in st.theta.items()}
+        theirs = [(node0, f"{node0[-10:]}:0:99999999", contribution_weight(2048, 8), 8, 2048)]
+        forged = bad.call(node0, "record", _forged(bad, st, small, theirs))
+        assert not forged.ok and forged.code == "forged_record", forged
+        after = swarm.status()
+        assert {s["model_hash"] for s in after.values()} == {before[0]["model_hash"]}
+        assert after[0]["refused"].get("record_too_large", 0) >= 1
+        assert after[0]["refused"].get("forged_record", 0) >= 1
+        assert after[1]["refused"].get("record_too_large", 0) >= 1
+        # the honest swarm trains on and agrees
+        for i in range(2):
+            swarm.control(i, "resume")
+        r0 = after[0]["fragments"][0]["round"]
+        wait_until(
+            lambda: swarm.status()[0]["fragments"][0]["round"] >= r0 + 2, 120, "rounds after the attack"
+        )
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+    finally:
+        swarm.stop()
+        if bad is not None:
+            bad.close()
+
+
+def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_path):
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    try:
+        swarm.start_many(2)
+        wait_until(
+            lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values()),
+            120,
+            "rounds merging",
+        )
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        spec = _spec()
+        zero = {
+            p: FragmentState(
+                p,
+                10_000,
+                tensors_hash({n: torch.zeros(s) for n, s in shapes.items()}),
+                3,
+                1e9,
+                {n: torch.zeros(s) for n, s in shapes.items()},
+                {n: torch.zeros(s) for n, s in shapes.items()},
+            )
+            for p, shapes in spec.items()
+        }
+
+        async def snapshot(caller: str, raw: bytes) -> Reply:
+            frags = json.loads(raw)["fragments"]
+            return Reply(True, body=encode_snapshot([zero[p] for p in frags]))
+
+        async def records(caller: str, raw: bytes) -> Reply:
+            return Reply(True, body=b"")
+
+        bad.serve("snapshot", snapshot)
+        bad.serve("records", records)
+        self_heads = {str(p): [s.round, s.hash, s.n, s.weight] for p, s in zero.items()}
+        bad.publish(self_heads)
+        bad.run(bad.tr.start())
+        start = swarm.status()
+        r0 = min(s["fragments"][0]["round"] for s in start.values())
+        # its lie, pushed as well: a record far ahead makes a node look for a way to catch up
+        node0 = swarm.children[0].peer_id
+        st = decode_snapshot(bad.call(node0, "snapshot", b'{"fragments": [0]}').body, spec)[0]
+        ahead = FragmentState(0, 10_000 - 1, st.hash, 1, 1.0, st.theta, st.momentum)
+        tiny = {n: torch.zeros_like(t) for n, t in st.theta.items()}
+        own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
+        bad.call(node0, "record", _forged(bad, ahead, tiny, own))
+        # merging goes on (contributions are not routed to the liar) for several more rounds
+        wait_until(
+            lambda: all(s["fragments"][0]["round"] >= r0 + 4 for s in swarm.status().values()),
+            180,
+            "rounds merging beside the liar",
+        )
+        now = swarm.status()
+        for s in now.values():
+            assert all(f["round"] < 1000 for f in s["fragments"]), "a node followed the lie"
+            assert bad.ident.peer_id not in {f["synchroniser"] for f in s["fragments"]}
+        assert now[0]["refused"].get("untrusted_head", 0) >= 1
+        assert bad.calls.get("snapshot", 0) == 0, bad.calls
+        for i in range(2):
+            from_liar = [
+                e for e in swarm.events(i) if e["kind"] == "resync" and e["donor"] == bad.ident.peer_id
+            ]
+            assert not from_liar, f"node {i} installed the liar's snapshot: {from_liar}"
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+    finally:
+        swarm.stop()
+        if bad is not None:
+            bad.close()
+
+
+def _post(url: str, body: bytes, token: str | None) -> int:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        conn.request("POST", "/control", body=body, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_control_without_the_token_is_refused_and_changes_nothing(tmp_path):
+    swarm = Swarm(tmp_path / "swarm")
+    try:
+        swarm.start_many(1)
+        c = swarm.children[0]
+        token_file = c.state_dir / "control.token"
+        assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
+        token = token_file.read_text().strip()
+        for action in ("stop", "pause"):
+            body = json.dumps({"action": action}).encode()
+            assert _post(c.url, body, None) == 403
+            assert _post(c.url, body, "0" * len(token)) == 403
+        steps = swarm.status()[0]["learner"]["steps"]
+        wait_until(
+            lambda: swarm.status()[0]["learner"]["steps"] > steps + 5, 60, "the learner still training"
+        )
+        assert c.proc.poll() is None and not swarm.status()[0]["learner"]["paused"]
+        assert _post(c.url, json.dumps({"action": "stop"}).encode(), token) == 200
+        deadline = time.monotonic() + 60
+        while c.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.proc.returncode == 0
+    finally:
+        swarm.stop()

@@ -1,0 +1,102 @@
+"""What a node checks of another's merge record and of a published head (issue 19), unit by unit:
+``FragmentReplica.check_record``, ``OwnCids`` (contributions of ours a record may name) and
+``SwarmView.credible`` (a head far ahead needs the rest of the swarm's word)."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from dht.records import Member
+from node.swarm.contributions import OwnCids
+from node.swarm.view import HEAD_SLACK, SwarmView
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError
+from protocol.merge import contribution_weight
+from protocol.replica import RECORD_FACTOR, FragmentReplica
+from protocol.synchroniser import Contribution
+
+CFG = ProtocolConfig(fragments=1, sync_every=4, overlap=0, record_codec="fp32")
+
+
+def _replica() -> FragmentReplica:
+    return FragmentReplica(0, {"w": torch.randn(16, 16, generator=torch.Generator().manual_seed(0))}, False)
+
+
+def _record(rep: FragmentReplica, scale: float = 1e-3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    delta = {"w": torch.randn(16, 16, generator=g) * scale}
+    c = Contribution("a", 0, rep.round, 4, 400, 1.0, delta, f"a:0:{seed}")
+    return rep.make_record(rep.round + 1, [c], CFG)
+
+
+def _check(rep, rec) -> str:
+    with pytest.raises(ProtocolError) as e:
+        rep.check_record(rec, CFG)
+    return e.value.code.value
+
+
+def test_an_honest_record_passes_and_forged_ones_are_refused_by_their_codes():
+    maker, checker = _replica(), _replica()
+    rec = _record(maker)
+    checker.check_record(rec, CFG)  # an honest merge passes
+    huge = replace(rec, grad={"w": rec.grad["w"] * 0 + 5.0})  # the issue's attack: RMS 5
+    assert _check(checker, huge) == "record_too_large"
+    nan = replace(rec, grad={"w": rec.grad["w"] * float("nan")})
+    assert _check(checker, nan) == "record_too_large"
+    assert _check(checker, replace(rec, contributors=())) == "forged_record"
+    learner, cid, w, steps, tokens = rec.contributors[0]
+    inflated = replace(
+        rec, contributors=((learner, cid, w * 100, steps, tokens),)
+    )  # a weight it did not earn
+    assert _check(checker, inflated) == "forged_record"
+    assert _check(checker, replace(rec, contributors=((learner, cid, w, 0, tokens),))) == "forged_record"
+    assert contribution_weight(tokens, steps) == pytest.approx(w)
+
+
+def test_a_merged_gradient_far_above_the_fragments_recent_ones_is_refused():
+    rep = _replica()
+    for seed in range(4):  # a history of honest rounds
+        rec = _record(rep, seed=seed + 1)
+        rep.check_record(rec, CFG)
+        rep.apply_record(rec, CFG)
+    assert len(rep.record_rms) == 4
+    ok = _record(rep, scale=1e-3 * RECORD_FACTOR / 2, seed=9)
+    rep.check_record(ok, CFG)  # within the factor
+    far = _record(rep, scale=1e-3 * RECORD_FACTOR * 3, seed=10)
+    assert _check(rep, far) == "record_too_large"
+
+
+def test_own_cids_refute_only_what_this_life_knows_it_never_sent():
+    me = "12D3KooW" + "x" * 44
+    own = OwnCids(me, keep=3)
+    mine = f"{me[-10:]}:0:"
+    assert not own.refutes(mine + "5")  # nothing sent yet in this life: cannot tell
+    for step in (10, 11, 12):
+        own.add(mine + str(step))
+    assert not own.refutes(mine + "11")
+    assert own.refutes(mine + "13") and own.refutes(mine + "999")
+    assert not own.refutes(mine + "9")  # before this life's first: sent before a restart, perhaps
+    own.add(mine + "14")  # 10 falls out of the kept window: no longer refutable
+    assert not own.refutes(mine + "10") and own.refutes(mine + "13")
+    assert own.refutes("someone-else:0:12") and own.refutes(mine + "notastep")
+
+
+def _member(pid: str, round_: int) -> Member:
+    now = get_dht_time()
+    return Member(pid, (), "v", now, now + 5, heads={"0": [round_, "h", 1, 1.0]})
+
+
+def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
+    node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=10)])
+    credible = lambda pid, r, ms: SwarmView.credible(node, 0, pid, r, ms)  # noqa: E731
+    liar = {"liar": _member("liar", 1010), "a": _member("a", 11), "b": _member("b", 12)}
+    assert not credible("liar", 1010, liar)
+    assert credible("a", 11, liar) and credible("b", 10 + HEAD_SLACK, liar)
+    # this node fell behind (a restart): the others agree they are far ahead, so it follows them
+    behind = {"a": _member("a", 50), "b": _member("b", 51), "c": _member("c", 49)}
+    assert credible("b", 51, behind) and credible("a", 50, behind)
+    # one other member only: nobody else to ask, the claimant is believed
+    assert credible("a", 500, {"a": _member("a", 500)})
