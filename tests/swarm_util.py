@@ -79,13 +79,15 @@ class Swarm:
                 send_control(c.url, "pause", token=read_control_token(c.state_dir))
             except StatusError:
                 pass
-        streak, last = 0, {}
+        streak, last, prev = 0, {}, None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             last = self.status()
             hashes = {s["model_hash"] for s in last.values()}
-            idle = all(s["learner"]["idle"] for s in last.values())
-            streak = streak + 1 if len(last) == len(self.alive()) and idle and len(hashes) == 1 else 0
+            idle = all(s["learner"]["idle"] and not s.get("in_flight") for s in last.values())
+            agreed = len(last) == len(self.alive()) and idle and len(hashes) == 1
+            streak = streak + 1 if agreed and hashes == prev else (1 if agreed else 0)  # one hash, unchanged
+            prev = hashes if agreed else None
             if streak >= 2:
                 return last
             time.sleep(1.0)

@@ -192,21 +192,27 @@ def test_reading_through_a_stopped_dht_is_a_clear_error(tmp_path, swarm_id):
 @pytest.mark.timeout(90)
 def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
     import os
+    import shutil
     import signal
     import subprocess
     import sys
     import time
 
     from dht.launch import _children
+    from node.local.launcher import private_tmp
 
     key = Identity.generate().save(tmp_path / "id.key")
     code = (
         "import sys, time\nfrom dht.launch import start_dht\n"
         f"d = start_dht({str(key)!r}, ['/ip4/127.0.0.1/tcp/0'])\nprint('up', flush=True)\ntime.sleep(120)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # as the launcher starts a node: a TMPDIR of its own, where a kill -9 leaves the daemon's sockets
+    tmp = private_tmp(9)
+    env = dict(os.environ, TMPDIR=tmp)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "up"
+        assert any(n.startswith("ddiloco-dht-") for n in os.listdir(tmp)), os.listdir(tmp)
         dht_procs = _children(proc.pid)
         daemons = [c for d in dht_procs for c in _children(d)]
         assert dht_procs and daemons  # the DHT process, and p2pd under it
@@ -222,6 +228,7 @@ def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _zombie(pid: int) -> bool:

@@ -326,14 +326,18 @@ class ChaosRun:
         self.log("end of the plan: pausing learners, waiting for one model hash across the running nodes")
         for s in self.running():
             self.control(s, "pause")
-        streak, deadline = 0, time.monotonic() + self.cfg.settle_s
+        streak, last, deadline = 0, None, time.monotonic() + self.cfg.settle_s
         while time.monotonic() < deadline:
             self.check_children()
             live = [self.status(s) for s in self.running()]
             ok = bool(live) and all(
                 x is not None and x["learner"]["idle"] and not x.get("in_flight") for x in live
             )
-            streak = streak + 1 if ok and len({x["model_hash"] for x in live}) == 1 else 0
+            hashes = {x["model_hash"] for x in live} if ok else None
+            agreed = ok and len(hashes) == 1
+            # one hash, the same on consecutive polls (``node.local.launcher._quiet_period``)
+            streak = streak + 1 if agreed and hashes == last else (1 if agreed else 0)
+            last = hashes if agreed else None
             if streak >= 2:
                 self.settled = True
                 break

@@ -148,16 +148,19 @@ def columns(rows: list[list[str]]) -> str:
 
 
 def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> bool:
-    """Learners are paused; wait until every node is idle with no merge under way and all hold one model hash
-    (twice in a row)."""
+    """Learners are paused; wait until every node is idle with no merge under way and all hold one model hash,
+    the same on two polls in a row (a hash that still changes means merges are still landing)."""
     deadline = time.monotonic() + timeout_s
-    streak = 0
+    streak, last = 0, None
     while time.monotonic() < deadline:
         poll(children)
         alive = [c for c in children if c.proc.poll() is None and c.last]
         hashes = {c.last["model_hash"] for c in alive}
         idle = all(c.last["learner"]["idle"] and not c.last.get("in_flight") for c in alive)
-        streak = streak + 1 if alive and idle and len(hashes) == 1 else 0
+        agreed = alive and idle and len(hashes) == 1
+        # the same one hash on consecutive polls: a merge still landing changes it, and starts over
+        streak = streak + 1 if agreed and hashes == last else (1 if agreed else 0)
+        last = hashes if agreed else None
         if streak >= 2:
             return True
         time.sleep(1.0)
