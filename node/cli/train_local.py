@@ -128,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
             events.close()
             bar.done()
         if r.export:
-            from node.swarm.checkpoint import export_model
+            from node.swarm.checkpoint import export_model, export_pretrained
 
             out = _per_system(r.export, system, "," in r.system)
             export_model(out, res.final_params, {"system": system, "model_hash": res.model_hash})
+            export_pretrained(task, out, res.final_params)
         row = res.summary()
         row.update(
             wall_s=time.monotonic() - t0,
