@@ -1,0 +1,107 @@
+"""Your model: a transformers causal LM from a config.json and a tokenizer the test trains, trained in the
+in-process runner and in a swarm of two real node processes, exported as a save_pretrained folder that
+``AutoModelForCausalLM.from_pretrained`` loads with the trained global model's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from node.learner.learner import InnerConfig  # noqa: E402
+from node.learner.model import ModelConfig  # noqa: E402
+from node.learner.task import TaskConfig, load_task  # noqa: E402
+from node.local.run_config import RunConfig  # noqa: E402
+from node.local.runner import VirtualSwarm  # noqa: E402
+from node.swarm.checkpoint import export_model, export_pretrained, pretrained_folder  # noqa: E402
+from protocol.config import ProtocolConfig  # noqa: E402
+from tests.hf_util import SEQ, make_inputs  # noqa: E402
+from tests.swarm_util import TINY, Swarm, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("hf"))
+
+
+def hf_task(inputs, **kw):
+    return load_task(
+        None,
+        TaskConfig(
+            data=inputs["data"],
+            tokenizer=inputs["tokenizer"],
+            batch_size=8,
+            eval_batches=4,
+            model=ModelConfig(name=inputs["model"], seq_len=SEQ),
+            **kw,
+        ),
+    )
+
+
+def same_logits(task, params, folder) -> None:
+    """The model in ``folder`` (from_pretrained) and ``params`` in the task's model give identical logits."""
+    trained = task.new_model()
+    missing, unexpected = trained.load_state_dict(params, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # the head is the tied embedding
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight  # still tied
+    x = task.eval_batches()[0][0]
+    with torch.no_grad():
+        a, b = trained.eval()(input_ids=x).logits, loaded.eval()(input_ids=x).logits
+    assert torch.equal(a, b)
+
+
+def test_tiny_llama_trains_in_the_runner_and_its_export_loads_with_the_same_logits(inputs, tmp_path):
+    task = hf_task(inputs)
+    model = task.new_model()
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names and task.embedding == "model.embed_tokens.weight"  # tied: once
+    run = RunConfig(system="decoupled", learners=2, token_budget=2 * 8 * SEQ * 80, eval_points=2)
+    swarm = VirtualSwarm(task, run, ProtocolConfig(fragments=4, sync_every=8), InnerConfig(lr=3e-3))
+    res = swarm.run()
+    assert res.evals[-1][2] < res.evals[0][2] - 0.5, res.evals
+    assert res.merges > 0
+    for slot in swarm.slots:  # adoptions copied into the one tensor: the head is still the embedding
+        m = slot.learner.model
+        assert m.get_output_embeddings().weight is m.get_input_embeddings().weight
+        assert slot.learner.data_position() > 0
+    out = export_model(tmp_path / "model.safetensors", res.final_params)
+    folder = export_pretrained(task, out, res.final_params)
+    assert folder == pretrained_folder(out) and (folder / "config.json").is_file()
+    assert (folder / "model.safetensors").is_file()
+    same_logits(task, res.final_params, folder)
+
+
+def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):
+    from safetensors.torch import load_file
+
+    flags = TINY + ["--model", inputs["model"], "--tokenizer", inputs["tokenizer"], "--data", inputs["data"]]
+    swarm = Swarm(tmp_path / "swarm", flags)
+    try:
+        swarm.start_many(2, {0: ["--data-part", "0/2"], 1: ["--data-part", "1/2"]})
+
+        def evals() -> list[float]:
+            return [e["loss"] for e in swarm.events(0) if e["kind"] == "eval"]
+
+        def merges() -> int:
+            return sum(e["kind"] == "merge" for i in (0, 1) for e in swarm.events(i))
+
+        wait_until(lambda: merges() >= 6, 180, "6 merges between the two nodes")
+        wait_until(lambda: len(evals()) >= 2 and min(evals()[1:]) < evals()[0] - 0.3, 180, "the loss to fall")
+        swarm.settle()
+    finally:
+        swarm.stop()
+    for i in (0, 1):
+        final = json.loads((swarm.children[i].state_dir / "final.json").read_text())
+        assert "failed" not in final.get("stop_reason", ""), final
+    state = swarm.children[0].state_dir
+    params = load_file(str(state / "model.safetensors"))
+    same_logits(hf_task(inputs), params, state / "model-hf")
