@@ -14,6 +14,7 @@ pytest.importorskip("tokenizers")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from node.cli.main import main  # noqa: E402
 from node.learner.learner import InnerConfig  # noqa: E402
 from node.learner.model import ModelConfig  # noqa: E402
 from node.learner.task import TaskConfig, load_task  # noqa: E402
@@ -21,6 +22,7 @@ from node.local.run_config import RunConfig  # noqa: E402
 from node.local.runner import VirtualSwarm  # noqa: E402
 from node.swarm.checkpoint import export_model, export_pretrained, pretrained_folder  # noqa: E402
 from protocol.config import ProtocolConfig  # noqa: E402
+from protocol.errors import ConfigError  # noqa: E402
 from tests.hf_util import SEQ, make_inputs  # noqa: E402
 from tests.swarm_util import TINY, Swarm, wait_until  # noqa: E402
 
@@ -105,3 +107,70 @@ def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):
     state = swarm.children[0].state_dir
     params = load_file(str(state / "model.safetensors"))
     same_logits(hf_task(inputs), params, state / "model-hf")
+
+
+def write_config(path, **doc):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_naming_its_config(tmp_path, capsys):
+    cfg = write_config(tmp_path / "t5" / "config.json", model_type="t5", d_model=16, num_layers=1)
+    with pytest.raises(ConfigError, match="is not a causal language model") as e:
+        load_task(None, TaskConfig(model=ModelConfig(name=f"hf:{cfg.parent}", seq_len=SEQ)))
+    assert str(cfg) in str(e.value)
+    bad = write_config(tmp_path / "odd" / "config.json", model_type="no-such-model")
+    assert main(["train-local", "--model", f"hf:{bad}", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddiloco: error: ") and str(bad) in err and "no-such-model" in err
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, capsys):
+    small = make_inputs(tmp_path, vocab=300, model_vocab=100)
+    with pytest.raises(ConfigError, match="does not fit the model") as e:
+        hf_task(small)
+    assert small["tokenizer"] in str(e.value) and small["config"] in str(e.value)
+    state = tmp_path / "state"
+    argv = ["node", "--state-dir", str(state), "--model", small["model"], "--tokenizer", small["tokenizer"]]
+    assert main(argv + ["--data", small["data"], "--seq-len", str(SEQ)]) == 2
+    assert "does not fit the model" in capsys.readouterr().err and not state.exists()
+    # bytes (256 tokens) do not fit a 100-token model either
+    with pytest.raises(ConfigError, match="tokenizer bytes does not fit"):
+        load_task(None, TaskConfig(data=small["data"], model=ModelConfig(name=small["model"], seq_len=SEQ)))
+
+
+def test_a_hub_name_is_not_downloaded_and_the_message_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="never downloads from the Hugging Face hub"):
+        load_task(None, TaskConfig(model=ModelConfig(name="hf:meta-llama/Llama-3.2-1B", seq_len=SEQ)))
+
+
+def test_sharding_a_model_with_tied_embeddings_says_why_not(inputs):
+    from node.learner.unit_fsdp import check_shardable
+
+    with pytest.raises(ConfigError, match="ties parameters across modules.*tie_word_embeddings=false"):
+        check_shardable(hf_task(inputs).new_model())
+
+
+def test_presets_pick_a_model_and_batch_and_flags_override_them():
+    from node.cli.config import build_config
+    from node.cli.main import _parser
+
+    def cfg(*argv):
+        return build_config(_parser().parse_args(["train-local", *argv]), None)
+
+    small = cfg("--preset", "small")
+    assert (small.model.dim, small.model.layers, small.task.batch_size) == (320, 8, 16)
+    n = sum(p.numel() for p in load_task(None, small.task_config()).new_model().parameters())
+    assert 9e6 < n < 12e6, n
+    assert cfg("--preset", "small", "--dim", "256").model.dim == 256
+    big = cfg("--preset", "gpt2-125m")
+    assert (big.model.name, big.model.seq_len, big.task.batch_size) == ("gpt2", 1024, 8)
+    from node.learner.hf import HFModel
+
+    gpt2 = HFModel("gpt2", big.model.seq_len, (big.model.dim, big.model.layers, big.model.heads))
+    m = gpt2.new_model(0)
+    assert 120e6 < sum(p.numel() for p in m.parameters()) < 130e6
+    assert cfg().model == ModelConfig()  # no preset: today's default, which is the tiny preset
+    assert cfg("--preset", "tiny").model == ModelConfig()

@@ -132,7 +132,8 @@ class Learner:
             return
         k, n = self.data_part or (0, 1)
         old = self.reader
-        self.reader = self.task.reader((k * world + rank, n * world), None if self.data_part else self.seed)
+        # part k of n is the slots = k (mod n); rank r of w takes every w-th of those from the r-th
+        self.reader = self.task.reader((rank * n + k, n * world), None if self.data_part else self.seed)
         if self.reader is not None:
             self.reader.position = position if position is not None else (old.position if old else 0)
 
