@@ -174,3 +174,54 @@ def test_presets_pick_a_model_and_batch_and_flags_override_them():
     assert 120e6 < sum(p.numel() for p in m.parameters()) < 130e6
     assert cfg().model == ModelConfig()  # no preset: today's default, which is the tiny preset
     assert cfg("--preset", "tiny").model == ModelConfig()
+
+
+def _unit_worker(rank: int, init_file: str, out_dir: str, inputs: dict) -> None:
+    from node.learner.learner import Learner
+    from node.learner.unit import PAUSE, STATE, STEP, STOP, Unit
+    from tests.swarm_util import exit_now
+
+    torch.set_num_threads(1)
+    unit = Unit(rank=rank, world=2, local_rank=rank, timeout_s=60, init_method=f"file://{init_file}")
+    unit.init()
+    task = hf_task(inputs, data_part="1/2")  # this node reads part 1 of 2; its ranks split that again
+    lrn = Learner(f"r{rank}", task, ProtocolConfig(fragments=4, sync_every=4), InnerConfig(), 100, seed=3)
+    lrn.attach_unit(unit)
+    unit.exchange(lrn, STATE)
+    losses = []
+    for _ in range(6):
+        unit.exchange(lrn, STEP)
+        losses.append(lrn.train_step().loss)
+    unit.exchange(lrn, PAUSE, check_all=True)
+    unit.exchange(lrn, STOP)
+    m = lrn.model
+    log = {
+        "mismatches": unit.mismatches,
+        "losses": losses,
+        "windows": [i for p in range(6) for i in lrn.reader.window_ids(p)],
+        "position": lrn.data_position(),
+        "tied": m.get_output_embeddings().weight is m.get_input_embeddings().weight,
+        "digest": unit._digest(lrn, list(range(4))).tolist(),
+    }
+    unit.close()
+    with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+        json.dump(log, fh)
+    exit_now()
+
+
+def test_a_ddp_unit_trains_the_tiny_llama_on_disjoint_halves_of_its_part(inputs, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_unit_worker, args=(str(tmp_path / "rdv"), str(tmp_path), inputs), nprocs=2, join=True)
+    r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert r[0]["mismatches"] == 0 and r[0]["digest"] == r[1]["digest"]  # the ranks stayed one model
+    assert all(x["tied"] and x["position"] == 6 for x in r)
+    assert not set(r[0]["windows"]) & set(r[1]["windows"])
+    # part 0 of 2 (the other node) reads none of the windows this unit read
+    other = hf_task(inputs, data_part="0/2")
+    from node.learner.learner import Learner
+
+    lrn = Learner("o", other, ProtocolConfig(fragments=4, sync_every=4), InnerConfig(), 100, seed=1)
+    theirs = {i for p in range(12) for i in lrn.reader.window_ids(p)}
+    assert not theirs & (set(r[0]["windows"]) | set(r[1]["windows"]))
+    assert r[0]["losses"][-1] < r[0]["losses"][0]
