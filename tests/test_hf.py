@@ -80,6 +80,9 @@ def test_tiny_llama_trains_in_the_runner_and_its_export_loads_with_the_same_logi
     assert folder == pretrained_folder(out) and (folder / "config.json").is_file()
     assert (folder / "model.safetensors").is_file()
     same_logits(task, res.final_params, folder)
+    # the export is a model folder to train on from: hf:FOLDER starts from its weights
+    again = hf_task({**inputs, "model": f"hf:{folder}"}).new_model()
+    assert all(torch.equal(p, res.final_params[n]) for n, p in again.named_parameters())
 
 
 def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):

@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
         description="Run one swarm node: it joins the DHT through --initial-peers (or starts a swarm), "
         "trains its learner, sends contributions to the elected synchroniser of each fragment, takes that "
         "role when elected, and keeps a replica of the global model. Status: GET STATUS_URL/status (the URL "
-        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export.",
+        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export. It trains "
+        "the byte-level default unless --preset, --model, --tokenizer or --data say otherwise; with --data give "
+        "each node its own --data-part K/N (docs/custom-task.md).",
     )
     nd.add_argument("--config", help="TOML file with [node] [protocol] [task] [model] [inner] tables")
     add_config_args(nd, root=NodeConfig)

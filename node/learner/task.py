@@ -39,7 +39,9 @@ class TaskConfig:
     text_column: str = field(default="text", metadata={"help": "Parquet shards: the column holding the text"})
     tokenizer: str = field(
         default="",
-        metadata={"help": "a local tokenizer.json (the tokenizers library) (default: bytes, 256 tokens)"},
+        metadata={
+            "help": "a local tokenizer.json, read with the tokenizers library; empty: bytes (256 tokens)"
+        },
     )
     data_part: str = field(
         default="",
