@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from node.learner.data import generated_text
@@ -86,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", type=int, default=400_000, help="generated text to make (default 400000)")
     ap.add_argument("--vocab", type=int, default=512, help="tokenizer vocabulary (default 512)")
     a = ap.parse_args(argv)
+    try:
+        import pyarrow  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        print(f"examples: {e.name} is missing: pip install 'ddiloco[hf]'", file=sys.stderr)
+        return 2
     docs = documents(a.bytes)
     vocab = train_tokenizer(docs, a.vocab, a.out / "tokenizer.json")
     (a.out / "llama").mkdir(parents=True, exist_ok=True)

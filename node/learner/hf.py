@@ -87,7 +87,7 @@ class HFModel:
             raise ConfigError(
                 f"model='hf:{path}' is invalid: {cfg_file} does not exist. ddiloco never downloads from the "
                 "Hugging Face hub: give a local config.json or model folder (to use a hub model, fetch it "
-                f"first, e.g. 'hf download {path} --local-dir models/{Path(path).name}')"
+                f"first, e.g. 'huggingface-cli download {path} --local-dir models/{Path(path).name}')"
             )
         try:
             doc = json.loads(cfg_file.read_text())
@@ -109,15 +109,11 @@ class HFModel:
             torch.manual_seed(seed)
             if self.weights is not None:
                 m = tf.AutoModelForCausalLM.from_pretrained(
-                    str(self.weights), config=self.config, local_files_only=True, dtype=torch.float32
+                    str(self.weights), config=self.config, local_files_only=True
                 )
             else:
                 m = tf.AutoModelForCausalLM.from_config(self.config)
         return m.float().train()
-
-
-def hf_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x).logits
 
 
 def save_pretrained(model: nn.Module, params: Mapping[str, torch.Tensor], folder: str | Path) -> Path:
