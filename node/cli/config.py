@@ -15,11 +15,12 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from node.learner.presets import apply_preset
 from node.local.config import TrainLocalConfig
 from protocol.errors import ConfigError
 
 # Flags whose natural name collides with another section's field.
-RENAMES = {("task", "seed"): "model-seed", ("inner", "lr"): "inner-lr"}
+RENAMES = {("task", "seed"): "model-seed", ("inner", "lr"): "inner-lr", ("model", "name"): "model"}
 
 
 def _section_fields(cls) -> list[dataclasses.Field]:
@@ -73,6 +74,7 @@ def build_config(args: argparse.Namespace, toml_path: str | None, root=TrainLoca
         if "." in dest:
             sec, name = dest.split(".", 1)
             values[sec][name] = v
+    apply_preset(values)  # defaults < preset < TOML < CLI
     kwargs = {}
     for sec in fields(root):
         cls = type(sec.default)

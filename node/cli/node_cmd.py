@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
         description="Run one swarm node: it joins the DHT through --initial-peers (or starts a swarm), "
         "trains its learner, sends contributions to the elected synchroniser of each fragment, takes that "
         "role when elected, and keeps a replica of the global model. Status: GET STATUS_URL/status (the URL "
-        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export.",
+        "is in STATE_DIR/ready.json). SIGTERM or Ctrl+C stops it after a checkpoint and an export. It trains "
+        "the byte-level default unless --preset, --model, --tokenizer or --data say otherwise; with --data give "
+        "each node its own --data-part K/N (docs/custom-task.md).",
     )
     nd.add_argument("--config", help="TOML file with [node] [protocol] [task] [model] [inner] tables")
     add_config_args(nd, root=NodeConfig)
@@ -48,8 +50,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
     unit_cls = Unit
-    if cfg.node.shard:
+    task = None
+    if cfg.task.data or cfg.task.tokenizer or cfg.model.name != "tiny" or cfg.node.shard:
         from node.learner.task import load_task
+
+        # the user's model, tokenizer and data are checked here: a bad one stops the node before it starts
+        task = load_task(None, cfg.task_config())
+    if cfg.node.shard:
         from node.learner.unit_fsdp import ShardedUnit, check_shardable
 
         if max(n, int(world or 1)) < 2:
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 "shard=True is invalid for a single-process learner: FSDP2 shards across the processes of a "
                 "learner unit; add --nproc N with N >= 2 (or start the node under torchrun)"
             )
-        check_shardable(load_task(None, cfg.task_config()).new_model())
+        check_shardable(task.new_model())
         unit_cls = ShardedUnit
     if n > 1 and world is None:
         # A multi-process learner unit: torchrun starts n copies of this command, ranks in the environment.

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
         help="train M learners in one process on a virtual clock, and compare systems",
         description="Train M real learners in this process through the Decoupled DiLoCo core, on a virtual "
         "clock (step times, links and failures are simulated; the training is real). Runs on the embedded "
-        "default (a small byte-level transformer on generated text) unless --data/--task say otherwise.",
+        "default (a small byte-level transformer on generated text) unless --preset, --model, --tokenizer, --data "
+        "or --task say otherwise (docs/custom-task.md).",
     )
     tl.add_argument("--config", help="TOML file with [run] [protocol] [task] [model] [inner] [net] tables")
     tl.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -128,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
             events.close()
             bar.done()
         if r.export:
-            from node.swarm.checkpoint import export_model
+            from node.swarm.checkpoint import export_model, export_pretrained
 
             out = _per_system(r.export, system, "," in r.system)
             export_model(out, res.final_params, {"system": system, "model_hash": res.model_hash})
+            export_pretrained(task, out, res.final_params)
         row = res.summary()
         row.update(
             wall_s=time.monotonic() - t0,

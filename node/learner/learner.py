@@ -80,6 +80,7 @@ class Learner:
         seed: int,
         device: torch.device | None = None,
         plan: FragmentPlan | None = None,
+        data_part: tuple[int, int] | None = None,
     ) -> None:
         self.name = name
         self.task = task
@@ -92,6 +93,11 @@ class Learner:
         self.total_steps = total_steps
         self.seed = seed
         self.gen = torch.Generator().manual_seed(seed)
+        # The task's data reader, when it has one (the user's data): part k of n of it, or the whole in an
+        # order of the learner's own seed. Its position goes into the checkpoint.
+        self.data_part = data_part if data_part is not None else getattr(task, "data_part", None)
+        self.reader = None
+        self.use_lane(0, 1)
         self.forward_model: torch.nn.Module = self.model  # a DDP wrapper when the learner spans processes
         self.sharded = False  # set by an FSDP2 unit: ``params`` are this rank's shards (DTensors)
         self.snaps = Snapshots(self.device)  # due fragments on their way to the host
@@ -117,6 +123,22 @@ class Learner:
         the unit's tokens."""
         unit.attach(self)
         self.tokens_per_step = self.task.tokens_per_batch * unit.world
+        self.use_lane(unit.rank, unit.world)
+
+    def use_lane(self, rank: int, world: int, position: int | None = None) -> None:
+        """Read the data part of rank ``rank`` of a unit of ``world`` ranks: the unit's part split ``world``
+        ways (disjoint), at ``position`` (batches read; default: where the reader is)."""
+        if not hasattr(self.task, "reader"):
+            return
+        k, n = self.data_part or (0, 1)
+        old = self.reader
+        # part k of n is the slots = k (mod n); rank r of w takes every w-th of those from the r-th
+        self.reader = self.task.reader((rank * n + k, n * world), None if self.data_part else self.seed)
+        if self.reader is not None:
+            self.reader.position = position if position is not None else (old.position if old else 0)
+
+    def data_position(self) -> int:
+        return self.reader.position if self.reader is not None else 0
 
     def unshard(self, params: dict[str, torch.Tensor], opt_state: dict) -> None:
         """Become a single-process learner on the CPU again, from the unit's gathered whole state (rank 0 of
@@ -148,7 +170,7 @@ class Learner:
         }
 
     def train_step(self) -> StepResult:
-        batch = self.task.batch(self.gen)
+        batch = self.reader.next() if self.reader is not None else self.task.batch(self.gen)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             loss = self.task.loss(self.forward_model, batch)
         for g in self.opt.param_groups:
@@ -346,7 +368,12 @@ class Learner:
             for k, v in st.items():
                 tensors[f"opt/{i}/{k}"] = torch.as_tensor(v).detach().to("cpu").clone()
         tensors["gen"] = self.gen.get_state()
-        meta = {"steps": self.steps, "book": self.book.state_dict(), "param_groups": opt["param_groups"]}
+        meta = {
+            "steps": self.steps,
+            "book": self.book.state_dict(),
+            "param_groups": opt["param_groups"],
+            "data_position": self.data_position(),
+        }
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -367,3 +394,5 @@ class Learner:
         self.gen.set_state(tensors["gen"])
         self.steps = int(meta["steps"])
         self.book.load_state_dict(meta["book"])
+        if self.reader is not None:
+            self.reader.position = int(meta.get("data_position", 0))

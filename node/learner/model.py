@@ -21,13 +21,24 @@ class ModelConfig:
     dim: int = field(default=128, metadata={"help": "transformer width"})
     layers: int = field(default=4, metadata={"help": "transformer blocks"})
     heads: int = field(default=4, metadata={"help": "attention heads (must divide dim)"})
-    seq_len: int = field(default=128, metadata={"help": "context length in bytes"})
+    seq_len: int = field(default=128, metadata={"help": "context length in tokens"})
     vocab: int = 256
+    name: str = field(
+        default="tiny",
+        metadata={
+            "help": "tiny (the built-in byte-level transformer, sized by --dim --layers --heads) | gpt2 (GPT-2's "
+            "architecture at those sizes, 50257-token vocabulary) | hf:PATH (any transformers causal LM from "
+            "a local config.json, or a local model folder with its weights; never downloaded); gpt2 and hf: "
+            "need pip install 'ddiloco[hf]'"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("dim", "layers", "heads", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if self.name not in ("tiny", "gpt2") and not (self.name.startswith("hf:") and len(self.name) > 3):
+            raise ConfigError(f"model={self.name!r} is invalid: expected tiny, gpt2 or hf:PATH")
         if self.dim % self.heads:
             raise ConfigError(f"heads={self.heads} is invalid: it must divide dim={self.dim}")
 

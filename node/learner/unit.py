@@ -201,12 +201,14 @@ class Unit:
         with torch.no_grad():
             for p in learner.params.values():
                 dist.broadcast(p.data, 0)
-        box = [(learner.opt.state_dict(), learner.seed) if self.lead else None]
+        box = [(learner.opt.state_dict(), learner.seed, learner.data_position()) if self.lead else None]
         dist.broadcast_object_list(box, 0, device=self.device())
         if not self.lead:
-            opt_state, seed = box[0]
+            opt_state, seed, position = box[0]
             learner.load_optimizer(opt_state)
             learner.gen.manual_seed(seed + 1_000_003 * self.rank)  # each rank its own batches
+            learner.seed = seed
+            learner.use_lane(self.rank, self.world, position)  # its own part of the data
 
     def _digest(self, learner, frags: list[int]) -> torch.Tensor:
         """This rank's digest of the parameters of ``frags``."""

@@ -57,6 +57,15 @@ def check_shardable(model: nn.Module) -> None:
             f"shard=True is invalid for {name}: FSDP2 cannot shard 0-dim parameters ({', '.join(scalars[:4])}); "
             "make them 1-element tensors or run without --shard"
         )
+    every = list(model.named_parameters(remove_duplicate=False))
+    if len(every) > len(params):
+        once = {n for n, _ in params}
+        tied = [n for n, _ in every if n not in once]
+        raise ConfigError(
+            f"shard=True is invalid for {name}: it ties parameters across modules ({', '.join(tied[:4])} is "
+            "another module's tensor, e.g. tied input and output embeddings), which this unit does not shard; "
+            "untie them (tie_word_embeddings=false in config.json) or run without --shard"
+        )
     dtypes = sorted({str(p.dtype) for _, p in params})
     if len(dtypes) > 1 or not params[0][1].is_floating_point():
         raise ConfigError(
@@ -191,7 +200,12 @@ class ShardedUnit(Unit):
                     k: _Slice(v.dtype) if torch.is_tensor(v) and v.dim() > 0 and v.shape == shape else v
                     for k, v in st.items()
                 }
-            head = {"state": state, "param_groups": opt["param_groups"], "seed": learner.seed}
+            head = {
+                "state": state,
+                "param_groups": opt["param_groups"],
+                "seed": learner.seed,
+                "data_position": learner.data_position(),
+            }
         box = [head]
         dist.broadcast_object_list(box, 0, device=self.device())
         head = box[0]
@@ -207,6 +221,8 @@ class ShardedUnit(Unit):
         learner.load_optimizer({"state": state, "param_groups": head["param_groups"]})
         if not self.lead:
             learner.gen.manual_seed(head["seed"] + 1_000_003 * self.rank)  # each rank its own batches
+            learner.seed = head["seed"]
+            learner.use_lane(self.rank, self.world, head["data_position"])  # its own part of the data
 
     def _gather(self, learner) -> tuple[dict[str, torch.Tensor], dict] | None:
         """Every rank: join the gather of the whole parameters and optimizer state; rank 0 gets them (CPU)."""

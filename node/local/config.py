@@ -29,7 +29,11 @@ class LocalRunConfig:
     events: str | None = field(default=None, metadata={"help": "write event records (JSON lines) here"})
     task: str | None = field(default=None, metadata={"help": "custom task 'module:function'"})
     export: str | None = field(
-        default=None, metadata={"help": "write the final global model here (safetensors)"}
+        default=None,
+        metadata={
+            "help": "write the final global model here (safetensors); a transformers model (--model gpt2 or "
+            "hf:PATH) also as a save_pretrained folder beside it (out.safetensors -> out-hf/)"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -199,6 +199,13 @@ def kill_group(c: Child) -> None:
         shutil.rmtree(c.tmp, ignore_errors=True)
 
 
+def _part(i: int, nodes: int, flags: list[str]) -> list[str]:
+    """Node i of n reads part i/n of the user's data (--data), unless the flags name a part themselves."""
+    given = any(f == "--data-part" or f.startswith("--data-part=") for f in flags)
+    data = any(f == "--data" or f.startswith("--data=") for f in flags)
+    return ["--data-part", f"{i}/{nodes}"] if data and not given and nodes > 1 else []
+
+
 def up(
     nodes: int,
     duration: float,
@@ -222,11 +229,11 @@ def up(
     interrupted = False
     try:
         _log(f"starting {nodes} nodes in {run_dir} (logs: node-*/node.log)", quiet)
-        children.append(start_node(0, run_dir, flags, []))
+        children.append(start_node(0, run_dir, flags + _part(0, nodes, flags), []))
         wait_ready(children[:1], start_timeout_s)
         boot = children[0].maddrs
         for i in range(1, nodes):
-            children.append(start_node(i, run_dir, flags, boot))
+            children.append(start_node(i, run_dir, flags + _part(i, nodes, flags), boot))
         wait_ready(children, start_timeout_s)
         _log(f"swarm up: bootstrap {boot[0] if boot else '?'}; status of node 0: {children[0].url}", quiet)
         t_train = time.monotonic()

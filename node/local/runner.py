@@ -101,7 +101,11 @@ class VirtualSwarm:
         for m in range(run.learners):
             share = speeds[m] / sum(speeds)
             steps = run.lr_steps or max(1, int(run.token_budget * share / task.tokens_per_batch))
-            lrn = Learner(f"L{m}", task, self.cfg, inner, steps, seed=run.seed * 1000 + m + 1, plan=self.plan)
+            seed = run.seed * 1000 + m + 1
+            # learner m of M reads part m/M of the user's data: disjoint from the others'
+            lrn = Learner(
+                f"L{m}", task, self.cfg, inner, steps, seed, plan=self.plan, data_part=(m, run.learners)
+            )
             self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
         base = self.slots[0].learner.base
         norms = NormBook()  # one robust-merge reference for all fragments

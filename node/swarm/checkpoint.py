@@ -10,7 +10,9 @@ checkpoint as the newest valid one. Loading: newest first; a file that is trunca
 swarm or of another format version is skipped with a logged reason.
 
 ``export_model`` writes plain safetensors of a model's parameters, loadable with
-``safetensors.torch.load_file`` and ``model.load_state_dict`` by any PyTorch or Hugging Face user.
+``safetensors.torch.load_file`` and ``model.load_state_dict`` by any PyTorch or Hugging Face user; for a
+transformers model (a task with ``save_pretrained``) ``export_pretrained`` writes, beside it, the folder
+``AutoModelForCausalLM.from_pretrained`` loads (``model.safetensors`` -> ``model-hf/``).
 """
 
 from __future__ import annotations
@@ -156,3 +158,21 @@ def export_model(
     )
     os.replace(tmp, path)
     return path
+
+
+def pretrained_folder(path: str | Path) -> Path:
+    """Where ``export_pretrained`` puts the folder for the export file ``path``: ``runs/m.safetensors`` ->
+    ``runs/m-hf``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-hf")
+
+
+def export_pretrained(task, path: str | Path, params: Mapping[str, torch.Tensor]) -> Path | None:
+    """Beside the export file ``path``, the task's ``save_pretrained`` folder of ``params``; None when the
+    task's model is not a transformers model."""
+    save = getattr(task, "save_pretrained", None)
+    if save is None or getattr(task, "hf", None) is None:
+        return None
+    folder = pretrained_folder(path)
+    save(dict(params), folder)
+    return folder

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from node.swarm.checkpoint import export_model, load_latest, save_checkpoint
+from node.swarm.checkpoint import export_model, export_pretrained, load_latest, save_checkpoint
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
@@ -40,6 +40,7 @@ class Persistence:
                 )
                 params = {n: t for r in self.replicas for n, t in r.theta.items()}
                 await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
+                await asyncio.to_thread(export_pretrained, self.task, out, params)
             except Exception:  # noqa: BLE001 - the summary below must still be written
                 logger.exception("final checkpoint or export failed")
                 self.stop_reason += " (final checkpoint or export failed; see the log)"

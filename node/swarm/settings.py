@@ -138,7 +138,11 @@ class NodeSettings:
         },
     )
     export: str = field(
-        default="", metadata={"help": "final global model file (default: STATE_DIR/model.safetensors)"}
+        default="",
+        metadata={
+            "help": "final global model file (default: STATE_DIR/model.safetensors); a transformers model "
+            "also as a save_pretrained folder beside it (model.safetensors -> model-hf/)"
+        },
     )
     test_hooks: bool = field(default=False, metadata={"help": "enable test-only controls (partition)"})
     exit_with_parent: bool = field(
