@@ -62,8 +62,11 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
         samples.append({i: st[i]["learner"]["steps"] for i in survivors if i in st})
         return all(i in st and _round(st[i], 0) >= r0 + 2 for i in survivors)
 
-    wait_until(merged_again, bound_s, f"fragment 0 to merge again after killing its synchroniser {victim}")
-    assert time.time() - t_kill <= bound_s + 5
+    # Bounded in the survivors' own steps, not in seconds: on a loaded machine both stretch alike.
+    rate = max(before[i]["learner"]["steps"] / max(1e-9, before[i]["uptime_s"]) for i in survivors)
+    wait_until(merged_again, 8 * bound_s, f"fragment 0 to merge again after killing its synchroniser {victim}")
+    took = max(samples[-1][i] - steps0[i] for i in survivors)
+    assert took <= 2 * (bound_s + 5) * rate, (took, rate, time.time() - t_kill)
     for a, b in zip([steps0, *samples], samples):
         for i in survivors:
             if i in a and i in b:
@@ -102,8 +105,11 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     # Quiet period: one model hash on every replica; eval loss of the global model fell.
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
-    evals = [e["loss"] for e in swarm.events(survivors[0]) if e["kind"] == "eval"]
-    assert evals[-1] < evals[0] - 0.5, evals
+    # against the untrained model's loss, node 0's first evaluation (a node that joined later first
+    # evaluated a model already trained, by how much depends on the machine's load)
+    untrained = next(e["loss"] for e in swarm.events(0) if e["kind"] == "eval")
+    final_eval = [e["loss"] for e in swarm.events(survivors[0]) if e["kind"] == "eval"][-1]
+    assert final_eval < untrained - 0.5, (untrained, final_eval)
 
 
 def test_partition_two_and_two_then_heal_to_one_hash(swarm):
