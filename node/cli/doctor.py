@@ -154,9 +154,8 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     peers = _split(args.initial_peers)
     hosts = _split(args.host_maddrs)
     announce = _split(args.announce_maddrs)
-    dials = peers + (
-        [] if status is None else _with_peer_id(announce or status.get("maddrs", []), status["peer_id"])
-    )
+    own = [] if status is None else _with_peer_id(announce or status.get("maddrs", []), status["peer_id"])
+    dials = list(dict.fromkeys(peers + own))
     try:
         dialed = dict(dial(dials, args.dial_timeout_s))
     except Exception as e:  # noqa: BLE001 - the probe daemon itself could not start
@@ -166,7 +165,6 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     if hosts and not running:
         checks.append(dx.ports(port_errors(hosts)))
     if status is not None:
-        own = [a for a in dials if a not in peers]
         checks.append(dx.reachability([(a, dialed[a]) for a in own], bool(status.get("client_mode"))))
         checks.append(dx.mode(status))
         events = tail_events(state_dir / "events.jsonl") if state_dir is not None else []
