@@ -194,10 +194,19 @@ def quorum(status: dict, events: list[dict], last: int = LAST_CONTRIBUTIONS) -> 
     example = next((drops[e["cid"]] for e in reversed(sent) if e["cid"] in drops), "")
     if example:
         evidence += f"; last: {example[:200]}"
+    # Earlier refusals say why: after repeated ones a synchroniser bans the node, and the newest
+    # contributions only read "banned".
+    mine = {e.get("cid") for e in events if e.get("kind") == "contribute" and e.get("learner") == me}
+    seen = Counter(
+        _code_of(e.get("why", "")) for e in events if e.get("kind") == "drop" and e.get("cid") in mine
+    )
+    if seen and set(seen) != set(codes):
+        evidence += "; every refusal in the records: " + ", ".join(f"{k} x{v}" for k, v in seen.most_common())
     fix = (
         "wrong_shape / wrong_fragment: every node must use the same [protocol], [task] and [model] settings; "
         "unknown_peer / not_admitted: the synchroniser does not see this node as a member (certificate, swarm "
-        "name, expired record); stale_base: the node is behind and catches up"
+        "name, expired record); stale_base: the node is behind and catches up; banned: the synchroniser "
+        "banned this node after repeated refusals, fix their first cause and the ban ends (ban_s)"
     )
     if n_merged == 0 and codes and pending < len(sent):
         return Check("quorum", "fail", evidence, fix)
