@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every node of a ddiloco swarm; each container is configured by a mounted TOML file
 # (docker-compose.yml mounts deploy/<service>.toml at /etc/ddiloco/node.toml). See docs/swarm.md.
 #

@@ -15,7 +15,10 @@ the authority's peer id, the secret and its own certificate, and then
   accept;
 - drops peers listed in the revocation file (one peer id per line, re-read when it changes).
 
-Role ``learner`` admits a peer that trains and contributes but is never elected synchroniser.
+Role ``learner`` admits a peer that trains and contributes but is never elected synchroniser. Role
+``observer`` admits a tool, not a node: it may read a member's status over libp2p (``ddiloco status
+--peer``), but its membership records are dropped from every view, so it is never elected, its
+contributions and state requests are refused (``unknown_peer``), and a node refuses to start with it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dht.identity import Identity, public_key_of, verify
 from protocol.errors import ConfigError, DDiLoCoError
 
 _DOMAIN = "ddiloco/admission/v1"
-ROLES = ("any", "learner")
+ROLES = ("any", "learner", "observer")
 
 
 class AdmissionError(DDiLoCoError):
@@ -203,6 +206,11 @@ class Admission:
             self.certificate.verify(self.swarm, self.authority, peer_id, time.time())
         except AdmissionError as e:
             raise ConfigError(f"this node's certificate does not admit it: {e}") from e
+        if self.certificate.role == "observer":
+            raise ConfigError(
+                f"this node's certificate admits {peer_id} as an observer, which reads status but is never a "
+                "member; admit it with --role any or learner to run a node"
+            )
 
     def revoked(self) -> frozenset[str]:
         if self.revoked_file:

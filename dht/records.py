@@ -126,7 +126,8 @@ def live_view(
 
     The DHT subkey must be the record's own peer id, so one peer cannot overwrite another's slot. With an
     ``admission`` (``dht.admission.Admission``, private swarms) a record must also carry a certificate that
-    admits its peer, and a ``learner``-role peer is seen as never electable (as if in client mode).
+    admits its peer, a ``learner``-role peer is seen as never electable (as if in client mode), and an
+    ``observer``-role peer is dropped (it may read status, never take part).
     """
     members, dropped = [], {}
     for key, raw in raws.items():
@@ -145,6 +146,9 @@ def live_view(
                 cert = admission.check(m.peer_id, m.cert, now)
             except AdmissionError as e:
                 dropped[key] = f"not admitted: {e}"
+                continue
+            if cert.role == "observer":  # reads status, never a member (``dht.admission``)
+                dropped[key] = f"{m.peer_id} is admitted as an observer, not as a member"
                 continue
             if cert.role == "learner" and not m.client_mode:
                 m = replace(m, client_mode=True)

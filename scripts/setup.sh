@@ -18,7 +18,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086  # DDILOCO_TORCH may carry pip options
   "$VPY" -m pip install -q --disable-pip-version-check ${DDILOCO_TORCH:-torch==2.13.0}
 fi
-echo "setup: installing ddiloco (editable) with test tools and the [hf] extra" >&2
+echo "setup: installing ddiloco (editable) with test tools and the [hf] and [remote] extras" >&2
 # torch is already in .venv at this point, and transformers does not require it, so pip keeps that build.
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,hf]"
-"$VPY" -c "import torch, transformers, tokenizers, pyarrow" # fail here, not in the tests, if one is missing
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,hf,remote]"
+"$VPY" -c "import torch, transformers, tokenizers, pyarrow, libp2p" # fail here, not in the tests, if one is missing

@@ -4,6 +4,7 @@
   ddiloco node           one node of a real swarm (DHT discovery, elected synchronisers)
   ddiloco up             a local swarm of N node processes with a live status table
   ddiloco status         a node's view of the swarm (peers, roles, rounds, loss, bandwidth, goodput)
+  ddiloco doctor         why a node is not contributing (or will not start): checks with evidence and fixes
   ddiloco keygen         create a node identity and print its peer id
 
 Run ``ddiloco SUBCOMMAND --help`` for the flags. ``main(argv)`` returns an exit code so tests can call it.
@@ -15,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from node.cli import chaos, keygen, node_cmd, sim, status, swarm, train_local, up
+from node.cli import chaos, doctor, keygen, node_cmd, sim, status, swarm, train_local, up
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ COMMANDS = {
     "up": up,
     "swarm": swarm,
     "status": status,
+    "doctor": doctor,
     "keygen": keygen,
     "sim": sim,
     "chaos": chaos,

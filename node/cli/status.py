@@ -1,4 +1,5 @@
-"""``ddiloco status``: a running node's view of the swarm, read from its HTTP status endpoint."""
+"""``ddiloco status``: a running node's view of the swarm, read from its HTTP status endpoint, or with
+``--peer`` through libp2p (py-libp2p in a child process, ``node.cli.remote_status``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ def add_parser(sub) -> None:
     )
     st.add_argument("--state-dir", default="node-state", help="node state folder holding ready.json")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.add_argument(
+        "--peer",
+        help="read the status through libp2p instead: the node's /ip4/HOST/tcp/PORT/p2p/PEER_ID (py-libp2p; "
+        "no Go daemon started, no HTTP port needed)",
+    )
+    st.add_argument("--identity", help="with --peer: the caller's key file (default: a throwaway key)")
+    st.add_argument(
+        "--certificate",
+        help="with --peer, in a private swarm: the caller's admission certificate (e.g. role observer)",
+    )
+    st.add_argument("--timeout-s", type=float, default=20.0, help="with --peer: deadline in seconds")
 
 
 def _status_table(s: dict) -> str:
@@ -62,11 +74,41 @@ def _status_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def fetch_peer_status(
+    peer: str, identity: str | None = None, certificate: str | None = None, timeout_s: float = 20.0
+) -> dict:
+    """A remote node's status document through libp2p, read by ``node.cli.remote_status`` in a child
+    process (py-libp2p and hivemind cannot share one process); StatusError when there is none."""
+    import subprocess
+    import sys
+
+    from node.common.status_client import StatusError
+
+    cmd = [sys.executable, "-m", "node.cli.remote_status", "--peer", peer, "--timeout-s", str(timeout_s)]
+    cmd += ["--identity", identity] if identity else []
+    cmd += ["--certificate", certificate] if certificate else []
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 30)
+    except subprocess.TimeoutExpired as e:
+        raise StatusError(f"{peer}: the libp2p client did not finish within {timeout_s + 30:g} s") from e
+    if out.returncode != 0:
+        why = out.stderr.strip().splitlines()[-1:] or [f"exit code {out.returncode}"]
+        raise StatusError(why[0])
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    if not reply.get("ok"):
+        raise StatusError(f"{peer} refused the status request: {reply.get('code')}: {reply.get('message')}")
+    return reply["status"]
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from node.common.status_client import fetch_status
 
+    if args.peer:
+        s = fetch_peer_status(args.peer, args.identity, args.certificate, args.timeout_s)
+        print(json.dumps(s, indent=2) if args.json else _status_table(s))
+        return 0
     url = args.url
     if not url:
         ready = Path(args.state_dir) / "ready.json"

@@ -25,7 +25,10 @@ def add_parser(sub) -> None:
     a.add_argument("--dir", required=True, help="the swarm folder made by 'swarm init'")
     a.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
     a.add_argument(
-        "--role", default="any", help="any (learner and synchroniser, default) or learner (never elected)"
+        "--role",
+        default="any",
+        help="any (learner and synchroniser, default), learner (never elected) or observer (reads status "
+        "with 'ddiloco status --peer', never a member)",
     )
     a.add_argument("--out", required=True, help="certificate file to write (give it to the node)")
     r = ss.add_parser("revoke", help="list a peer id in the swarm's revocation file")

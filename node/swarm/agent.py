@@ -52,6 +52,7 @@ from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.status import StatusServer
+from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport
 from node.swarm.view import SwarmView
 from node.swarm.wire import (
@@ -283,9 +284,12 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         ):
             self.transport.register(op, h)
         await self.transport.start()
+        self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
+        await self.status_p2p.start()
         self._phase("transport")
         self.status_server = StatusServer(self, write_control_token(self.state_dir))
         await self.status_server.start(s.status_host, s.status_port)
+        self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:
             await self._heartbeat_once()
@@ -345,6 +349,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             self.events.close()
             with contextlib.suppress(Exception):
                 await self.status_server.stop()
+            with contextlib.suppress(Exception):
+                await self.status_p2p.stop()
             if self.transport is not None:
                 with contextlib.suppress(Exception):
                     await self.transport.stop()

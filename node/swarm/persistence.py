@@ -111,16 +111,16 @@ class Persistence:
         self.events.emit("checkpoint", t=time.time(), path=str(path), step=self.learner.steps)
         return path
 
-    def _write_ready(self) -> None:
+    def _write_ready(self, name: str = "ready.json") -> None:
         doc = {
             "peer_id": self.peer_id,
             "maddrs": [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in a else a for a in self._addrs],
             "status_url": self.status_server.url,
             "pid": os.getpid(),
         }
-        tmp = self.state_dir / ".ready.json.tmp"
+        tmp = self.state_dir / f".{name}.tmp"
         tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.state_dir / "ready.json")
+        os.replace(tmp, self.state_dir / name)
 
     def _write_final(self) -> None:
         doc = {

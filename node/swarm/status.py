@@ -110,6 +110,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 "hash": rep.hash[:16],
                 "synchroniser": cands[0] if cands else None,
                 "collecting": node.syncs[p].phase.value if p in node.leases else None,
+                "behind": node.rounds_behind(p),  # rounds the newest credible head is ahead of ours
             }
         )
     now = time.time()
@@ -158,6 +159,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "bytes_sent": t.bytes_out if t else 0,
         "bytes_received": t.bytes_in if t else 0,
         "refused": dict(t.refused) if t else {},
+        "transfers": t.transfers(now) if t else {"in_flight": [], "recent": []},
         "guard": node.guard.status(),
         "counters": dict(node.counters),
         "goodput": goodput,

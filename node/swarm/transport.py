@@ -14,9 +14,12 @@ Errors: every refusal is a ``Reply(ok=False, code, message)`` with a code from `
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import struct
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -99,12 +102,15 @@ async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[di
     return parse_header(await reader.readexactly(n), max_bytes)
 
 
-async def _read_body(reader: asyncio.StreamReader, nbytes: int) -> bytes:
+async def _read_body(reader: asyncio.StreamReader, nbytes: int, progress: dict | None = None) -> bytes:
     chunks, left = [], nbytes
     while left:
         c = await reader.readexactly(min(CHUNK, left))
         chunks.append(c)
         left -= len(c)
+        if progress is not None:  # a call in flight (``Transport.transfers``): bytes so far, last byte when
+            progress["bytes"] += len(c)
+            progress["last"] = time.time()
     return b"".join(chunks)
 
 
@@ -124,6 +130,25 @@ class Transport:
         self.refused: dict[str, int] = {}  # code -> count, for status
         self.bytes_in = 0
         self.bytes_out = 0
+        self._ids = itertools.count()
+        self._calls: dict[int, dict] = {}  # calls in flight: peer, op, since, last byte, bytes received
+        self._done: deque[dict] = deque(maxlen=32)  # the last calls finished, for status and ddiloco doctor
+
+    def transfers(self, now: float | None = None) -> dict:
+        """Calls in flight (how long, how long since their last byte, bytes received so far) and the last
+        ones finished (bytes, seconds, outcome): what a stalled state download looks like from here."""
+        now = time.time() if now is None else now
+        live = [
+            {
+                "peer": c["peer"],
+                "op": c["op"],
+                "age_s": round(now - c["since"], 3),
+                "idle_s": round(now - c["last"], 3),
+                "bytes": c["bytes"],
+            }
+            for c in list(self._calls.values())
+        ]
+        return {"in_flight": live, "recent": list(self._done)}
 
     def register(self, op: str, handler: Handler) -> None:
         self.handlers[op] = handler
@@ -183,6 +208,10 @@ class Transport:
     ) -> Reply:
         """Send ``payload`` to ``op`` on ``peer_id`` and wait for the reply, within the deadline."""
         deadline = self.timeout_s if timeout_s is None else timeout_s
+        now = time.time()
+        key = next(self._ids)
+        track = self._calls[key] = {"peer": peer_id, "op": op, "since": now, "last": now, "bytes": 0}
+        outcome = "broken"
         try:
             async with asyncio.timeout(deadline):
                 _, reader, writer = await self.p2p.call_binary_stream_handler(
@@ -193,12 +222,16 @@ class Transport:
                     await writer.drain()
                     if await reader.readexactly(1) == GO:
                         await _write_body(writer, payload)
-                    header, body = await _read_frame(reader, self.max_bytes)
+                    header, nbytes = await _read_header(reader, self.max_bytes)
+                    track["last"] = time.time()
+                    body = await _read_body(reader, nbytes, track)
+                    outcome = "ok" if header.get("ok") else str(header.get("code"))
                     self.bytes_out += len(payload)
                     self.bytes_in += len(body)
                 finally:
                     writer.close()
         except TimeoutError as e:
+            outcome = "timeout"
             raise TransportError(f"{op} to {peer_id}: no reply within {deadline:.1f}s") from e
         except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
             raise TransportError(f"{op} to {peer_id}: stream broke ({type(e).__name__}: {e})") from e
@@ -207,4 +240,16 @@ class Transport:
                 f"{op} to {peer_id}: could not open a stream ({type(e).__name__}: {e}); "
                 "is the peer alive and reachable?"
             ) from e
+        finally:
+            c = self._calls.pop(key)
+            self._done.append(
+                {
+                    "peer": peer_id,
+                    "op": op,
+                    "bytes": c["bytes"],
+                    "seconds": round(time.time() - c["since"], 3),
+                    "outcome": outcome,
+                    "t": round(time.time(), 3),
+                }
+            )
         return Reply(bool(header.get("ok")), str(header.get("code")), str(header.get("message")), body)

@@ -1,0 +1,74 @@
+"""The node's status over libp2p: ``/ddiloco/status/1`` on its p2p daemon (frames: ``node.common.status_wire``).
+
+``ddiloco status --peer MADDR`` reads it with py-libp2p, so an operator needs neither a Go daemon nor the
+node's HTTP port. In a private swarm the request must carry a certificate of the swarm's authority that
+admits the caller's peer id (authenticated by the stream's Noise handshake); a caller without one is
+refused with ``not_admitted`` and counted in ``refused``. Any role may read, including ``observer``, the
+role for tools that are never members. The reply is not sealed with the swarm secret: the stream is
+already encrypted end to end, and an observer holds no secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from dht.admission import AdmissionError
+from node.common.status_wire import (
+    MAX_REQUEST,
+    PROTOCOL,
+    StatusWireError,
+    decode_body,
+    encode_frame,
+    frame_size,
+)
+from node.swarm.status import status_doc
+
+logger = logging.getLogger(__name__)
+SERVE_TIMEOUT_S = 10.0
+
+
+def answer(node: Any, caller: str, request: dict, now: float) -> dict:
+    """The reply to one status request from ``caller``: the status document, or a refusal that says why."""
+    adm = node.admission
+    if adm is not None:
+        cert = request.get("cert", "")
+        try:
+            adm.check(caller, cert if isinstance(cert, str) else "", now)
+        except AdmissionError as e:
+            return {"ok": False, "code": "not_admitted", "message": f"status for {caller}: {e}"}
+    return {"ok": True, "status": status_doc(node)}
+
+
+class StatusProtocol:
+    def __init__(self, node: Any, p2p: Any) -> None:
+        self.node, self.p2p = node, p2p
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(PROTOCOL, self._serve)
+
+    async def stop(self) -> None:
+        await self.p2p.remove_binary_stream_handler(PROTOCOL)
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        caller = info.peer_id.to_base58()
+        try:
+            async with asyncio.timeout(SERVE_TIMEOUT_S):
+                try:
+                    n = frame_size(await reader.readexactly(4), MAX_REQUEST)
+                    reply = answer(self.node, caller, decode_body(await reader.readexactly(n)), time.time())
+                except StatusWireError as e:
+                    reply = {"ok": False, "code": "malformed", "message": str(e)}
+                if not reply["ok"]:
+                    t = self.node.transport
+                    if t is not None:
+                        t._count(reply["code"])
+                    logger.warning("refused status %s from %s: %s", reply["code"], caller, reply["message"])
+                writer.write(encode_frame(reply))
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
+            logger.info("status stream from %s dropped: %s", caller, type(e).__name__)
+        finally:
+            writer.close()
