@@ -4,6 +4,8 @@
 import ast
 from pathlib import Path
 
+from tests.test_layering import parse
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "dht", "node", "sim")
 
@@ -22,7 +24,7 @@ def graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[str]]:
     }
     edges: dict[str, set[str]] = {m: set() for m in files}
     for m, f in files.items():
-        for n in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+        for n in ast.walk(parse(f)):
             targets = []
             if isinstance(n, ast.Import):
                 targets = [a.name for a in n.names]

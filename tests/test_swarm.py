@@ -64,7 +64,9 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
 
     # Bounded in the survivors' own steps, not in seconds: on a loaded machine both stretch alike.
     rate = max(before[i]["learner"]["steps"] / max(1e-9, before[i]["uptime_s"]) for i in survivors)
-    wait_until(merged_again, 8 * bound_s, f"fragment 0 to merge again after killing its synchroniser {victim}")
+    wait_until(
+        merged_again, 8 * bound_s, f"fragment 0 to merge again after killing its synchroniser {victim}"
+    )
     took = max(samples[-1][i] - steps0[i] for i in survivors)
     assert took <= 2 * (bound_s + 5) * rate, (took, rate, time.time() - t_kill)
     for a, b in zip([steps0, *samples], samples):
