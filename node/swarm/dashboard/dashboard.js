@@ -54,7 +54,8 @@ function chart(id, series, xLabel) {
   const sy = (y) => H - B - ((y - y0) / (y1 - y0)) * (H - T - B);
   for (const [v, y] of [[y1, T], [y0, H - B]])
     svg.appendChild(el("text", { svg: 1, x: 2, y: y + 4, class: "tick" }, Number(v).toPrecision(3)));
-  svg.appendChild(el("text", { svg: 1, x: W - R, y: H - 6, class: "tick", "text-anchor": "end" }, `${xLabel} ${x1.toFixed(0)}`));
+  const xl = xLabel === "s" ? `${x1.toFixed(0)} s` : `${xLabel} ${x1.toFixed(0)}`;
+  svg.appendChild(el("text", { svg: 1, x: W - R, y: H - 6, class: "tick", "text-anchor": "end" }, xl));
   svg.appendChild(el("text", { svg: 1, x: L, y: H - 6, class: "tick" }, x0.toFixed(0)));
   let drawn = 0;
   series.forEach((s, i) => {
