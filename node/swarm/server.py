@@ -73,8 +73,11 @@ class StatusServer:
 
     async def _sample_loop(self) -> None:
         while True:
-            doc = self.document()
-            self.history.sample(time.time(), doc["goodput"], doc["learner"]["tokens_per_s"])
+            try:
+                doc = self.document()
+                self.history.sample(time.time(), doc["goodput"], doc["learner"]["tokens_per_s"])
+            except Exception:  # a status bug costs a point of the curve, not the sampler
+                logger.exception("sampling the status document for /history failed")
             await asyncio.sleep(SAMPLE_S)
 
     # ------------------------------------------------------------------ lifecycle
