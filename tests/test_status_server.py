@@ -79,6 +79,18 @@ def test_a_status_flood_builds_the_document_once_per_interval():
     assert later == {"n": 2} and len(builds) == 2
 
 
+def test_training_records_keep_the_cached_document_and_rarer_ones_make_it_stale():
+    builds, clock = [], Clock()
+    srv = _server(builds, clock)
+    assert srv.document() == {"n": 1}
+    for kind in ("step", "contribute", "adopt", "merge", "eval"):
+        srv.on_event({"kind": kind, "t": 1.0, "cid": "c", "bytes": 10, "learners": [], "cids": []})
+        assert srv.document() == {"n": 1}, f"a {kind} record rebuilt the document"
+    for n, kind in enumerate(("reject", "ban", "join", "failover"), start=2):
+        srv.on_event({"kind": kind, "t": 1.0})
+        assert srv.document() == {"n": n} and srv.document() == {"n": n}, kind
+
+
 async def _raw(url: str, request: bytes) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))

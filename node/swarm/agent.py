@@ -288,7 +288,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         history = History(self.learner.tokens_per_step)  # the dashboard's curves, fed by the events
         self.status_server = StatusServer(self, write_control_token(self.state_dir), history=history)
         self.events.subscribe(history.on_event)
-        self.events.subscribe(self.status_server.metrics.on_event)
+        self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:

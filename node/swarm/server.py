@@ -2,7 +2,8 @@
 
 Routes:
   * ``GET /status``: the status document (``node.swarm.status.status_doc``) as JSON, from a copy rebuilt at
-    most every ``CACHE_S`` seconds: a flood of readers costs the node one build per interval, not one each;
+    most every ``CACHE_S`` seconds while the node trains (a flood of readers costs the node one build per
+    interval, not one each), and at the next request after a rarer change (``FREQUENT``, ``on_event``);
   * ``POST /control``: pause, resume, stop (and the ``block`` test hook), only with the node's control token
     (``Authorization: Bearer TOKEN``); without it, 403 before the body is read, and nothing changes;
   * ``GET /metrics``: Prometheus exposition from the node's own registry (``node.swarm.metrics``);
@@ -31,7 +32,11 @@ from node.swarm.status import MAX_REQUEST, BadRequest, apply_control, parse_cont
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
-CACHE_S = 0.5  # the status document served is at most this old
+CACHE_S = 0.5  # the status document served is at most this old, unless a rarer event made it stale
+# Records of ordinary training, many a second: they leave the cached document in place. Any other record
+# (join, reject, ban, failover, fork, resync, drop, relink, checkpoint, ...) marks it stale, so a reader
+# sees such a change at once while a flood of readers still costs at most one build per CACHE_S.
+FREQUENT = frozenset({"step", "contribute", "adopt", "merge", "eval", "align", "block"})
 SAMPLE_S = 5.0  # how often the goodput curve of /history gets a point
 DASHBOARD = Path(__file__).with_name("dashboard")
 ASSETS = {"/": ("index.html", "text/html"), "/dashboard.js": ("dashboard.js", "text/javascript")}
@@ -56,6 +61,8 @@ class StatusServer:
         self.builds = 0  # documents built (the cache keeps this far below the requests served)
         self._doc: dict | None = None
         self._built_at = 0.0
+        self._version = 0  # bumped by a change the cached document must not hide (``on_event``)
+        self._doc_version = -1
         self.history = history
         self.metrics = NodeMetrics(getattr(node, "peer_id", ""), self.document)
         self.runner: web.AppRunner | None = None
@@ -64,12 +71,21 @@ class StatusServer:
 
     # ------------------------------------------------------------------ the cached document
     def document(self) -> dict:
-        now = self.clock()
-        if self._doc is None or now - self._built_at >= CACHE_S:
-            self._doc = self.build(self.node)
-            self._built_at = now
+        now, version = self.clock(), self._version
+        if self._doc is None or version != self._doc_version or now - self._built_at >= CACHE_S:
+            # an event during the build bumps _version again, so the next request rebuilds
+            self._doc, self._doc_version, self._built_at = self.build(self.node), version, now
             self.builds += 1
         return self._doc
+
+    def stale(self) -> None:
+        self._version += 1
+
+    def on_event(self, rec: dict) -> None:
+        """The node's event records (``EventLog.subscribe``): metrics, and the cache marked stale."""
+        self.metrics.on_event(rec)
+        if rec.get("kind") not in FREQUENT:
+            self.stale()
 
     async def _sample_loop(self) -> None:
         while True:
@@ -161,7 +177,7 @@ class StatusServer:
         except (BadRequest, TimeoutError) as e:
             return _json(400, {"error": f"bad request: {e}"})
         code, doc = apply_control(self.node, action, peers)
-        self._doc = None  # the next /status shows the change
+        self.stale()  # the next /status shows the change
         return _json(code, doc)
 
     async def _metrics(self, request: web.Request) -> web.Response:
