@@ -1,4 +1,5 @@
-"""The container deployment, checked statically: Dockerfile, docker-compose.yml, deploy/*.toml, deploy/*.sh.
+"""The container deployment, checked statically: Dockerfile, docker-compose.yml, deploy/*.toml, deploy/*.sh,
+and the ``monitoring`` profile (Prometheus and Grafana: deploy/prometheus.yml, deploy/grafana*).
 
 No Docker engine is needed. The compose file is read with PyYAML, every node config goes through the node's
 own ``build_config``, the entrypoint script runs under ``sh`` with stand-ins for ``ddiloco`` and ``python``,
@@ -40,7 +41,12 @@ def _compose() -> dict:
 
 
 def _services() -> dict[str, dict]:
-    return _compose()["services"]
+    """The node services (those in no profile: ``docker compose up`` starts them)."""
+    return {k: v for k, v in _compose()["services"].items() if not v.get("profiles")}
+
+
+def _monitoring() -> dict[str, dict]:
+    return {k: v for k, v in _compose()["services"].items() if "monitoring" in v.get("profiles", [])}
 
 
 def _default(value: str) -> str:
@@ -137,7 +143,7 @@ def test_mounts_exist_and_state_is_private():
     compose = _compose()
     declared = set(compose.get("volumes") or {})
     writers: dict[str, list[str]] = {}
-    for name, svc in compose["services"].items():
+    for name, svc in _services().items():
         cfg = _node_config(name)
         targets = {dst for _, dst, _ in _volumes(svc)}
         assert cfg.node.state_dir in targets, f"{name}: state_dir {cfg.node.state_dir} is not on a volume"
@@ -238,6 +244,73 @@ def test_docker_compose_config_when_available(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ monitoring
+def test_monitoring_profile_adds_prometheus_and_grafana_only():
+    every = _compose()["services"]
+    mon = _monitoring()
+    assert sorted(mon) == ["grafana", "prometheus"]
+    assert set(every) == set(NODES) | set(mon), "every other service is a node, outside any profile"
+    for name, svc in mon.items():
+        assert svc["profiles"] == ["monitoring"]
+        assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)+", svc["image"]), f"{name}: pin the image version"
+        for p in svc.get("ports", []):
+            assert str(p).startswith("127.0.0.1:"), f"{name}: {p} must be bound to the host's loopback only"
+        for src, _, mode in _volumes(svc):
+            assert mode == "ro" and (ROOT / src).is_file(), f"{name}: {src} must be a file mounted read-only"
+
+
+def _mount(svc: dict, target_dir: str, suffix: str = "") -> Path:
+    """The host file a service mounts under target_dir."""
+    (src,) = [src for src, dst, _ in _volumes(svc) if dst.startswith(target_dir) and dst.endswith(suffix)]
+    return ROOT / src
+
+
+def test_prometheus_scrapes_every_node_status_port():
+    prom = _monitoring()["prometheus"]
+    conf = yaml.safe_load(_mount(prom, "/etc/prometheus/prometheus.yml").read_text())
+    (job,) = conf["scrape_configs"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    want = [f"{name}:{_node_config(name).node.status_port}" for name in NODES]
+    assert sorted(targets) == sorted(want), "one target per node service, at its status port"
+    for name in NODES:
+        assert _node_config(name).node.status_host == "0.0.0.0", (
+            f"{name}: Prometheus reaches it over the compose network only if it listens on 0.0.0.0"
+        )
+
+
+def test_grafana_provisions_the_dashboard_and_its_queries_name_exported_metrics():
+    from prometheus_client.registry import CollectorRegistry
+
+    from node.swarm.metrics import NodeMetrics
+
+    graf = _monitoring()["grafana"]
+    source = yaml.safe_load(_mount(graf, "/etc/grafana/provisioning/datasources").read_text())
+    (ds,) = source["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load(_mount(graf, "/etc/grafana/provisioning/dashboards").read_text())
+    folder = provider["providers"][0]["options"]["path"]
+    dash = json.loads(_mount(graf, folder, ".json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and all(t["datasource"]["uid"] == ds["uid"] for p in dash["panels"] for t in p["targets"])
+
+    # what a node exports: sample names of a registry fed a status document of the real shape
+    doc = {
+        "peer_id": "p", "swarm": "s", "learner": {"steps": 1, "tokens": 1, "tokens_per_s": 1.0, "loss": 1.0,
+        "eval_loss": 1.0, "paused": False}, "rounds_merged": 1, "tokens_merged": 1.0, "goodput": 0.5,
+        "in_flight": 0, "uptime_s": 1.0, "peers": [{"reachable": True}], "bytes_sent": 1, "bytes_received": 1,
+        "fragments": [{"fragment": 0, "round": 1, "synchroniser": "p"}],
+        "counters": {"failovers": 0, "forks": 0}, "refused": {"malformed": 1},
+    }  # fmt: skip
+    registry: CollectorRegistry = NodeMetrics("p", lambda: doc).registry
+    exported = {s.name for fam in registry.collect() for s in fam.samples}
+    for e in exprs:
+        names = set(re.findall(r"\bddiloco_\w+", e))
+        assert names, f"query {e!r} names no ddiloco metric"
+        for n in names:
+            assert n in exported or f"{n}_total" in exported, f"query {e!r}: the node exports no {n}"
 
 
 # ------------------------------------------------------------------------------------------------ image

@@ -14,10 +14,10 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
+from node.cli.progress import Bar
 from protocol.errors import ConfigError
 from sim.model import DAY_S, HOUR_S, SYSTEMS, YEAR_S, SimConfig
 
@@ -159,26 +159,6 @@ def describe(cfg: SimConfig) -> str:
     )
 
 
-class _Progress:
-    """One line on stderr: rewritten in a terminal, a line per 10% otherwise."""
-
-    def __init__(self, label: str, enabled: bool) -> None:
-        self.label, self.enabled = label, enabled
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.decile = -1
-
-    def __call__(self, frac: float) -> None:
-        if not self.enabled or (not self.tty and int(frac * 10) == self.decile):
-            return
-        self.decile = int(frac * 10)
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        line = f"{self.label:<11} [{bar}] {frac:6.1%} of virtual time  {time.monotonic() - self.t0:5.1f}s"
-        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-        if self.tty and frac >= 1.0:
-            print(file=sys.stderr)
-
-
 def _table(rows: list[dict]) -> str:
     cols = [
         ("system", "system", "{}"),
@@ -227,7 +207,11 @@ def run(args: argparse.Namespace) -> int:
                 p = Path(path)
                 path = str(p.with_name(f"{p.stem}.{cfg.system}{p.suffix}"))
             sink = RecordSink(cfg.block_chips(), path)
-        res = simulate(cfg, sink, _Progress(cfg.system, enabled=not (args.quiet or args.json)))
+        bar = Bar(cfg.system, enabled=not (args.quiet or args.json))
+        try:
+            res = simulate(cfg, sink, lambda frac, bar=bar: bar(frac, "of virtual time"))
+        finally:
+            bar.close()
         row = res.as_dict()
         if sink is not None:
             row["events"] = sink.path

@@ -33,6 +33,16 @@ def add_parser(sub) -> None:
         help="with --peer, in a private swarm: the caller's admission certificate (e.g. role observer)",
     )
     st.add_argument("--timeout-s", type=float, default=20.0, help="with --peer: deadline in seconds")
+    st.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep showing the status, redrawn in place every --interval seconds until Ctrl+C "
+        "(without a terminal: one frame per interval)",
+    )
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between frames of --watch")
+    st.add_argument(
+        "--count", type=int, default=0, help="with --watch: stop after this many frames (0: never)"
+    )
 
 
 def _status_table(s: dict) -> str:
@@ -117,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
                 f"no --url given and {ready} does not exist; pass --url http://HOST:PORT or the node's --state-dir"
             )
         url = json.loads(ready.read_text())["status_url"]
+    if args.watch:
+        from node.cli.watch import watch
+
+        if args.interval <= 0 or args.count < 0:
+            raise ConfigError(f"--interval {args.interval} must be > 0 and --count {args.count} >= 0")
+        return watch(lambda: fetch_status(url), url, args.interval, args.count)
     s = fetch_status(url)
     print(json.dumps(s, indent=2) if args.json else _status_table(s))
     return 0

@@ -8,6 +8,7 @@ import sys
 import time
 
 from node.cli.config import add_config_args
+from node.cli.progress import Bar
 
 
 def add_parser(sub) -> None:
@@ -25,33 +26,13 @@ def add_parser(sub) -> None:
     add_config_args(tl)
 
 
-class Progress:
-    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+def _tokens_progress(bar: Bar):
+    """The runner's ``progress(done_tokens, total_tokens, eval_loss)`` callback, drawn on ``bar``."""
 
-    def __init__(self, label: str, enabled: bool = True) -> None:
-        self.label, self.enabled = label, enabled
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self._last_decile = -1
+    def report(done: int, total: int, loss: float) -> None:
+        bar(done / total, f"tokens {done / 1e6:.2f}M/{total / 1e6:.2f}M  eval loss {loss:.3f}")
 
-    def __call__(self, done: int, total: int, loss: float) -> None:
-        if not self.enabled:
-            return
-        frac = min(1.0, done / total)
-        decile = int(frac * 10)
-        if not self.tty and decile == self._last_decile:
-            return
-        self._last_decile = decile
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        line = (
-            f"{self.label:<12} [{bar}] {frac * 100:5.1f}%  tokens {done / 1e6:.2f}M/{total / 1e6:.2f}M  "
-            f"eval loss {loss:.3f}  {time.monotonic() - self.t0:5.1f}s"
-        )
-        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
+    return report
 
 
 def _table(rows: list[dict]) -> str:
@@ -121,13 +102,13 @@ def run(args: argparse.Namespace) -> int:
         )
         path = _per_system(r.events, system, "," in r.system)
         events = EventLog(path)
-        bar = Progress(system, enabled=not (args.quiet or args.json))
+        bar = Bar(system, enabled=not (args.quiet or args.json))
         t0 = time.monotonic()
         try:
-            res = run_system(task, run, replace(cfg.protocol), cfg.inner, events, bar)
+            res = run_system(task, run, replace(cfg.protocol), cfg.inner, events, _tokens_progress(bar))
         finally:
             events.close()
-            bar.done()
+            bar.close()
         if r.export:
             from node.swarm.checkpoint import export_model, export_pretrained
 

@@ -7,10 +7,14 @@ seconds in a node). ``protocol.goodput`` computes goodput from them; nothing els
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+logger = logging.getLogger(__name__)
 
 
 class EventLog:
@@ -34,6 +38,7 @@ class EventLog:
         self.emitted = 0
         self._fh: IO[str] | None = None
         self._lock = threading.Lock()  # a node emits from its learner thread, event loop and workers
+        self._listeners: list[Callable[[dict], None]] = []
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -47,6 +52,16 @@ class EventLog:
                 self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
                 if self._flush:
                     self._fh.flush()
+        for fn in self._listeners:
+            try:
+                fn(rec)
+            except Exception:  # a metrics bug must not stop the learner that emitted the record
+                logger.exception("event listener %r failed on a %s record", fn, kind)
+
+    def subscribe(self, fn: Callable[[dict], None]) -> None:
+        """Call ``fn(record)`` after each record is emitted, on the emitting thread (the node's metrics and
+        dashboard history are fed this way). ``fn`` must be quick and thread-safe; its errors are logged."""
+        self._listeners.append(fn)
 
     def close(self) -> None:
         with self._lock:  # a worker thread (the agent's evaluation) may still be emitting

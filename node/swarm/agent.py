@@ -48,10 +48,11 @@ from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
 from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.guard import Guard
+from node.swarm.history import History
 from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
+from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
-from node.swarm.status import StatusServer
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport
 from node.swarm.view import SwarmView
@@ -287,7 +288,10 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
         await self.status_p2p.start()
         self._phase("transport")
-        self.status_server = StatusServer(self, write_control_token(self.state_dir))
+        history = History(self.learner.tokens_per_step)  # the dashboard's curves, fed by the events
+        self.status_server = StatusServer(self, write_control_token(self.state_dir), history=history)
+        self.events.subscribe(history.on_event)
+        self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
         self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
         self.outbox: asyncio.Queue = asyncio.Queue()

@@ -1,4 +1,5 @@
-"""The node's HTTP status endpoint, DESIGN §7 (the client is ``node.common.status_client``).
+"""The node's status document and control requests, DESIGN §7 (served by ``node.swarm.server``; the
+client is ``node.common.status_client``).
 
 ``GET /status`` returns the node's view of the swarm as JSON: peers, who synchronises what, rounds, loss,
 tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}`` and the node's control token
@@ -11,8 +12,6 @@ on the node's status port (bind it to loopback, the default, or put it behind yo
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import json
 import logging
 import time
@@ -25,44 +24,11 @@ from protocol.goodput import compute_goodput
 from protocol.synchroniser import has_quorum
 
 logger = logging.getLogger(__name__)
-MAX_REQUEST = 64 * 1024
+MAX_REQUEST = 64 * 1024  # the largest request body the endpoint reads
 
 
 class BadRequest(DDiLoCoError, ValueError):
     """An HTTP request to the status endpoint is malformed; answered with 400 and this message."""
-
-
-def parse_request_head(head: bytes) -> tuple[str, str, int]:
-    """Method, path and Content-Length of an HTTP request head (the bytes up to the blank line)."""
-    if len(head) > MAX_REQUEST:
-        raise BadRequest(f"request header of {len(head)} bytes exceeds {MAX_REQUEST}")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if len(parts) != 3:
-        raise BadRequest(f"request line {lines[0][:80]!r} is not 'METHOD PATH VERSION'")
-    method, path, _ = parts
-    length = 0
-    for line in lines[1:]:
-        k, _, v = line.partition(":")
-        if k.strip().lower() == "content-length":
-            v = v.strip()
-            if not (v.isascii() and v.isdigit() and len(v) <= 9):
-                raise BadRequest(f"Content-Length {v[:20]!r} is not a byte count")
-            length = int(v)
-    if length > MAX_REQUEST:
-        raise BadRequest(f"request body of {length} bytes exceeds {MAX_REQUEST}")
-    return method, path, length
-
-
-def bearer_token(head: bytes) -> str | None:
-    """The token of an ``Authorization: Bearer TOKEN`` header in a request head, if any."""
-    for line in head.decode("latin-1").split("\r\n")[1:]:
-        k, _, v = line.partition(":")
-        if k.strip().lower() == "authorization":
-            scheme, _, token = v.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
 
 
 def parse_control(body: bytes) -> tuple[str, list[str]]:
@@ -101,8 +67,11 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
     ll = node.learner_loop
     members = node.live_members()
     frags = []
+    synchronises: dict[str, list[int]] = {}
     for p, rep in enumerate(node.replicas):
         cands = node.candidates(p)
+        if cands:
+            synchronises.setdefault(cands[0], []).append(p)
         frags.append(
             {
                 "fragment": p,
@@ -114,6 +83,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
             }
         )
     now = time.time()
+    mono = time.monotonic()
     goodput, since = held_goodput(node.events, node.started_at, now, node.peer_id, node.shares)
     t = node.transport
     return {
@@ -153,6 +123,10 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 "step": m.step,
                 "rounds": sum(int(h[0]) for h in m.heads.values()),
                 "expires_in_s": m.expires_at - now,
+                # roles and reachability: the fragments it synchronises now; False while a call to it
+                # failed within ttl_s (it is skipped as synchroniser) or the block test hook cuts it off
+                "synchronises": synchronises.get(pid, []),
+                "reachable": pid not in node.blocked and node.suspect.get(pid, 0.0) <= mono,
             }
             for pid, m in sorted(members.items())
         ],
@@ -168,88 +142,18 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
     }
 
 
-class StatusServer:
-    def __init__(self, node: Any, token: str) -> None:
-        self.token = token  # what POST /control must carry (``write_control_token``)
-        self.node = node
-        self.server: asyncio.AbstractServer | None = None
-        self.url = ""
-
-    async def start(self, host: str, port: int) -> None:
-        try:
-            self.server = await asyncio.start_server(self._serve, host, port)
-        except OSError as e:
-            raise DDiLoCoError(
-                f"cannot serve status on {host}:{port}: {e.strerror} (port in use? use status_port = 0)"
-            ) from e
-        h, p = self.server.sockets[0].getsockname()[:2]
-        self.url = f"http://{h}:{p}"
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(10):
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, path, length = parse_request_head(head)
-                if method == "POST" and not self._authorised(head):
-                    # refused before the body is read, and nothing changes
-                    code, doc = (
-                        403,
-                        {
-                            "error": "POST /control needs the node's control token: send "
-                            "'Authorization: Bearer TOKEN' with STATE_DIR/control.token"
-                        },
-                    )
-                else:
-                    body = await reader.readexactly(length) if length else b""
-                    code, doc = self._route(method, path, body)
-        except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-            code, doc = 400, {"error": f"bad request: {type(e).__name__}: {e}"}
-        except Exception as e:  # noqa: BLE001 - a status bug must not take the node down
-            logger.exception("status endpoint failed")
-            code, doc = 500, {"error": f"{type(e).__name__}: {e}"}
-        raw = json.dumps(doc, default=str).encode()
-        reason = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 500: "Error"}[code]
-        writer.write(
-            f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
-            f"Connection: close\r\n\r\n".encode()
-            + raw
-        )
-        try:
-            await asyncio.wait_for(writer.drain(), 10)
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    def _authorised(self, head: bytes) -> bool:
-        token = bearer_token(head)
-        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
-
-    def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
-        node = self.node
-        if method == "GET" and path.split("?")[0] == "/status":
-            return 200, status_doc(node)
-        if method == "POST" and path == "/control":
-            try:
-                action, peers = parse_control(body)
-            except BadRequest as e:
-                return 400, {"error": str(e)}
-            ll = node.learner_loop
-            if action == "pause":
-                ll.paused.set()
-            elif action == "resume":
-                ll.paused.clear()
-            elif action == "stop":
-                node.request_stop("stop requested over the status endpoint")
-            elif action == "block":
-                if not node.settings.test_hooks:
-                    return 403, {"error": "block is a test hook; start the node with --test-hooks"}
-                node.blocked = set(peers)
-                node.events.emit("partition", t=time.time(), blocked=sorted(peers))
-            return 200, {"ok": True, "action": action}
-        return 404, {"error": f"no route {method} {path}: use GET /status or POST /control"}
+def apply_control(node: Any, action: str, peers: list[str]) -> tuple[int, dict]:
+    """Carry out an authorised, parsed ``POST /control``: the HTTP code and the JSON answer."""
+    ll = node.learner_loop
+    if action == "pause":
+        ll.paused.set()
+    elif action == "resume":
+        ll.paused.clear()
+    elif action == "stop":
+        node.request_stop("stop requested over the status endpoint")
+    elif action == "block":
+        if not node.settings.test_hooks:
+            return 403, {"error": "block is a test hook; start the node with --test-hooks"}
+        node.blocked = set(peers)
+        node.events.emit("partition", t=time.time(), blocked=sorted(peers))
+    return 200, {"ok": True, "action": action}

@@ -2,7 +2,7 @@
 
 from tests.fuzz.disk_targets import CHECKPOINT, LATEST
 from tests.fuzz.harness import Outcome, Target, outcome, refusal_label
-from tests.fuzz.peer_targets import CERTIFICATE, CONTROL, HTTP_HEAD, LIVE, MEMBER, SEALED
+from tests.fuzz.peer_targets import CERTIFICATE, CONTROL, LIVE, MEMBER, SEALED
 from tests.fuzz.wire_targets import (
     CONTRIBUTION,
     ENVELOPE,
@@ -23,6 +23,6 @@ TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         CONTRIBUTION, PEEK, PARTS, RECORD, SNAPSHOT, LIST, ENVELOPE, RECORDS_REQUEST, SNAPSHOT_REQUEST,
-        REDIRECT, MEMBER, LIVE, CERTIFICATE, SEALED, FRAME, CONTROL, HTTP_HEAD, CHECKPOINT, LATEST,
+        REDIRECT, MEMBER, LIVE, CERTIFICATE, SEALED, FRAME, CONTROL, CHECKPOINT, LATEST,
     )
 }  # fmt: skip
