@@ -41,6 +41,8 @@ class RejectCode(enum.Enum):
     NOT_ADMITTED = "not_admitted"  # private swarm: payload not sealed with the swarm's key, or no admission
     REPLAYED = "replayed"  # a contribution already merged (same learner and contribution id)
     BANNED = "banned"  # the sender's score fell below the ban threshold; refused until the ban ends
+    PEER_BUSY = "peer_busy"  # the sender already has its budget of request bytes being read; retry later
+    RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
 from protocol.election import candidates, head_key
+from protocol.errors import ProtocolError, RejectCode
 from protocol.synchroniser import on_membership
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,15 @@ class SwarmView:
                 self._unknown_asked = {caller: now}
             await self._refresh_view()
         return caller in self.members
+
+    async def _admit(self, caller: str, op: str) -> None:
+        """The transport's admission check, before it reads a request's body: a stranger's upload is refused
+        ``unknown_peer`` (a banned peer's ``banned``) without a byte of it being read."""
+        if not await self._known(caller):
+            raise ProtocolError(
+                RejectCode.UNKNOWN_PEER,
+                f"{op} from {caller}: not a live member of swarm {self.settings.swarm}",
+            )
 
     def swarm_step(self) -> float | None:
         """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or
