@@ -119,7 +119,7 @@ class Membership:
                 except DDiLoCoError as e:
                     dropped[subkey] = f"not admitted: {e}"
             else:
-                dropped[repr(subkey)[:80]] = (
+                dropped[subkey[:80] if isinstance(subkey, str) else repr(subkey)[:80]] = (
                     f"not a record: subkey {type(subkey).__name__}, value {type(value).__name__}"
                 )
         members, bad = live_view(self.swarm, raws, now, self.admission)
