@@ -24,6 +24,7 @@ from protocol.synchroniser import has_quorum
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024
+STATUS_MAX_AGE_S = 0.5  # GET /status serves a document built at most this long ago (a flood builds few)
 
 
 class BadRequest(DDiLoCoError, ValueError):
@@ -154,10 +155,28 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
 
 
 class StatusServer:
-    def __init__(self, node: Any) -> None:
+    """Serves GET /status from a cached document, rebuilt when it is older than ``max_age_s``: building it
+    walks the election, the goodput records and every replica's hash on the node's event loop, and a flood
+    of requests slowed the learner by ~40% when each built its own (issue 19). A POST /control makes the
+    next GET build afresh, so a reader sees what it changed. ``builds`` counts the documents built."""
+
+    def __init__(self, node: Any, max_age_s: float = STATUS_MAX_AGE_S) -> None:
         self.node = node
         self.server: asyncio.AbstractServer | None = None
         self.url = ""
+        self.max_age_s = max_age_s
+        self.builds = 0
+        self._doc: dict | None = None
+        self._built_at = float("-inf")
+
+    def status(self) -> dict:
+        """The status document, built at most every ``max_age_s`` seconds."""
+        now = time.monotonic()
+        if self._doc is None or now - self._built_at >= self.max_age_s:
+            self.builds += 1
+            self._doc = {**status_doc(self.node), "status_builds": self.builds}
+            self._built_at = now
+        return self._doc
 
     async def start(self, host: str, port: int) -> None:
         try:
@@ -179,6 +198,8 @@ class StatusServer:
             async with asyncio.timeout(10):
                 method, path, length = parse_request_head(await reader.readuntil(b"\r\n\r\n"))
                 body = await reader.readexactly(length) if length else b""
+                if method != "GET":
+                    self._doc = None  # whatever a control request changes shows in the next document
                 code, doc = self._route(method, path, body)
         except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             code, doc = 400, {"error": f"bad request: {type(e).__name__}: {e}"}
@@ -202,7 +223,7 @@ class StatusServer:
     def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
         node = self.node
         if method == "GET" and path.split("?")[0] == "/status":
-            return 200, status_doc(node)
+            return 200, self.status()
         if method == "POST" and path == "/control":
             try:
                 action, peers = parse_control(body)
