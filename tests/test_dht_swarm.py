@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -204,7 +205,11 @@ def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
         "import sys, time\nfrom dht.launch import start_dht\n"
         f"d = start_dht({str(key)!r}, ['/ip4/127.0.0.1/tcp/0'])\nprint('up', flush=True)\ntime.sleep(120)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # Its own temporary folder, removed below: a process killed with SIGKILL cannot remove its DHT's
+    # socket folder (nor multiprocessing its own), and this test must leave the machine's as it found it.
+    own_tmp = tempfile.mkdtemp(prefix="k9-")
+    env = dict(os.environ, TMPDIR=own_tmp)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "up"
         dht_procs = _children(proc.pid)
@@ -222,6 +227,7 @@ def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(own_tmp, ignore_errors=True)
 
 
 def _zombie(pid: int) -> bool:
