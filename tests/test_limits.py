@@ -51,3 +51,20 @@ def test_token_bucket_allows_a_burst_then_its_rate():
     assert t.take("a", 2, 15.0) > 0  # a refused request spends nothing...
     assert t.take("a", 2, 45.0) == 0.0  # ...and the bucket refills at its rate, up to the burst
     assert t.take("a", 5, 1e9) == math.inf  # more than the burst is never possible
+
+
+def test_a_failing_membership_read_holds_the_last_good_view_for_a_bounded_time():
+    """Issue 19: a read that fails must not empty a node's view (each node alone splits the swarm), and
+    must not keep dead members in it for ever either."""
+    from types import SimpleNamespace
+
+    from node.swarm.view import VIEW_HOLD_TTLS, SwarmView
+
+    node = SimpleNamespace(settings=SimpleNamespace(ttl_s=3.0), _read_failing=False, _last_good_read=100.0)
+    horizon = lambda now: SwarmView._view_horizon(node, now)  # noqa: E731
+    assert horizon(150.0) == 150.0  # reads work: records expire as they say
+    node._read_failing = True
+    assert horizon(101.0) == 100.0 and horizon(105.0) == 100.0  # judged as of the last good read...
+    hold = VIEW_HOLD_TTLS * 3.0
+    assert horizon(100.0 + hold + 5.0) == 105.0  # ...for a bounded time, then records expire that late
+    assert horizon(99.0) == 99.0  # never later than now
