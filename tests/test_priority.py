@@ -54,7 +54,7 @@ def test_launched_nodes_share_the_launchers_session_in_a_process_group_of_their_
     CPU whatever its threads' niceness, and ``learner_nice`` would not reach across nodes."""
     import os
 
-    from node.local.launcher import start_node
+    from node.local.launcher import kill_group, start_node
 
     child = start_node(0, tmp_path, ["--help"], [])
     try:
@@ -63,3 +63,4 @@ def test_launched_nodes_share_the_launchers_session_in_a_process_group_of_their_
         assert os.getsid(pid) == os.getsid(0)
     finally:
         child.proc.wait(timeout=60)
+        kill_group(child)  # its private TMPDIR goes with it
