@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
@@ -256,23 +257,45 @@ def launch_dht(
     return DHTLaunch(dht, ident.peer_id, str(identity_path), tried, list(initial_peers), timeout_s, hosts)
 
 
+MAX_PEER_ID = 64  # characters; an Ed25519 peer id in base58 has 52
+
+
+def members_key(swarm: str) -> str:
+    """The DHT key under which a swarm's membership records live, one subkey per member."""
+    return f"{swarm}/members"
+
+
 class OwnerValidator(RecordValidatorBase):
-    """Every DHT node of ours stores a value under a peer-id subkey only if that peer signed it.
+    """Under the swarm's members key, every DHT node of ours stores (and takes from a peer it asks) only a
+    member record under a peer-id subkey, signed by that peer.
 
     The subkey is the owner tag: a membership value must be a member record signed by the key behind the
     subkey's peer id (opened first with the swarm key in a private swarm), so nobody can take over another
-    peer's slot, even with a later expiration. Values under other subkeys are left to other validators."""
+    peer's slot, even with a later expiration. Anything else under the key is refused: subkeys that are not
+    peer-id strings (an int and a str subkey with the same expiry made hivemind's storage raise TypeError on
+    every read), and a plain value over the whole key (it would replace every member's record until an
+    expiry the writer chooses). hivemind validators see the key only as its hash: other keys are not ours to
+    judge and pass."""
 
     def __init__(self, swarm: str, admission=None) -> None:
         self.swarm, self.admission = swarm, admission
+        self.key_id = DHTID.generate(source=members_key(swarm)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_id:
+            return True
         try:
             owner = MSGPackSerializer.loads(record.subkey)
-        except Exception:  # noqa: BLE001 - any undecodable subkey is not ours to judge
-            return True
-        if not (isinstance(owner, str) and owner.startswith("12D3KooW")):
-            return True
+        except Exception:  # noqa: BLE001 - an undecodable subkey is no member's
+            logger.debug("DHT refused a value under an undecodable subkey of %s", members_key(self.swarm))
+            return False
+        if not (isinstance(owner, str) and 0 < len(owner) <= MAX_PEER_ID):
+            logger.debug(
+                "DHT refused a value under %s: subkey %s is not a peer id",
+                members_key(self.swarm),
+                "(plain value)" if owner is None else repr(owner)[:80],
+            )
+            return False
         try:
             raw = MSGPackSerializer.loads(record.value)
             if self.admission is not None:

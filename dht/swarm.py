@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
-from dht.launch import (
-    SwarmUnreachable,
-)
+from dht.launch import MAX_PEER_ID, SwarmUnreachable, members_key
 from dht.records import Member, RecordError, live_view, sign_member
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
+WARN_EVERY_S = 60.0  # a read that keeps failing is logged as a warning this often, and at debug level between
 
 
 class Membership:
@@ -38,7 +40,8 @@ class Membership:
     ) -> None:
         self.dht, self.swarm, self.identity, self.timeout_s = dht, swarm, identity, timeout_s
         self.admission = admission  # private swarm: values sealed with the swarm key, certificates checked
-        self.key = f"{swarm}/members"
+        self.key = members_key(swarm)
+        self._warned_at = float("-inf")  # when a failed read was last logged as a warning
 
     def _wait(self, what: str, call: Any, **kwargs: Any) -> Any:
         tried = f"{what} key {self.key!r} of swarm {self.swarm!r}"
@@ -80,15 +83,34 @@ class Membership:
     def live(self, now: float | None = None) -> tuple[list[Member], dict[str, str]]:
         """Members with a valid unexpired record, sorted by peer id, and why each other subkey was dropped."""
         now = get_dht_time() if now is None else now
-        found = self._wait("reading", self.dht.get, latest=True)
+        try:
+            found = self._wait("reading", self.dht.get, latest=True)
+        except Exception as e:  # noqa: BLE001 - junk under the key makes hivemind's get raise (an int and a
+            # str subkey with one expiry: TypeError) or never answer. Read this node's own copy instead, raw
+            # (which raises SwarmUnreachable in turn if the DHT process is gone).
+            return self._local(now, f"the DHT read failed: {type(e).__name__}: {str(e)[:200]}")
         if found is None:
             return [], {}
-        if not isinstance(found.value, dict):
-            return [], {"": f"key holds a plain {type(found.value).__name__}, not per-peer records"}
-        raws, dropped = {}, {}
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", item)
-            if isinstance(subkey, str) and isinstance(value, bytes):
+        if not isinstance(found.value, dict):  # a plain value over the key: not ours, whoever stored it
+            return self._local(now, f"key holds a plain {type(found.value).__name__}, not per-peer records")
+        return self._view({k: getattr(v, "value", v) for k, v in found.value.items()}, now, {})
+
+    def _local(self, now: float, why: str) -> tuple[list[Member], dict[str, str]]:
+        """The view from this DHT node's own copy of the key, read raw, when a read of the DHT was unusable."""
+        if time.monotonic() - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = time.monotonic()
+            logger.warning("reading key %r: %s; using this DHT node's own copy of it", self.key, why)
+        items = self._result(
+            f"reading this node's copy of key {self.key!r}",
+            lambda: self.dht.run_coroutine(_LocalRecords(self.key, now), return_future=True),
+        )
+        return self._view(dict(items), now, {"": why})
+
+    def _view(self, items: dict, now: float, dropped: dict[str, str]) -> tuple[list[Member], dict[str, str]]:
+        """The live members among ``items`` (subkey -> value as read); what is not a record is dropped."""
+        raws = {}
+        for subkey, value in items.items():
+            if isinstance(subkey, str) and len(subkey) <= MAX_PEER_ID and isinstance(value, bytes):
                 if self.admission is None:
                     raws[subkey] = value
                     continue
@@ -97,7 +119,7 @@ class Membership:
                 except DDiLoCoError as e:
                     dropped[subkey] = f"not admitted: {e}"
             else:
-                dropped[str(subkey)] = (
+                dropped[subkey[:80] if isinstance(subkey, str) else repr(subkey)[:80]] = (
                     f"not a record: subkey {type(subkey).__name__}, value {type(value).__name__}"
                 )
         members, bad = live_view(self.swarm, raws, now, self.admission)
@@ -119,6 +141,40 @@ class Membership:
         return list(
             self._result(tried, lambda: self.dht.run_coroutine(_RelinkInDHT(wanted), return_future=True))
         )
+
+
+class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
+    """Runs in the DHT process: the (subkey, value) pairs this node itself holds under ``key``, unexpired,
+    read from its storage's dictionaries without touching hivemind's expiry heaps (junk in one can make
+    every operation on it raise). Only string subkeys and byte values; the caller checks the records."""
+
+    def __init__(self, key: str, now: float) -> None:
+        self.key, self.now = key, now
+
+    async def __call__(self, _dht, node) -> list[tuple[str, bytes]]:
+        key_id = DHTID.generate(source=self.key)
+        out: dict[str, tuple[bytes, float]] = {}
+        for storage in (node.protocol.storage, node.protocol.cache):
+            entry = storage.data.get(key_id)
+            if entry is None or not isinstance(entry.value, DictionaryDHTValue):
+                continue
+            for subkey, item in list(entry.value.data.items()):
+                if not (isinstance(subkey, str) and isinstance(item.value, bytes)):
+                    continue
+                if (
+                    item.expiration_time > self.now
+                    and item.expiration_time > out.get(subkey, (b"", -1e300))[1]
+                ):
+                    out[subkey] = (item.value, item.expiration_time)
+        serializer = node.protocol.serializer
+        pairs = []
+        for subkey, (raw, _) in sorted(out.items()):
+            try:
+                value = serializer.loads(raw)
+            except Exception:  # noqa: BLE001 - not a record; dropped
+                continue
+            pairs.append((subkey, value))
+        return pairs
 
 
 class _RelinkInDHT:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process

@@ -104,8 +104,7 @@ def decode_contribution(
         if not isinstance(v, t) or isinstance(v, bool):
             raise ProtocolError(RejectCode.MALFORMED, f"header field {k}={_short(v)} is not {t.__name__}")
     h = ContributionHeader(**hdr)
-    if not math.isfinite(h.step_time_s):
-        raise ProtocolError(RejectCode.BAD_COUNTERS, f"step_time_s={h.step_time_s} is not a finite duration")
+    _check_counters(h)
     _check_codec(h.codec, h.block)
     if not isinstance(shapes, dict) or set(shapes) != set(spec):
         raise ProtocolError(
@@ -119,6 +118,22 @@ def decode_contribution(
         ):
             raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {_short(declared)} != {list(shape)}")
     return h, decode_parts(tensors, h.codec, h.block, spec)
+
+
+def _check_counters(h: ContributionHeader) -> None:
+    """Rounds and counters a contribution cannot have: a negative base round (there is no round before 0; one
+    that got past the decoder would be taken into a merge whose base no replica holds), negative step or
+    token counts, and a step time that is negative or not finite."""
+    if h.base_round < 0:
+        raise ProtocolError(RejectCode.MALFORMED, f"base_round={h.base_round} is negative")
+    if h.c_steps < 0 or h.c_tokens < 0:
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS, f"c_steps={h.c_steps} c_tokens={h.c_tokens} must not be negative"
+        )
+    if not (math.isfinite(h.step_time_s) and h.step_time_s >= 0):
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS, f"step_time_s={h.step_time_s} is not a finite, non-negative duration"
+        )
 
 
 def _check_codec(codec: object, block: object) -> None:

@@ -91,6 +91,29 @@ def test_header_tampering():
         assert code_of(raw) is code
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "code"),
+    [
+        ("base_round", -1, RejectCode.MALFORMED),
+        ("base_round", -(2**40), RejectCode.MALFORMED),
+        ("c_steps", -4, RejectCode.BAD_COUNTERS),
+        ("c_tokens", -1, RejectCode.BAD_COUNTERS),
+        ("step_time_s", -0.5, RejectCode.BAD_COUNTERS),
+        ("step_time_s", float("inf"), RejectCode.BAD_COUNTERS),
+        ("step_time_s", float("nan"), RejectCode.BAD_COUNTERS),
+    ],
+)
+def test_negative_rounds_and_counters_are_refused_at_decode(field, value, code):
+    """Issue 19: a negative base round got past the decoder and forced an abandoned merge."""
+    raw = encode_contribution(header("fp32", **{field: value}), encode_tensors(tensors(), "fp32", 16))
+    with pytest.raises(ProtocolError) as e:
+        decode_contribution(raw, SPEC)
+    assert e.value.code is code and field in str(e.value)
+    # the edge values themselves are fine for the decoder (the synchroniser judges them against its round)
+    ok = header("fp32", base_round=0, c_steps=0, c_tokens=0, step_time_s=0.0)
+    assert decode_contribution(encode_contribution(ok, encode_tensors(tensors(), "fp32", 16)), SPEC)[0] == ok
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600))
 def test_random_bytes_never_crash(data):

@@ -114,3 +114,55 @@ def test_deadlines_and_unreachable_peers(two_dhts):
                 await a.call(Identity.generate().peer_id, "slow", b"", timeout_s=3)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_admission_refuses_before_the_body_and_bytes_in_flight_are_bounded_per_peer(two_dhts):
+    """Issue 19: a stranger's body was read in full before it was refused; one peer could have any number
+    of bodies being read at once."""
+
+    async def main():
+        async with _pair(two_dhts, timeout_s=20) as (a, b):
+            target, caller = two_dhts[1].peer_id.to_base58(), two_dhts[0].peer_id.to_base58()
+            allowed: set[str] = set()
+            asked: list[tuple[str, str]] = []
+
+            async def admit(peer: str, op: str) -> None:
+                asked.append((peer, op))
+                if peer not in allowed:
+                    raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{peer} is not a member")
+
+            gate, handled = asyncio.Event(), []
+
+            async def hold(peer: str, payload: bytes) -> Reply:
+                handled.append(len(payload))
+                await gate.wait()
+                return Reply(True)
+
+            b.admit, b.peer_budget = admit, 1 << 20
+            b.register("hold", hold)
+            big = b"x" * (64 << 20)
+            r = await a.call(target, "hold", big)
+            assert not r.ok and r.code == "unknown_peer" and "not a member" in r.message
+            assert asked == [(caller, "hold")] and handled == [] and b.bytes_in == 0  # not a byte was read
+            assert a.bytes_out == 0  # nor sent: the caller waits for GO
+
+            allowed.add(caller)
+            first = asyncio.create_task(a.call(target, "hold", b"y" * (700 << 10)))
+            for _ in range(200):  # until the first body is read and its handler holds it
+                if handled:
+                    break
+                await asyncio.sleep(0.05)
+            assert handled == [700 << 10] and b.in_flight == {caller: 700 << 10}
+            r = await a.call(target, "hold", b"z" * (700 << 10))
+            assert not r.ok and r.code == "peer_busy" and "per-peer budget" in r.message
+            assert handled == [700 << 10] and b.bytes_in == 700 << 10  # refused before its body too
+            small = asyncio.create_task(a.call(target, "hold", b"s" * 1000))  # within the budget: taken
+            gate.set()
+            assert (await first).ok and (await small).ok
+            assert b.in_flight == {}
+            r = await a.call(target, "hold", b"z" * (700 << 10))  # the budget is free again
+            assert r.ok
+            assert b.refused == {"unknown_peer": 1, "peer_busy": 1}
+
+    asyncio.run(main())

@@ -272,7 +272,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
         )
         p2p = await self.dht.replicate_p2p()
-        self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s)
+        budget = int(s.peer_inflight_mib * (1 << 20))
+        self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s, admit=self._admit, peer_budget=budget)
         if self.admission is not None:
             from node.swarm.sealed import SealedTransport
 

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 
+from node.swarm.limits import Backoff, TokenBucket
 from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
@@ -45,6 +46,25 @@ def records_bridge(gap: int, pcfg) -> bool:
 
 class CatchUp:
     """Join and catch-up logic; ``Node`` provides the state it works on."""
+
+    # ---------------------------------------------------------------- per-peer limits (issue 19)
+    def _catch_up_backoff(self) -> Backoff:
+        """Retries of a catch-up toward a peer that fails (killed, cut off, refusing) back off per peer."""
+        b = self.__dict__.get("_backoff")
+        if b is None:
+            b = self._backoff = Backoff(base_s=0.25, cap_s=max(5.0, 4 * self.settings.heartbeat_s))
+        return b
+
+    def _snapshot_bucket(self) -> TokenBucket:
+        """Fragment snapshots each peer may fetch from us: a burst of ``snapshot_burst`` (default 4 x the
+        fragments: a joiner fetches each once), refilled at ``snapshots_per_min``."""
+        t = self.__dict__.get("_snapshots")
+        if t is None:
+            s, frags = self.settings, len(self.spec)
+            burst = s.snapshot_burst or 4 * frags
+            per_min = s.snapshots_per_min or 4 * frags
+            t = self._snapshots = TokenBucket(burst=burst, per_s=per_min / 60.0)
+        return t
 
     # ---------------------------------------------------------------- join, catch-up, re-sync
     async def _join_if_behind(self) -> None:
@@ -149,7 +169,8 @@ class CatchUp:
             self.learner_loop.deliver(p, st.round, rep.theta, True)
 
     async def _catch_up(self, p: int, pid: str, head: list) -> None:
-        if p in self._syncing:
+        backoff = self._catch_up_backoff()
+        if p in self._syncing or not backoff.ready(pid, time.monotonic()):
             return
         if not self.credible(p, pid, int(head[0]), self.live_members()):
             self.transport._count("untrusted_head")
@@ -183,8 +204,19 @@ class CatchUp:
             if self._head_key(self.heads[p]) > self._head_key(head):
                 await self._fetch_snapshot(pid, [p])
             self.lagging_since.pop(p, None)
+            backoff.succeeded(pid)
         except (TransportError, ProtocolError) as e:
-            logger.warning("catching up fragment %d from %s failed: %s", p, pid, e)
+            now = time.monotonic()
+            wait = backoff.failed(pid, now)
+            log = logger.warning if backoff.should_log(pid, now) else logger.debug
+            log(
+                "catching up fragment %d from %s failed (%d in a row; next try in %.2g s): %s",
+                p,
+                pid,
+                backoff.failures.get(pid, 0),
+                wait,
+                e,
+            )
         finally:
             self._syncing.discard(p)
 
@@ -200,6 +232,15 @@ class CatchUp:
                 False,
                 RejectCode.WRONG_FRAGMENT.value,
                 f"fragments {frags} not all in 0..{len(self.spec) - 1}",
+            )
+        bucket = self._snapshot_bucket()
+        wait = bucket.take(caller, len(frags), time.monotonic())
+        if wait > 0:
+            return Reply(
+                False,
+                RejectCode.RATE_LIMITED.value,
+                f"{caller} fetched its {bucket.burst:g} fragment snapshots; "
+                f"{bucket.per_s * 60:g} a minute more (retry in {min(wait, 1e9):.0f} s)",
             )
         states = []
         for p in frags:

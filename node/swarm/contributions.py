@@ -155,7 +155,11 @@ class Contributions:
                 with contextlib.suppress(ProtocolError):
                     hint = parse_redirect(reply.body)
                 continue
-            if reply.code in (RejectCode.FUTURE_BASE.value, RejectCode.UNKNOWN_PEER.value):
+            if reply.code in (
+                RejectCode.FUTURE_BASE.value,
+                RejectCode.UNKNOWN_PEER.value,
+                RejectCode.PEER_BUSY.value,  # our earlier contributions are still being read there
+            ):
                 refused.add(target)
                 continue
             break  # stale or invalid: the learner moves on with its next contribution

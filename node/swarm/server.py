@@ -74,8 +74,9 @@ class StatusServer:
         now, version = self.clock(), self._version
         if self._doc is None or version != self._doc_version or now - self._built_at >= CACHE_S:
             # an event during the build bumps _version again, so the next request rebuilds
-            self._doc, self._doc_version, self._built_at = self.build(self.node), version, now
             self.builds += 1
+            doc = {**self.build(self.node), "status_builds": self.builds}  # which build a reader got
+            self._doc, self._doc_version, self._built_at = doc, version, now
         return self._doc
 
     def stale(self) -> None:

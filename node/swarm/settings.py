@@ -74,6 +74,25 @@ class NodeSettings:
         metadata={"help": "ban a peer after this many refused hostile messages (net of accepted work)"},
     )
     ban_s: float = field(default=300.0, metadata={"help": "how long a ban lasts (s)"})
+    peer_inflight_mib: float = field(
+        default=512.0,
+        metadata={
+            "help": "request bytes (MiB) one peer may have being read at once; more: refused peer_busy"
+        },
+    )
+    snapshot_burst: int = field(
+        default=0,
+        metadata={
+            "help": "fragment snapshots one peer may fetch at once (0: 4 x the fragments); refills "
+            "at snapshots_per_min; over it: refused rate_limited"
+        },
+    )
+    snapshots_per_min: float = field(
+        default=0.0,
+        metadata={
+            "help": "fragment snapshots per minute one peer may fetch, sustained (0: 4 x the fragments)"
+        },
+    )
     agent_nice: int = field(
         default=0,
         metadata={
@@ -179,6 +198,13 @@ class NodeSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be > 0")
+        if not self.peer_inflight_mib > 0:
+            raise ConfigError(f"peer_inflight_mib={self.peer_inflight_mib} is invalid: must be > 0")
+        if self.snapshot_burst < 0 or not self.snapshots_per_min >= 0:
+            raise ConfigError(
+                f"snapshot_burst={self.snapshot_burst}, snapshots_per_min={self.snapshots_per_min} are "
+                "invalid: must be >= 0 (0: the default, 4 x the fragments)"
+            )
         if self.ttl_s <= 2 * self.heartbeat_s:
             raise ConfigError(
                 f"ttl_s={self.ttl_s} is invalid: must exceed 2 x heartbeat_s={self.heartbeat_s}, or a live "

@@ -7,6 +7,11 @@ body the same way. Unary protobuf messages in hivemind are capped at 4 MiB; raw 
 travel here. The caller's peer id comes from the libp2p stream (authenticated by the Noise handshake), never
 from the message.
 
+Admission before the body: the server calls ``admit(caller, op)`` (set by the node: is the caller a live,
+unbanned member?) after the header and before it answers GO, so a stranger's body is never read; and it
+keeps at most ``peer_budget`` bytes of request bodies in flight per peer (declared sizes, held from GO until
+the handler is done), refusing a request over that with ``peer_busy``.
+
 Errors: every refusal is a ``Reply(ok=False, code, message)`` with a code from ``protocol.errors.RejectCode``
 ; transport failures raise ``TransportError`` saying which peer and op.
 """
@@ -48,6 +53,7 @@ class Reply:
 
 
 Handler = Callable[[str, bytes], Awaitable[Reply]]  # (caller peer id, payload) -> reply
+Admit = Callable[[str, str], Awaitable[None]]  # (caller, op): returns, or raises ProtocolError to refuse
 
 
 async def _write_frame(writer: asyncio.StreamWriter, header: dict, body: bytes) -> None:
@@ -122,10 +128,20 @@ async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dic
 class Transport:
     """Serves registered ops and calls other peers' ops over one P2P instance."""
 
-    def __init__(self, p2p: P2P, max_bytes: int = 256 << 20, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        max_bytes: int = 256 << 20,
+        timeout_s: float = 30.0,
+        admit: Admit | None = None,
+        peer_budget: int = 512 << 20,
+    ) -> None:
         self.p2p = p2p
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.admit = admit
+        self.peer_budget = peer_budget
+        self.in_flight: dict[str, int] = {}  # peer -> declared body bytes admitted and not yet handled
         self.handlers: dict[str, Handler] = {}
         self.refused: dict[str, int] = {}  # code -> count, for status
         self.bytes_in = 0
@@ -174,11 +190,28 @@ class Transport:
                     handler = self.handlers.get(str(header.get("op")))
                     if handler is None:
                         raise ProtocolError(RejectCode.UNKNOWN_OP, f"no handler for op {header.get('op')!r}")
+                    if self.admit is not None:  # a stranger or a banned peer: refused before its body
+                        await self.admit(caller, str(header["op"]))
+                    held = self.in_flight.get(caller, 0)
+                    if held and held + nbytes > self.peer_budget:
+                        raise ProtocolError(
+                            RejectCode.PEER_BUSY,
+                            f"{held} bytes from {caller} are being read; {nbytes} more would pass the "
+                            f"per-peer budget of {self.peer_budget}",
+                        )
                     writer.write(GO)  # the caller sends the body only now: refusals never race a big upload
                     sent_go = True
-                    payload = await _read_body(reader, nbytes)
-                    self.bytes_in += len(payload)
-                    reply = await handler(caller, payload)
+                    self.in_flight[caller] = held + nbytes
+                    try:
+                        payload = await _read_body(reader, nbytes)
+                        self.bytes_in += len(payload)
+                        reply = await handler(caller, payload)
+                    finally:
+                        left = self.in_flight[caller] - nbytes
+                        if left > 0:
+                            self.in_flight[caller] = left
+                        else:
+                            del self.in_flight[caller]
                 except ProtocolError as e:
                     reply = Reply(False, e.code.value, str(e))
                 except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
@@ -220,13 +253,14 @@ class Transport:
                 try:
                     _write_header(writer, {"op": op}, payload)
                     await writer.drain()
-                    if await reader.readexactly(1) == GO:
+                    sent = await reader.readexactly(1) == GO
+                    if sent:
                         await _write_body(writer, payload)
                     header, nbytes = await _read_header(reader, self.max_bytes)
                     track["last"] = time.time()
                     body = await _read_body(reader, nbytes, track)
                     outcome = "ok" if header.get("ok") else str(header.get("code"))
-                    self.bytes_out += len(payload)
+                    self.bytes_out += len(payload) if sent else 0
                     self.bytes_in += len(body)
                 finally:
                     writer.close()

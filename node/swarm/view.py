@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
 from protocol.election import candidates, head_key
+from protocol.errors import ProtocolError, RejectCode
 from protocol.synchroniser import on_membership
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,22 @@ HEAD_SLACK = 2  # rounds a published head may be ahead of ours without other mem
 RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 
 
+VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
+
+
 class SwarmView:
     """Membership, heads and election for ``node.swarm.agent.Node``."""
+
+    _last_good_read = float("-inf")  # DHT time of the last membership read that succeeded
+    _read_failing = False  # the last membership read failed
+
+    def _view_horizon(self, now: float) -> float:
+        """The time a member's record must outlive to be in the view: now; but while membership reads fail,
+        the time of the last good read, held at most ``VIEW_HOLD_TTLS`` x ttl_s (then records expire that
+        much late). A read that fails must not empty the view: every node alone would split the swarm."""
+        if not self._read_failing:
+            return now
+        return min(now, max(self._last_good_read, now - VIEW_HOLD_TTLS * self.settings.ttl_s))
 
     def self_member(self, now: float) -> Member:
         return Member(
@@ -43,11 +58,12 @@ class SwarmView:
 
     def live_members(self) -> dict[str, Member]:
         now = get_dht_time()
+        horizon = self._view_horizon(now)
         banned = self.guard.banned_until
         view = {
             pid: m
             for pid, m in self.members.items()
-            if m.expires_at > now and pid not in self.blocked and pid not in banned
+            if m.expires_at > horizon and pid not in self.blocked and pid not in banned
         }
         view[self.peer_id] = self.self_member(now)
         return view
@@ -134,8 +150,10 @@ class SwarmView:
         try:
             members, dropped = await asyncio.to_thread(self.membership.live)
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
-            logger.warning("reading the membership failed: %s", e)
+            logger.warning("reading the membership failed (holding the last good view): %s", e)
+            self._read_failing = True
             return
+        self._read_failing, self._last_good_read = False, get_dht_time()
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
         seen = self.loop.time()
         for pid in self.members:
@@ -191,6 +209,15 @@ class SwarmView:
                 self._unknown_asked = {caller: now}
             await self._refresh_view()
         return caller in self.members
+
+    async def _admit(self, caller: str, op: str) -> None:
+        """The transport's admission check, before it reads a request's body: a stranger's upload is refused
+        ``unknown_peer`` (a banned peer's ``banned``) without a byte of it being read."""
+        if not await self._known(caller):
+            raise ProtocolError(
+                RejectCode.UNKNOWN_PEER,
+                f"{op} from {caller}: not a live member of swarm {self.settings.swarm}",
+            )
 
     def swarm_step(self) -> float | None:
         """Where the peers' fragment schedules are now, in steps (the furthest peer, fractions included), or

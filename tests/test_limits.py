@@ -1,0 +1,70 @@
+"""Per-peer backoff and token buckets (issue 19, items 5 and 6), with the time passed in."""
+
+from __future__ import annotations
+
+import math
+
+from node.swarm.limits import Backoff, TokenBucket
+
+
+def test_backoff_doubles_to_its_cap_and_a_success_resets_it():
+    b = Backoff(base_s=0.25, cap_s=4.0)
+    waits = [b.failed("p", 0.0) for _ in range(8)]
+    assert waits == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert not b.ready("p", 3.99) and b.ready("p", 4.0)
+    assert b.ready("q", 0.0)  # per peer: another peer is not held back
+    b.succeeded("p")
+    assert b.ready("p", 0.0) and b.failed("p", 10.0) == 0.25
+
+
+def test_backoff_turns_a_retry_storm_into_a_few_tries():
+    """The issue: catching up from a peer that was just killed retried 16-20 times a second. Trying every
+    50 ms for 60 s against a peer that always fails, the backoff lets through a few dozen tries at most."""
+    b = Backoff(base_s=0.25, cap_s=30.0, log_every_s=60.0)
+    tries = logged = 0
+    for i in range(1200):
+        now = i * 0.05
+        if b.ready("dead", now):
+            tries += 1
+            b.failed("dead", now)
+            logged += b.should_log("dead", now)
+    assert 5 <= tries <= 12  # 0.25 + 0.5 + ... + 16 + 30 s: about 8 tries in a minute, not 1,200
+    assert logged <= 7  # the first failure, then each doubling: not a line per try
+
+
+def test_backoff_logs_at_the_cap_once_a_period():
+    b = Backoff(base_s=1.0, cap_s=2.0, log_every_s=60.0)
+    lines = []
+    for i in range(100):
+        b.failed("p", float(i * 2))
+        lines.append(b.should_log("p", float(i * 2)))
+    assert lines[:2] == [True, True] and sum(lines) == 2 + 3  # 200 s at the cap: every 60 s
+
+
+def test_token_bucket_allows_a_burst_then_its_rate():
+    t = TokenBucket(burst=4, per_s=1 / 15)  # 4 per minute
+    assert [t.take("a", 1, 0.0) for _ in range(4)] == [0.0] * 4
+    wait = t.take("a", 1, 0.0)
+    assert math.isclose(wait, 15.0)  # refused: the next token comes in 15 s
+    assert t.take("b", 1, 0.0) == 0.0  # per peer
+    assert t.take("a", 1, 14.0) > 0 and t.take("a", 1, 15.0) == 0.0
+    assert t.take("a", 2, 15.0) > 0  # a refused request spends nothing...
+    assert t.take("a", 2, 45.0) == 0.0  # ...and the bucket refills at its rate, up to the burst
+    assert t.take("a", 5, 1e9) == math.inf  # more than the burst is never possible
+
+
+def test_a_failing_membership_read_holds_the_last_good_view_for_a_bounded_time():
+    """Issue 19: a read that fails must not empty a node's view (each node alone splits the swarm), and
+    must not keep dead members in it for ever either."""
+    from types import SimpleNamespace
+
+    from node.swarm.view import VIEW_HOLD_TTLS, SwarmView
+
+    node = SimpleNamespace(settings=SimpleNamespace(ttl_s=3.0), _read_failing=False, _last_good_read=100.0)
+    horizon = lambda now: SwarmView._view_horizon(node, now)  # noqa: E731
+    assert horizon(150.0) == 150.0  # reads work: records expire as they say
+    node._read_failing = True
+    assert horizon(101.0) == 100.0 and horizon(105.0) == 100.0  # judged as of the last good read...
+    hold = VIEW_HOLD_TTLS * 3.0
+    assert horizon(100.0 + hold + 5.0) == 105.0  # ...for a bounded time, then records expire that late
+    assert horizon(99.0) == 99.0  # never later than now
