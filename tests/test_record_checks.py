@@ -91,6 +91,7 @@ def _member(pid: str, round_: int) -> Member:
 
 def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
     node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=10)])
+    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     credible = lambda pid, r, ms: SwarmView.credible(node, 0, pid, r, ms)  # noqa: E731
     liar = {"liar": _member("liar", 1010), "a": _member("a", 11), "b": _member("b", 12)}
     assert not credible("liar", 1010, liar)
@@ -100,3 +101,31 @@ def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
     assert credible("b", 51, behind) and credible("a", 50, behind)
     # one other member only: nobody else to ask, the claimant is believed
     assert credible("a", 500, {"a": _member("a", 500)})
+
+
+def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar():
+    rec = lambda h: SimpleNamespace(record=SimpleNamespace(new_hash=h))  # noqa: E731
+    node = SimpleNamespace(
+        peer_id="me",
+        replicas=[SimpleNamespace(round=20)],
+        heads=[(20, "mine20", 1, 1.0)],
+        logs=[{14: rec("mine14"), 15: rec("mine15")}],
+        _head_key=lambda h: (-int(h[0]), str(h[1])),
+    )
+    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
+    outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
+
+    def member(pid: str, r: int, h: str) -> Member:
+        now = get_dht_time()
+        return Member(pid, (), "v", now, now + 5, heads={"0": [r, h, 1, 1.0]})
+
+    # the other two merged rounds of their own while this node raced ahead: it takes their head
+    split = {"a": member("a", 15, "theirs15"), "b": member("b", 14, "theirs14")}
+    head, holders = outvoted(split)
+    assert head[:2] == [15, "theirs15"] and holders == ["a"]
+    # the same two merely behind on this node's own chain: they catch up by records, nothing to yield
+    assert outvoted({"a": member("a", 15, "mine15"), "b": member("b", 14, "mine14")}) == (None, [])
+    # this node's head is backed (one of the others is near it): no yielding, whatever a third claims
+    assert outvoted({"a": member("a", 19, "x"), "liar": member("liar", 5, "zero")}) == (None, [])
+    # one other member only: nobody to outvote this node
+    assert outvoted({"a": member("a", 15, "theirs15")}) == (None, [])

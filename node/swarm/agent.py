@@ -382,17 +382,3 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             params = {n: t.clone() for r in self.replicas for n, t in r.theta.items()}
             await asyncio.to_thread(self.learner_loop.evaluate, params)
             await asyncio.sleep(self.settings.eval_every_s)
-
-    def _reconcile(self) -> None:
-        """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot)."""
-        now = time.monotonic()
-        members = self.live_members()
-        for p in range(len(self.replicas)):
-            head, holders = self.winning_heads(p, members)
-            if not holders:
-                self.lagging_since.pop(p, None)
-                continue
-            since = self.lagging_since.setdefault(p, now)
-            # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
-            if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
-                self._spawn(self._catch_up(p, holders[0], head))

@@ -80,7 +80,7 @@ class CatchUp:
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}
         for p in range(len(self.replicas)):
-            _, holders = self.winning_heads(p, self.members)
+            _, holders = self.winning_heads(p, self.members, strict=True)
             if holders:
                 donors_of[p] = holders
         if not donors_of:
@@ -139,7 +139,7 @@ class CatchUp:
                 failed.append(p)
         return failed
 
-    async def _fetch_snapshot(self, pid: str, frags: list[int]) -> None:
+    async def _fetch_snapshot(self, pid: str, frags: list[int], replace_ours: bool = False) -> None:
         reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
         if not reply.ok:
             raise TransportError(
@@ -151,11 +151,23 @@ class CatchUp:
                 RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
             )
         for st in states:
-            self._install_snapshot(st, pid)
+            self._install_snapshot(st, pid, replace_ours)
 
-    def _install_snapshot(self, st: FragmentState, pid: str) -> None:
+    def _untrusted(self, p: int, pid: str, round_: int) -> None:
+        self.transport._count("untrusted_head")
+        self.events.emit("untrusted_head", t=time.time(), fragment=p, peer=pid, round=round_)
+        logger.warning(
+            "fragment %d: %s claims round %d, which no majority of the swarm backs; not following it",
+            p,
+            pid,
+            round_,
+        )
+
+    def _install_snapshot(self, st: FragmentState, pid: str, replace_ours: bool = False) -> None:
         p = st.fragment
-        if self._head_key(self.heads[p]) <= self._head_key((st.round, st.hash, st.n, st.weight)):
+        if not replace_ours and self._head_key(self.heads[p]) <= self._head_key(
+            (st.round, st.hash, st.n, st.weight)
+        ):
             return  # ours is as good or better by now
         rep = self.replicas[p]
         rep.load_state(st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every))
@@ -168,24 +180,40 @@ class CatchUp:
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, st.round, rep.theta, True)
 
-    async def _catch_up(self, p: int, pid: str, head: list) -> None:
+    def _reconcile(self) -> None:
+        """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot); where this node
+        is a lone outlier on another chain than the majority's, take the majority's (``outvoted``)."""
+        now = time.monotonic()
+        members = self.live_members()
+        for p in range(len(self.replicas)):
+            head, holders = self.winning_heads(p, members)
+            yielding = False
+            if not holders:
+                head, holders = self.outvoted(p, members)
+                yielding = bool(holders)
+            if not holders:
+                self.lagging_since.pop(p, None)
+                continue
+            since = self.lagging_since.setdefault(p, now)
+            # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
+            if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
+                self._spawn(self._catch_up(p, holders[0], head, yielding))
+
+    async def _catch_up(self, p: int, pid: str, head: list, yielding: bool = False) -> None:
+        """Follow ``pid``'s head of fragment p: by records where they bridge the gap (each one checked), else
+        by a snapshot, which needs a ``credible`` head. ``yielding``: the head is the majority's, on another
+        chain than ours (``outvoted``), and replaces ours even if ours ranks higher."""
         backoff = self._catch_up_backoff()
         if p in self._syncing or not backoff.ready(pid, time.monotonic()):
             return
-        if not self.credible(p, pid, int(head[0]), self.live_members()):
-            self.transport._count("untrusted_head")
-            self.events.emit("untrusted_head", t=time.time(), fragment=p, peer=pid, round=int(head[0]))
-            logger.warning(
-                "fragment %d: %s claims round %d, which no majority of the swarm backs; not following it",
-                p,
-                pid,
-                int(head[0]),
-            )
+        trusted = self.credible(p, pid, int(head[0]), self.live_members())
+        if not trusted and not self.within_records(p, int(head[0])):
+            self._untrusted(p, pid, int(head[0]))
             return
         self._syncing.add(p)
         try:
             rep = self.replicas[p]
-            if records_bridge(int(head[0]) - rep.round, self.pcfg):
+            if not yielding and records_bridge(int(head[0]) - rep.round, self.pcfg):
                 req = {"fragment": p, "from": rep.round + 1}
                 reply = await self.transport.call(pid, "records", json.dumps(req).encode())
                 if reply.ok:
@@ -198,11 +226,14 @@ class CatchUp:
                     except ProtocolError as e:
                         if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
                             raise
-                        # A record this node's own checks doubt, on a head the swarm's majority holds: the
-                        # majority's state, hash-checked, wins over the local heuristic (a snapshot below).
+                        # A record this node's own checks doubt: a snapshot of a head the swarm's majority
+                        # holds (hash-checked) wins over the local heuristic; of any other, nothing is taken.
                         logger.warning("fragment %d: a record from %s failed our checks (%s)", p, pid, e)
-            if self._head_key(self.heads[p]) > self._head_key(head):
-                await self._fetch_snapshot(pid, [p])
+            if yielding or self._head_key(self.heads[p]) > self._head_key(head):
+                if not trusted:
+                    self._untrusted(p, pid, int(head[0]))
+                else:
+                    await self._fetch_snapshot(pid, [p], replace_ours=yielding)
             self.lagging_since.pop(p, None)
             backoff.succeeded(pid)
         except (TransportError, ProtocolError) as e:

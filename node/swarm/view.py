@@ -71,28 +71,38 @@ class SwarmView:
     def _head_key(self, h) -> tuple:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
-    def credible(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
-        """Whether ``pid``'s claim to hold round ``round_`` of fragment p may steer this node (its election,
-        its catch-up, a snapshot it installs). A membership record is the claimant's word alone: a claim
-        within ``HEAD_SLACK`` rounds of our own is taken; one further ahead needs the word of a majority of
-        the other reachable members, each at most ``HEAD_SLACK`` rounds behind it. A node that really fell
-        behind finds the rest of the swarm agreeing; a lone member claiming a thousand rounds more does not
-        (issue 19). With no other member to ask, the claimant is believed."""
-        if round_ <= self.replicas[p].round + HEAD_SLACK:
-            return True
+    def backed(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
+        """Whether a majority of the other reachable members (not ``pid``, not this node) publish heads of
+        fragment p at most ``HEAD_SLACK`` rounds below ``round_``. With no other member to ask: True."""
         others = [m for q, m in members.items() if q not in (pid, self.peer_id) and not m.client_mode]
         backing = sum(1 for m in others if m.head_round(p) >= round_ - HEAD_SLACK)
         return backing >= (len(others) + 1) // 2
 
-    def winning_heads(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
-        """The best credible head of fragment p among reachable ``members`` and the peers holding it, if it
-        beats ours; else (None, [])."""
+    def credible(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
+        """Whether ``pid``'s claim to hold round ``round_`` of fragment p may make it the synchroniser this
+        node elects, or give this node a snapshot to install. A membership record is the claimant's word
+        alone: a claim within ``HEAD_SLACK`` rounds of our own is taken; one further ahead needs the word of
+        a majority of the other members (``backed``). A node that really fell behind finds the rest of the
+        swarm agreeing; a lone member claiming a thousand rounds more does not (issue 19). A head only
+        ``history`` rounds ahead may still be followed by records (``within_records``): each is checked."""
+        return round_ <= self.replicas[p].round + HEAD_SLACK or self.backed(p, pid, round_, members)
+
+    def within_records(self, p: int, round_: int) -> bool:
+        return round_ - self.replicas[p].round <= self.pcfg.history
+
+    def winning_heads(
+        self, p: int, members: dict[str, Member], strict: bool = False
+    ) -> tuple[list | None, list[str]]:
+        """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats
+        ours; else (None, []). A head must be ``credible``, or (unless ``strict``: a snapshot will be
+        fetched) close enough to follow by records."""
         best_key, best_head, holders = self._head_key(self.heads[p]), None, []
         for pid, m in sorted(members.items()):
             h = m.heads.get(str(p))
             if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
                 continue
-            if not self.credible(p, pid, int(h[0]), members):
+            r = int(h[0])
+            if not self.credible(p, pid, r, members) and (strict or not self.within_records(p, r)):
                 continue
             k = self._head_key(h)
             if k < best_key:
@@ -100,6 +110,35 @@ class SwarmView:
             elif k == best_key and holders:
                 holders.append(pid)
         return best_head, holders
+
+    def outvoted(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
+        """The majority's head of fragment p when this node's own is a lone outlier on another chain (it
+        raced ahead of a majority that then merged rounds of its own): the majority does not follow a head
+        it does not back, so this node yields to theirs, or the swarm would stay split. (None, []) when our
+        head is backed, when the others are merely behind on our own chain (they catch up by records), or
+        with fewer than two others to ask."""
+        ours = self.heads[p]
+        r = int(ours[0])
+        others = {
+            q: m
+            for q, m in members.items()
+            if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
+        }
+        if len(others) < 2 or self.backed(p, self.peer_id, r, members):
+            return None, []
+        best, holders = None, []
+        for q, m in sorted(others.items()):
+            h = m.heads[str(p)]
+            if len(h) < 4 or not self.backed(p, q, int(h[0]), members):
+                continue
+            mine = self.logs[p].get(int(h[0]))
+            if (int(h[0]), str(h[1])) == (r, ours[1]) or (mine is not None and mine.record.new_hash == h[1]):
+                continue  # our own chain
+            if best is None or self._head_key(h) < self._head_key(best):
+                best, holders = h, [q]
+            elif list(h) == list(best):
+                holders.append(q)
+        return best, holders
 
     def candidates(self, p: int) -> list[str]:
         members = self.live_members()
