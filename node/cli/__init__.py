@@ -1,5 +1,7 @@
 """The ``ddiloco`` command line (``main``), one module per subcommand, each with ``add_parser(sub)`` and
-``run(args)``: ``train_local``, ``node_cmd``, ``up``, ``swarm``, ``status``, ``keygen``, ``sim``, ``chaos``;
+``run(args)``: ``train_local``, ``node_cmd``, ``up``, ``swarm``, ``status`` (with ``watch`` and, over
+libp2p in a child process, ``remote_status``), ``doctor``, ``keygen``, ``sim``, ``chaos``; rich progress bars
+(``progress``);
 and the configuration machinery that turns dataclass sections into flags and TOML tables (``config``).
 
 May import: anything in the project.

@@ -1,5 +1,6 @@
 """What every part of the node shares: event records (``events``), thread and process priority
-(``priority``) and the client of a node's status endpoint (``status_client``).
+(``priority``), the client of a node's status endpoint (``status_client``), the frames of status over
+libp2p (``status_wire``) and the pure rules of ``ddiloco doctor`` (``diagnosis``).
 
 May import: ``protocol`` only.
 """

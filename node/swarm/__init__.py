@@ -5,10 +5,14 @@
   wire, sealed   signed wire formats of contributions, records and snapshots; sealed (private) swarms
   contributions  a learner's contribution routed to the synchroniser, and the synchroniser's checks
   replication    merge records: merging, applying, pushing, serving
-  catch_up       joining by download, and catching up from records or a snapshot
-  view, guard    the live membership view and elections; scores and bans of misbehaving peers
+  catch_up       joining by download, catching up from records or a snapshot, yielding to the majority
+  view, guard    the live membership view, heads it believes and elections; scores and bans of peers
+  limits         per-peer backoff and token buckets (catch-up retries, snapshot requests)
   checkpoint, persistence   safetensors checkpoints and exports, written off the event loop
-  status         the HTTP status endpoint (its client is ``node.common.status_client``)
+  status         the status document; ``server`` serves it over HTTP (aiohttp) with ``/control`` (token),
+                 ``/metrics`` (``metrics``), ``/history`` (``history``) and the dashboard (``dashboard/``);
+                 ``status_p2p`` serves it over libp2p (client: ``node.cli.remote_status``)
+  probe          dials and binds for ``ddiloco doctor``
 
 May import: ``protocol``, ``dht``, ``node.common``, ``node.learner``.
 """
