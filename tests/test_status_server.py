@@ -76,19 +76,20 @@ def test_a_status_flood_builds_the_document_once_per_interval():
 
     first, more, later = asyncio.run(_with_server(builds, clock, flood))
     assert {d["n"] for d in first + more} == {1}, "250 requests inside one interval: one build"
-    assert later == {"n": 2} and len(builds) == 2
+    assert later == {"n": 2, "status_builds": 2} and len(builds) == 2
 
 
 def test_training_records_keep_the_cached_document_and_rarer_ones_make_it_stale():
     builds, clock = [], Clock()
     srv = _server(builds, clock)
-    assert srv.document() == {"n": 1}
+    assert srv.document() == {"n": 1, "status_builds": 1}
     for kind in ("step", "contribute", "adopt", "merge", "eval"):
         srv.on_event({"kind": kind, "t": 1.0, "cid": "c", "bytes": 10, "learners": [], "cids": []})
-        assert srv.document() == {"n": 1}, f"a {kind} record rebuilt the document"
+        assert srv.document() == {"n": 1, "status_builds": 1}, f"a {kind} record rebuilt the document"
     for n, kind in enumerate(("reject", "ban", "join", "failover"), start=2):
         srv.on_event({"kind": kind, "t": 1.0})
-        assert srv.document() == {"n": n} and srv.document() == {"n": n}, kind
+        doc = {"n": n, "status_builds": n}  # each document says which build it is
+        assert srv.document() == doc and srv.document() == doc, kind
 
 
 async def _raw(url: str, request: bytes) -> bytes:
