@@ -85,6 +85,12 @@ class Attacker:
             self.dht.shutdown()
 
 
+def _two_nodes_merging(swarm: Swarm, rounds: int) -> None:
+    swarm.start_many(2)
+    merged = lambda: all(s["fragments"][0]["round"] >= rounds for s in swarm.status().values())  # noqa: E731
+    wait_until(merged, 120, "rounds merging")
+
+
 def _paused_at_rest(swarm: Swarm, n: int) -> dict[int, dict]:
     for i in range(n):
         swarm.control(i, "pause")
@@ -109,12 +115,7 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
-        swarm.start_many(2)
-        wait_until(
-            lambda: all(s["fragments"][0]["round"] >= 3 for s in swarm.status().values()),
-            120,
-            "rounds merging",
-        )
+        _two_nodes_merging(swarm, 3)
         before = _paused_at_rest(swarm, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         bad.publish()
@@ -156,12 +157,7 @@ def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_p
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
-        swarm.start_many(2)
-        wait_until(
-            lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values()),
-            120,
-            "rounds merging",
-        )
+        _two_nodes_merging(swarm, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         spec = _spec()
         zero = {
