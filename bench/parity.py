@@ -190,7 +190,7 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, step_s: float
 
 
 def _ms(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None]
+    xs = [x for x in xs if x is not None and x == x]  # no runner (--no-runner): NaN, left out
     if not xs:
         return "-"
     return f"{statistics.mean(xs):.4f} +- {statistics.stdev(xs) if len(xs) > 1 else 0.0:.4f}"

@@ -15,7 +15,7 @@ from node.swarm.view import HEAD_SLACK, SwarmView
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
-from protocol.replica import RECORD_FACTOR, FragmentReplica
+from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
 CFG = ProtocolConfig(fragments=1, sync_every=4, overlap=0, record_codec="fp32")
@@ -56,17 +56,19 @@ def test_an_honest_record_passes_and_forged_ones_are_refused_by_their_codes():
     assert contribution_weight(tokens, steps) == pytest.approx(w)
 
 
-def test_a_merged_gradient_far_above_the_fragments_recent_ones_is_refused():
+def test_an_honest_round_far_above_the_recent_ones_passes_and_one_beyond_the_learners_bound_does_not():
     rep = _replica()
-    for seed in range(4):  # a history of honest rounds
-        rec = _record(rep, seed=seed + 1)
+    for seed in range(4):  # quiet rounds (a warm-up), then one 300x larger: measured in a parity run
+        rec = _record(rep, scale=1e-6, seed=seed + 1)
         rep.check_record(rec, CFG)
         rep.apply_record(rec, CFG)
-    assert len(rep.record_rms) == 4
-    ok = _record(rep, scale=1e-3 * RECORD_FACTOR / 2, seed=9)
-    rep.check_record(ok, CFG)  # within the factor
-    far = _record(rep, scale=1e-3 * RECORD_FACTOR * 3, seed=10)
-    assert _check(rep, far) == "record_too_large"
+    rep.check_record(_record(rep, scale=3e-4, seed=9), CFG)
+    for learner in ("a", "b", "c"):  # the learners' typical outer gradient: RMS 1e-4
+        rep.norms.add(learner, 1e-4)
+    honest = _record(rep, scale=1e-4, seed=10)
+    rep.check_record(honest, CFG)
+    beyond = replace(honest, grad={"w": honest.grad["w"] * CFG.refuse_factor * 2})  # no merge clips it so
+    assert _check(rep, beyond) == "record_too_large"
 
 
 def test_own_cids_refute_only_what_this_life_knows_it_never_sent():
