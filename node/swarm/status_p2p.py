@@ -11,6 +11,7 @@ already encrypted end to end, and an observer holds no secret.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from node.common.status_wire import (
 from node.swarm.status import status_doc
 
 logger = logging.getLogger(__name__)
+LINGER_S = 5.0  # how long a served stream waits for the caller to close it
 SERVE_TIMEOUT_S = 10.0
 
 
@@ -68,6 +70,10 @@ class StatusProtocol:
                     logger.warning("refused status %s from %s: %s", reply["code"], caller, reply["message"])
                 writer.write(encode_frame(reply))
                 await writer.drain()
+            # Let the caller close first: closing at once can cut a short reply (a refusal) in flight.
+            with contextlib.suppress(TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                async with asyncio.timeout(LINGER_S):
+                    await reader.read()
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
             logger.info("status stream from %s dropped: %s", caller, type(e).__name__)
         finally:
