@@ -3,13 +3,13 @@
 goodput = useful learner compute time / allocated learner time, summed over learners.
 
 Records are dicts (one JSON line each). The ones read here:
-  run        {t0, t1, learners: [...], shares: [fraction of parameters per fragment]}
+  run        {t0, t1, learners: [...], shares: [fraction of parameters per fragment], overlap: tau}
   step       {learner, step, t0, t1}
   contribute {learner, fragment, step, cid}
   merge      {fragment, round, cids: [...]}
   down / up  {learner, t}        block {learner, t0, t1}
 
-  adopt      {learner, fragment, step, kept}   (optional; older records without ``step`` are ignored)
+  adopt      {learner, fragment, step, kept, round}   (optional; older records without ``step`` are ignored)
 
 A step's work on fragment p reaches the global model through the learner's contributions of p at or
 after that step, up to the first adoption of p that overwrites the learner's copy (an adopt record with
@@ -18,6 +18,16 @@ counts as useful for p's share of parameters if one of those contributions was m
 if none was (sent and left out, or overwritten before it was sent). Steps with neither a contribution nor
 an overwrite after them when the run ended are pending: they are left out of both sides of the ratio
 rather than guessed.
+
+The overlap. Under the paper's rule a learner sends fragment p, trains on, and overwrites p with the
+merged round when it comes back: the steps in between are overwritten by design. The paper budgets
+``tau`` of them (the overlap of its Algorithm 1: a learner applies round r tau steps after sending) and
+counts them as compute, not as loss (its K = 1 + grace reaches 100% goodput under that rule). So does
+``goodput`` here: a step at most ``overlap`` (tau, from the run record) steps after a contribution that
+the overwriting round merged is useful (``overlap_s``). Beyond tau steps the round came back later than
+the protocol budgets (the paper's learner would have blocked there): those steps are dropped and also
+tallied as ``late_s``. ``strict`` counts every overwritten step as dropped: the share of the work whose
+every step reached the global model.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ class Goodput:
     dropped_s: float
     pending_s: float
     steps: int
+    overlap_s: float = 0.0  # in useful_s: the tau steps the paper's rule overwrites by design
+    late_s: float = 0.0  # in dropped_s: overwritten after a merged contribution, more than tau steps on
+    strict: float = 0.0  # (useful_s - overlap_s) / allocated_s
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in vars(self).items()}
@@ -49,8 +62,10 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
     contribs: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(
         list
     )  # (learner, p) -> [(step, cid)]
-    merged: set[str] = set()
-    overwrites: dict[tuple[str, int], list[int]] = defaultdict(list)  # (learner, p) -> [step]
+    merged: dict[str, set[int]] = defaultdict(set)  # cid -> the rounds that merged it
+    overwrites: dict[tuple[str, int], list[tuple[int, int | None]]] = defaultdict(
+        list
+    )  # (learner, p) -> [(step, round)]
     down_s = blocked_s = 0.0
     down_at: dict[str, float] = {}
     for r in records:
@@ -62,9 +77,10 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         elif kind == "contribute":
             contribs[(r["learner"], r["fragment"])].append((r["step"], r["cid"]))
         elif kind == "merge":
-            merged.update(r["cids"])
+            for cid in r["cids"]:
+                merged[cid].add(r.get("round"))
         elif kind == "adopt" and "step" in r and not r.get("kept", False):
-            overwrites[(r["learner"], r["fragment"])].append(r["step"])
+            overwrites[(r["learner"], r["fragment"])].append((r["step"], r.get("round")))
         elif kind == "down":
             down_at[r["learner"]] = r["t"]
         elif kind == "up" and r["learner"] in down_at:
@@ -76,7 +92,8 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
     for t in down_at.values():
         down_s += run["t1"] - t
     shares = run["shares"]
-    useful = dropped = pending = 0.0
+    tau = int(run.get("overlap", 0))
+    useful = dropped = pending = overlap = late = 0.0
     n_steps = 0
     for learner, lst in steps.items():
         for p, share in enumerate(shares):
@@ -85,15 +102,26 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             reached = [0]  # reached[i]: how many of the contributions cl[:i] were merged
             for _, cid in cl:
                 reached.append(reached[-1] + (cid in merged))
-            ow = sorted(overwrites.get((learner, p), []))
+            ow = sorted(overwrites.get((learner, p), []), key=lambda x: x[0])
+            ow_steps = [s for s, _ in ow]
             for step, dur in lst:
                 i = bisect.bisect_left(keys, step)  # first contribution at or after the step
-                k = bisect.bisect_left(ow, step)  # first overwrite at or after it
-                j = bisect.bisect_right(keys, ow[k]) if k < len(ow) else len(keys)  # contributions before it
+                k = bisect.bisect_left(ow_steps, step)  # first overwrite at or after it
+                j = (
+                    bisect.bisect_right(keys, ow_steps[k]) if k < len(ow) else len(keys)
+                )  # contributions before it
                 if j > i and reached[j] > reached[i]:
                     useful += dur * share
                 elif j > i or k < len(ow):
-                    dropped += dur * share
+                    # Overwritten in flight: after the learner's last contribution (cl[i - 1]), by the round
+                    # that merged it?
+                    sent = i > 0 and j == i and ow[k][1] in merged.get(cl[i - 1][1], ())
+                    if sent and step - keys[i - 1] <= tau:
+                        useful += dur * share
+                        overlap += dur * share
+                    else:
+                        dropped += dur * share
+                        late += dur * share if sent else 0.0
                 else:
                     pending += dur * share
         n_steps += len(lst)
@@ -107,4 +135,7 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         dropped_s=dropped,
         pending_s=pending,
         steps=n_steps,
+        overlap_s=overlap,
+        late_s=late,
+        strict=(useful - overlap) / allocated if allocated > 0 else 0.0,
     )

@@ -15,10 +15,11 @@ its quorum, xi_sync the time a merge takes to reach the learners, each an expone
 The first contributor expects the merged fragment back tau steps after it sent; grace spends a share
 gamma of whatever that budget leaves after the quorum wait and the merge itself.
 
-A round on the swarm's schedule (``due_at``, from ``protocol.schedule``): learners send it within half a
-step of that moment, so the round does not open before one step ahead of it (a contribution that comes
-earlier, say one left over from the round before, waits), and the grace window is measured from the later
-of the quorum and ``due_at``: every learner on time is in, however the step boundaries fell.
+A round on the swarm's schedule (``due_at``, from ``protocol.schedule``): learners send it at the end of
+their last step before that moment, so the round does not open before two steps ahead of it (a
+contribution that comes earlier, say one left over from the round before, waits), and the grace window is
+measured from the later of the quorum and ``due_at``: a learner whose step ran long is still in. The round
+merges at once when every live learner's contribution to it is in (``fresh_learners``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from typing import Any
 
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
+
+OPEN_STEPS = 2.0  # a scheduled round opens this many (reported) steps before its slot
+BEHIND = 1  # a contribution joins a round at most this many rounds after the one it was taken against
 
 
 class Phase(enum.Enum):
@@ -122,6 +126,26 @@ def has_quorum(cfg: ProtocolConfig, state: SyncState) -> bool:
     return live_pending(state) >= effective_quorum(cfg, state)
 
 
+def carried(c: Contribution, state: SyncState) -> bool:
+    """Whether contribution ``c`` may still join the open round of ``state``. Its outer gradient is
+    re-anchored at the current global fragment (DESIGN §1 step 4), so one taken against an older round
+    also undoes every round merged since. On the swarm's schedule a fragment takes one round per slot, so
+    a learner on time is never more than one round behind (a straggler of the round just merged): anything
+    older is left out. (A contribution held by a node that was not its round's synchroniser was carried
+    from round to round, and merged, alone, 50 s later in a run's quiet period: it set the position
+    embedding back to the model's first step.) With rounds on arrival (no schedule yet, or the simulator)
+    a fragment can take a round per learner in one learner's period, and only ``history`` bounds it."""
+    return state.due_at is None or c.base_round >= state.global_round - BEHIND
+
+
+def fresh_learners(state: SyncState) -> set[str]:
+    """The learners whose pending contribution was taken against the current global round. One taken
+    against an older round (a straggler of the round before, carried over) holds real work and is merged,
+    but it does not stand in for the learner's contribution to this round: "every live learner is in"
+    waits for that one (until the grace deadline at most)."""
+    return {k for k, c in state.pending.items() if c.base_round == state.global_round}
+
+
 def grace_window(cfg: ProtocolConfig, state: SyncState) -> float:
     if not cfg.grace:
         return 0.0
@@ -156,6 +180,13 @@ def _check(cfg: ProtocolConfig, state: SyncState, c: Contribution) -> None:
 def on_contribution(cfg: ProtocolConfig, state: SyncState, c: Contribution, now: float) -> Decision:
     """A contribution arrived. Raises ProtocolError (state unchanged) when it breaks a rule."""
     _check(cfg, state, c)
+    if not carried(c, state):
+        return Decision(
+            state,
+            (),
+            f"{c.learner}'s contribution (base {c.base_round}) is more than {BEHIND} round behind the "
+            f"global round {state.global_round}: left out",
+        )
     if state.phase is Phase.MERGING:
         queued = dict(state.queued)
         queued[c.learner] = c
@@ -196,20 +227,21 @@ def on_merged(
     ``due``: (first moment, repeat period) of the next round on the swarm's schedule (None: on arrival)."""
     if state.phase is not Phase.MERGING:
         raise ProtocolError(RejectCode.MALFORMED, f"no merge in progress for fragment {state.fragment}")
-    queued = state.queued
     nxt = replace(
         state,
         global_round=state.global_round + 1,
         phase=Phase.COLLECTING,
-        pending=queued,
+        pending=MappingProxyType({}),
         queued=MappingProxyType({}),
-        first_at=now if queued else None,
+        first_at=None,
         quorum_at=None,
         deadline=None,
         xi_sync=state.xi_sync.update(sync_s, cfg.ema_beta),
         due_at=None if due is None else due[0],
         due_every=0.0 if due is None else due[1],
     )
+    queued = MappingProxyType({k: c for k, c in state.queued.items() if carried(c, nxt)})
+    nxt = replace(nxt, pending=queued, first_at=now if queued else None)
     return _evaluate(cfg, nxt, now, f"round {state.open_round} merged in {sync_s:.3f}s")
 
 
@@ -227,7 +259,7 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
     if state.phase is Phase.MERGING:
         return Decision(state, (), f"{note}; merge in progress")
     due_at = slot_due(state, now)
-    opens = None if due_at is None else due_at - state.xi_step.get()
+    opens = None if due_at is None else due_at - OPEN_STEPS * state.xi_step.get()
     if opens is not None and now < opens and state.quorum_at is None:
         return Decision(
             replace(state, phase=Phase.COLLECTING),
@@ -261,7 +293,7 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
             if cfg.grace
             else f"{note}; quorum {n}/{k}, no grace"
         )
-    everyone = bool(state.live) and state.live <= set(state.pending)
+    everyone = bool(state.live) and state.live <= fresh_learners(state)
     deadline = now if state.deadline is None else state.deadline
     if now >= deadline or everyone:
         why = "every live learner is in" if everyone and now < deadline else "grace over"

@@ -92,8 +92,8 @@ def test_a_period_moves_at_most_a_factor_per_record():
     assert bounded_period(30.0, None, H) == 30.0  # no record yet: nothing to hold it to
 
 
-def _c(learner: str, cid: str = "") -> Contribution:
-    return Contribution(learner, 0, 0, 4, 40, 1.0, {"w": None}, cid or learner)
+def _c(learner: str, cid: str = "", base: int = 0) -> Contribution:
+    return Contribution(learner, 0, base, 4, 40, 1.0, {"w": None}, cid or learner)
 
 
 def test_a_round_on_the_schedule_does_not_open_before_its_slot_and_its_grace_runs_from_it():
@@ -103,20 +103,41 @@ def test_a_round_on_the_schedule_does_not_open_before_its_slot_and_its_grace_run
 
     cfg = ProtocolConfig(quorum=1, grace=True, overlap=2)
     live = frozenset({"a", "b", "c"})
-    st = replace(SyncState(fragment=0, live=live), due_at=100.0, due_every=50.0)
-    # A contribution left over from the round before (late for it) arrives long before this round's slot:
-    # it waits, and opens nothing.
-    d = on_contribution(cfg, st, _c("a", "a-late"), now=60.0)
+    st = replace(SyncState(fragment=0, global_round=3, live=live), due_at=100.0, due_every=50.0)
+    # A contribution left over from the round before (late for it: taken against round 2) arrives long
+    # before this round's slot: it waits, and opens nothing.
+    d = on_contribution(cfg, st, _c("a", "a-late", base=2), now=60.0)
     assert not any(isinstance(x, Merge) for x in d.actions)
-    assert d.actions == (WakeAt(99.0),)  # the round opens one step (xi_step = 1 s) before its slot
-    st = on_tick(cfg, d.state, 99.0).state
+    assert d.actions == (WakeAt(98.0),)  # the round opens two steps (xi_step = 1 s) before its slot
+    st = on_tick(cfg, d.state, 98.0).state
     # K = 1 is reached at once, but the grace window runs from the slot, not from the quorum
     assert st.deadline is not None and st.deadline >= 100.0
-    d = on_contribution(cfg, st, _c("b"), now=99.5)  # a learner on time
-    assert not any(isinstance(x, Merge) for x in d.actions)
-    d = on_contribution(cfg, d.state, _c("c"), now=100.4)  # on time too: everyone is in, merge now
+    d = on_contribution(cfg, st, _c("b", base=3), now=99.2)  # learners on time: their last step before it
+    d = on_contribution(cfg, d.state, _c("c", base=3), now=99.5)
+    # b and c are in and a's pending one is the leftover: that is not a's contribution to this round
+    assert not any(isinstance(x, Merge) for x in d.actions), d.reason
+    d = on_contribution(cfg, d.state, _c("a", "a-now", base=3), now=99.9)  # a's own: everyone is in
     (m,) = [x for x in d.actions if isinstance(x, Merge)]
-    assert [c.learner for c in m.contributions] == ["a", "b", "c"]
+    assert [c.cid for c in m.contributions] == ["a-now", "b", "c"]
+
+
+def test_a_leftover_is_merged_when_its_learner_sends_nothing_newer():
+    from dataclasses import replace
+
+    from protocol.synchroniser import Merge, SyncState, on_contribution, on_tick
+
+    cfg = ProtocolConfig(quorum=1, grace=True, overlap=2)
+    st = replace(
+        SyncState(fragment=0, global_round=3, live=frozenset({"a", "b"})), due_at=100.0, due_every=50.0
+    )
+    d = on_contribution(cfg, st, _c("a", "a-late", base=2), now=60.0)
+    d = on_tick(cfg, d.state, 98.0)
+    d = on_contribution(cfg, d.state, _c("b", base=3), now=99.5)
+    assert not any(isinstance(x, Merge) for x in d.actions)
+    deadline = d.state.deadline
+    d = on_tick(cfg, d.state, deadline)  # the grace window is over: the leftover's work is merged
+    (m,) = [x for x in d.actions if isinstance(x, Merge)]
+    assert [c.cid for c in m.contributions] == ["a-late", "b"]
 
 
 def test_a_round_that_missed_its_slot_is_taken_at_the_next():
@@ -129,7 +150,7 @@ def test_a_round_that_missed_its_slot_is_taken_at_the_next():
     assert slot_due(st, 90.0) == 100.0
     assert slot_due(st, 140.0) == 150.0  # nearest slot: the round is due again
     d = on_contribution(cfg, st, _c("a"), now=140.0)  # before slot 150's opening: waits
-    assert "opens at 149" in d.reason
+    assert "opens at 148" in d.reason
 
 
 def test_a_peers_schedule_is_bounded_before_anyone_uses_it():

@@ -58,7 +58,8 @@ def goodput_records(
     t1: float,
 ) -> list[dict]:
     """One stream of records that ``compute_goodput`` scores for the window [t0, t1] (see module doc)."""
-    shares = next((r["shares"] for recs in events.values() for r in recs if r.get("kind") == "run"), None)
+    runs = [r for recs in events.values() for r in recs if r.get("kind") == "run"]
+    shares = runs[0]["shares"] if runs else None
     if shares is None:
         raise ValueError(
             "no node wrote a 'run' record (none stopped cleanly); the fragment shares are unknown"
@@ -70,6 +71,7 @@ def goodput_records(
             "t1": t1,
             "learners": [peer_ids[i] for i in sorted(peer_ids)],
             "shares": shares,
+            "overlap": runs[0].get("overlap", 0),
         }
     ]
     # A record that lost a split brain is not in the model the swarm kept: its merge does not count.

@@ -185,6 +185,7 @@ class VirtualSwarm:
             t0=0.0,
             t1=now,
             shares=shares,
+            overlap=self.cfg.overlap,
             learners=[s.learner.name for s in self.slots],
         )
         g = compute_goodput(self.events.records)
@@ -229,12 +230,12 @@ class VirtualSwarm:
         dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
         self.events.emit("step", learner=lrn.name, step=lrn.steps, t0=now, t1=now + dur, loss=res.loss)
         self._last_step_end = max(self._last_step_end, now + dur)
-        # The node's rule (node.learner_loop): slots of the swarm's schedule within half a step of the step's
-        # end, else (no record yet) the learner's own steps.
+        # The node's rule (node.learner.loop): slots of the swarm's schedule before the next step's end,
+        # else (no record yet) the learner's own steps.
         due = res.due
         if not self.blocking:
-            lead = self.run_cfg.step_time_s / s.plan.speed / 2
-            due = due_fragments(s.slots, [r.clock for r in self.replicas], res.due, now + dur, lead)
+            step_s = self.run_cfg.step_time_s / s.plan.speed
+            due = due_fragments(s.slots, [r.clock for r in self.replicas], res.due, now + dur, step_s)
         for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)

@@ -349,6 +349,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
                 t1=time.time(),
                 learners=[self.peer_id],
                 shares=self.shares,
+                overlap=self.pcfg.overlap,
                 system="decoupled",
             )
             self.events.close()

@@ -25,6 +25,7 @@ from protocol.synchroniser import (
     Merge,
     SyncState,
     WakeAt,
+    carried,
     on_contribution,
     on_merged,
     on_tick,
@@ -73,6 +74,8 @@ class Replication:
             learners=[c[0] for c in rec.contributors],
             weights=[c[2] for c in rec.contributors],
             signer=sr.signer,
+            due=rec.due,
+            period=rec.period,
         )
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
@@ -119,7 +122,7 @@ class Replication:
         self.leases.pop(p, None)
         now = self.loop.time()
         for c in list(old.pending.values()) + list(old.queued.values()):
-            if c.cid in merged or c.base_round not in rep.history:
+            if c.cid in merged or c.base_round not in rep.history or not carried(c, st):
                 continue
             with contextlib.suppress(ProtocolError):
                 self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))

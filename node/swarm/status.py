@@ -50,13 +50,15 @@ def parse_control(body: bytes) -> tuple[str, list[str]]:
 
 
 def held_goodput(
-    events: EventLog, started_at: float, now: float, learner: str, shares: list[float]
+    events: EventLog, started_at: float, now: float, learner: str, shares: list[float], overlap: int = 0
 ) -> tuple[float | None, float]:
     """Goodput of the records held in memory, and since when: the node's start, or, once older records were
     let go (``EventLog(keep=...)``), the oldest record held. None when the records cannot give one."""
     records = events.snapshot()
     since = record_time(records[0]) if events.trimmed and records else started_at
-    records.append({"kind": "run", "t0": since, "t1": now, "learners": [learner], "shares": shares})
+    records.append(
+        {"kind": "run", "t0": since, "t1": now, "learners": [learner], "shares": shares, "overlap": overlap}
+    )
     try:
         return compute_goodput(records).goodput, since
     except (ValueError, KeyError):
@@ -84,7 +86,9 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         )
     now = time.time()
     mono = time.monotonic()
-    goodput, since = held_goodput(node.events, node.started_at, now, node.peer_id, node.shares)
+    goodput, since = held_goodput(
+        node.events, node.started_at, now, node.peer_id, node.shares, node.pcfg.overlap
+    )
     t = node.transport
     return {
         "peer_id": node.peer_id,
