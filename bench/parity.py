@@ -21,11 +21,14 @@ records (the global model every ``--eval-every-s``), with the swarm's token coun
 from every node's step records, interpolated linearly. The runner trains exactly T.
 
 Per system it prints mean +- std over seeds of the eval loss at T, its ratio to sync-diloco's, learners per
-merge, goodput and tokens/s, for real nodes and the runner side by side.
+merge, goodput (``protocol.goodput``: the tau overlap steps count, as the paper counts them) and strict
+goodput (every overwritten step lost), the final eval loss (the model the swarm ended on, after its quiet
+period) and tokens/s, for real nodes and the runner side by side.
 
     python bench/parity.py                                   # 2 scenarios x 4 systems x 3 seeds, ~80 min
     python bench/parity.py --scenarios homogeneous --systems decoupled,sync-diloco --seeds 2 --duration 90
     python bench/parity.py --json > parity.json
+    python bench/parity.py --runner-from parity.json         # the runner side again, same real runs
 """
 
 from __future__ import annotations
@@ -145,12 +148,25 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         "curve": curve,
         "tokens": len(ends) * per_step,
         "goodput": rep.get("goodput", {}).get("goodput"),
+        "goodput_strict": rep.get("goodput", {}).get("strict"),
+        "final_loss": curve[-1][1] if curve else None,  # the model the swarm ended on, after its quiet period
         "learners_per_merge": learners_per_merge(all_records),
         "tokens_per_s": rep.get("tokens_trained", 0) / window if window else 0.0,
         "step_s": _step_s(ev),
+        "join_s": _join_s(ev, args.nodes),
         "refused": sum(1 for r in all_records if r.get("kind") == "reject"),
         "one_hash": rep.get("equal_hashes"),
     }
+
+
+def _join_s(ev: dict[int, list[dict]], nodes: int) -> list[float]:
+    """When each node's learner took its first step, in seconds after the first node's: the runner starts
+    its learners as late (``LearnerPlan.start_s``), as the launcher starts the nodes one after another."""
+    first = [
+        min((r["t0"] for r in ev.get(i, []) if r.get("kind") == "step"), default=None) for i in range(nodes)
+    ]
+    t0 = min((t for t in first if t is not None), default=0.0)
+    return [0.0 if t is None else t - t0 for t in first]
 
 
 def _step_s(ev: dict[int, list[dict]]) -> float:
@@ -163,10 +179,17 @@ def _step_s(ev: dict[int, list[dict]]) -> float:
     return statistics.median(per) if per else 0.3
 
 
-def runner_run(system: str, scenario: str, seed: int, tokens: int, step_s: float, args) -> dict:
+def runner_run(
+    system: str, scenario: str, seed: int, tokens: int, step_s: float, args, join_s: list[float] = ()
+) -> dict:
     name, pcfg = runner_setup(system, args.nodes)
+    starts = list(join_s) + [0.0] * (args.nodes - len(join_s))
     plans = tuple(
-        LearnerPlan(speed=1 / SLOW, jitter=JITTER) if slow(scenario, i, args.nodes) else LearnerPlan()
+        LearnerPlan(
+            speed=1 / SLOW if slow(scenario, i, args.nodes) else 1.0,
+            jitter=JITTER if slow(scenario, i, args.nodes) else 0.0,
+            start_s=starts[i],
+        )
         for i in range(args.nodes)
     )
     run = RunConfig(
@@ -201,8 +224,9 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
     rbase = statistics.mean(r["runner_loss"] for r in rows["sync-diloco"]) if "sync-diloco" in rows else None
     out = [
         f"{scenario}",
-        f"{'system':<14} {'real eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'tok/s':>7} "
-        f"{'refused':>7} | {'runner eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'runner/real':>11}",
+        f"{'system':<14} {'real eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'strict':>6} "
+        f"{'final':>6} {'tok/s':>7} {'refused':>7} | {'runner eval@T':>20} {'ratio':>6} {'lrn/merge':>9} "
+        f"{'goodput':>7} {'runner/real':>11}",
     ]
     for sys_, rs in rows.items():
         real = statistics.mean(r["real_loss"] for r in rs)
@@ -212,6 +236,8 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
             f"{real / base if base else float('nan'):>6.3f} "
             f"{statistics.mean(r['real']['learners_per_merge'] for r in rs):>9.2f} "
             f"{statistics.mean(r['real']['goodput'] or 0 for r in rs):>7.3f} "
+            f"{statistics.mean(r['real'].get('goodput_strict') or 0 for r in rs):>6.3f} "
+            f"{statistics.mean(r['real'].get('final_loss') or float('nan') for r in rs):>6.3f} "
             f"{statistics.mean(r['real']['tokens_per_s'] for r in rs):>7.0f} "
             f"{sum(r['real']['refused'] for r in rs):>7d} | "
             f"{_ms([r['runner_loss'] for r in rs]):>20} {run / rbase if rbase else float('nan'):>6.3f} "
@@ -219,6 +245,32 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
             f"{statistics.mean(r['runner']['goodput'] for r in rs):>7.3f} {run / real:>11.3f}"
         )
     return "\n".join(out)
+
+
+def rerun_runner(args) -> int:
+    """The runner side again, against the real side of a saved run (``--json`` output, possibly after
+    log lines): same systems, seeds, token counts, step times, and each node's start from its run dir."""
+    text = Path(args.runner_from).read_text()
+    saved = json.loads(text[text.index("{\n") :])
+    sargs = argparse.Namespace(**{**saved["args"], "runner_from": ""})
+    root = Path(sargs.run_dir)
+    for scen, rows in saved["results"].items():
+        for sys_, rs in rows.items():
+            for row in rs:
+                real = row["real"]
+                run_dir = root / f"{scen}-{row['seed']}-{sys_}"
+                ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(sargs.nodes)}
+                real["join_s"] = _join_s(ev, sargs.nodes)
+                _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {row['tokens']:,} tokens")
+                row["runner"] = runner_run(
+                    sys_, scen, row["seed"], row["tokens"], real["step_s"], sargs, real["join_s"]
+                )
+                row["runner_loss"] = row["runner"]["loss"]
+        if not args.json:
+            print(table(scen, rows), flush=True)
+    if args.json:
+        print(json.dumps({"args": vars(sargs), "results": saved["results"]}, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-flags", default="", help="more flags for every node (not the runner)")
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--runner-from",
+        default="",
+        metavar="JSON",
+        help="run only the runner, against the real runs a previous --json run saved (its run dirs give "
+        "each node's start); prints the table again",
+    )
     args = ap.parse_args(argv)
+    if args.runner_from:
+        return rerun_runner(args)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -262,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"seed": seed, "tokens": T, "real": real, "real_loss": eval_at(real["curve"], T)}
                 if not args.no_runner:
                     _log(f"{scen} seed {seed}: {s} in the runner to {T:,} tokens")
-                    row["runner"] = runner_run(s, scen, seed, T, real["step_s"], args)
+                    row["runner"] = runner_run(s, scen, seed, T, real["step_s"], args, real["join_s"])
                     row["runner_loss"] = row["runner"]["loss"]
                 else:
                     row["runner"] = {"learners_per_merge": 0.0, "goodput": 0.0}

@@ -129,6 +129,27 @@ def test_learner_down_does_not_stop_the_others_and_rejoins(tiny_task):
     assert g.down_s >= 15.0 and res.goodput < 1.0
 
 
+def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
+    """``LearnerPlan.start_s``: as the launcher starts nodes one after another, the runner starts a learner
+    late; until then the others merge without it, then it downloads the global model and trains."""
+    plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=12.0))
+    ev = EventLog()
+    pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1, quorum=3)
+    run_system(
+        tiny_task,
+        RunConfig(learners=3, token_budget=3 * 40 * tiny_task.tokens_per_batch, plans=plans),
+        pcfg,
+        INNER,
+        ev,
+    )
+    steps = [r for r in ev.of("step") if r["learner"] == "L2"]
+    assert steps and min(r["t0"] for r in steps) >= 12.0
+    assert min(r["t0"] for r in ev.of("step") if r["learner"] == "L0") == 0.0
+    early = [r for r in ev.of("merge") if r["t"] < 12.0]
+    assert early and all("L2" not in r["learners"] for r in early)  # K = 3 follows the live set
+    assert any("L2" in r["learners"] for r in ev.of("merge"))
+
+
 @pytest.mark.parametrize("system", ["dp", "streaming", "sync-diloco"])
 def test_baselines_run_and_learn(tiny_task, system):
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)

@@ -183,7 +183,8 @@ def render(rep: dict) -> str:
     if "goodput" in g:
         lines.append(
             f"goodput {_pct(g['goodput'])}: useful {g['useful_s']:.0f} s of {g['allocated_s']:.0f} s allocated "
-            f"(down {g['down_s']:.0f} s, dropped {g['dropped_s']:.0f} s, pending {g['pending_s']:.0f} s left out)"
+            f"(down {g['down_s']:.0f} s, dropped {g['dropped_s']:.0f} s, pending {g['pending_s']:.0f} s left out); "
+            f"overlap {g.get('overlap_s', 0.0):.0f} s counted useful, strict {_pct(g.get('strict', g['goodput']))}"
         )
     elif g:
         lines.append(f"goodput: {g.get('error')}")

@@ -74,5 +74,5 @@ def lower_own_thread_priority(increment: int) -> int:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, before + increment))
         return os.getpriority(os.PRIO_PROCESS, tid) - before
     except OSError as e:
-        logger.warning("learner thread not niced: %s", e)
+        logger.warning("thread not niced: %s", e)
         return 0

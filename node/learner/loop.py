@@ -253,18 +253,22 @@ class LearnerLoop(threading.Thread):
             )
             self.node.post_contribution(header, enc)
 
-    def evaluate(self, params: dict[str, torch.Tensor] | None = None) -> float:
-        """Eval loss of the global model: ``params`` (a copy of the node's replicas, handed over by the agent,
-        which evaluates off this thread so the learner never pauses for it), else the fragments the
-        learner last adopted (once it has stopped). Any thread."""
+    def evaluate(self, params: dict[str, torch.Tensor] | None = None, taken_at: float | None = None) -> float:
+        """Eval loss of the global model: ``params`` (a copy of the node's replicas taken at ``taken_at``,
+        handed over by the agent, which evaluates off this thread so the learner never pauses for it), else
+        the fragments the learner last adopted (once it has stopped). Any thread. The ``eval`` record
+        carries the moment, steps and tokens of the copy, not of the end of the evaluation."""
+        at, steps, tokens = time.time(), self.learner.steps, self.tokens
+        if taken_at is not None:
+            at = taken_at
         if params is None:
             params = {n: t for base in self.learner.base for n, t in base.items()}
         with self._eval_lock:
             self._eval_model.load_state_dict(params, strict=False)
             loss = evaluate(self.node.task, self._eval_model)
         self.eval_loss = loss
-        self.eval_history.append((time.time(), self.learner.steps, loss))
-        self.node.events.emit("eval", t=time.time(), tokens=self.tokens, loss=loss, step=self.learner.steps)
+        self.eval_history.append((at, steps, loss))
+        self.node.events.emit("eval", t=at, tokens=tokens, loss=loss, step=steps)
         return loss
 
     def run(self) -> None:

@@ -19,6 +19,7 @@ class LearnerPlan:
     jitter: float = 0.0  # each step's time is scaled by a uniform factor in [1 - jitter, 1 + jitter]
     down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
     scale: float = 1.0  # multiplies the learner's outer gradients: >1 plays a hostile learner (robust merge)
+    start_s: float = 0.0  # joins at this virtual time (downloading the global model), as a late node does
 
 
 @dataclass(frozen=True)
