@@ -379,11 +379,14 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
     # ---------------------------------------------------------------- background loops
     async def _eval_loop(self) -> None:
         """Evaluate the global model now and every ``eval_every_s``, from a copy of the replicas taken on
-        this loop (records change them here), in a thread of its own at the lowest priority: the learner
-        never pauses for it, and the CPU it takes is what the learner leaves. (At the default priority,
-        evaluations stretched the learner's steps 2-4x: 46 of 55 long steps in a parity run overlapped an
-        evaluation, and a contribution that a long step made late missed its round.)"""
-        pool = ThreadPoolExecutor(1, "eval", initializer=lower_own_thread_priority, initargs=(19,))
+        this loop (records change them here), in a thread of its own, niced as the learner is
+        (``learner_nice``): the learner never pauses for it, and on a busy host the two share the CPU
+        evenly. (At the default priority an evaluation took the CPU from the niced learner and stretched
+        its steps 2-4x: 46 of 55 long steps in a parity run overlapped an evaluation, and a contribution
+        that a long step made late missed its round. At nice 19 the evaluation starved and the learners
+        made 7% fewer steps; a starved thread holding the GIL is the suspect, not confirmed.)"""
+        nice = self.settings.learner_nice
+        pool = ThreadPoolExecutor(1, "eval", initializer=lower_own_thread_priority, initargs=(nice,))
         loop = asyncio.get_running_loop()
         try:
             while True:
