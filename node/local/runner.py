@@ -150,16 +150,13 @@ class VirtualSwarm:
     def run(self) -> RunResult:
         run = self.run_cfg
         for m, s in enumerate(self.slots):
-            if s.plan.start_s > 0:  # a node that starts late: away until then, then it joins as one back
-                s.down = True
-                self.events.emit("down", t=0.0, learner=s.learner.name)
-                self._push(s.plan.start_s, "up", m)
-            else:
-                self._push(0.0, "step", m)
-            for crash, back in s.plan.down:
+            late = (
+                ((0.0, s.plan.start_s),) if s.plan.start_s > 0 else ()
+            )  # a node started late: away till then
+            for crash, back in late + s.plan.down:  # (pushed before the first step: a start at 0 is away)
                 self._push(crash, "down", m)
                 self._push(back, "up", m)
-        self._membership(0.0)
+            self._push(0.0, "step", m)
         thresholds = [run.token_budget * (k + 1) // run.eval_points for k in range(run.eval_points)]
         now = 0.0
         self.evals.append((0, 0.0, self.eval_global()))
