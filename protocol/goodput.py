@@ -50,10 +50,15 @@ class Goodput:
     steps: int
     overlap_s: float = 0.0  # in useful_s: the tau steps the paper's rule overwrites by design
     late_s: float = 0.0  # in dropped_s: overwritten after a merged contribution, more than tau steps on
-    strict: float = 0.0  # (useful_s - overlap_s) / allocated_s
+
+    @property
+    def strict(self) -> float:
+        """Goodput with every overwritten step counted as lost, the overlap included."""
+        return (self.useful_s - self.overlap_s) / self.allocated_s if self.allocated_s > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in vars(self).items()}
+        d = {**vars(self), "strict": self.strict}
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def compute_goodput(records: Iterable[dict]) -> Goodput:
@@ -137,5 +142,4 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         steps=n_steps,
         overlap_s=overlap,
         late_s=late,
-        strict=(useful - overlap) / allocated if allocated > 0 else 0.0,
     )

@@ -81,7 +81,6 @@ class Tally:
             dropped_s=sum(a for _, a in self.outstanding.values()),
             pending_s=pending,
             steps=0,  # the tally counts chip-seconds, not per-chip steps; the engine reports block steps
-            strict=useful / allocated if allocated > 0 else 0.0,  # a simulated learner adopts as it sends
         )
         return g, per_block
 

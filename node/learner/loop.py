@@ -258,9 +258,8 @@ class LearnerLoop(threading.Thread):
         handed over by the agent, which evaluates off this thread so the learner never pauses for it), else
         the fragments the learner last adopted (once it has stopped). Any thread. The ``eval`` record
         carries the moment, steps and tokens of the copy, not of the end of the evaluation."""
-        at, steps, tokens = time.time(), self.learner.steps, self.tokens
-        if taken_at is not None:
-            at = taken_at
+        at = time.time() if taken_at is None else taken_at
+        steps, tokens = self.learner.steps, self.tokens
         if params is None:
             params = {n: t for base in self.learner.base for n, t in base.items()}
         with self._eval_lock:

@@ -150,10 +150,9 @@ class VirtualSwarm:
     def run(self) -> RunResult:
         run = self.run_cfg
         for m, s in enumerate(self.slots):
-            late = (
-                ((0.0, s.plan.start_s),) if s.plan.start_s > 0 else ()
-            )  # a node started late: away till then
-            for crash, back in late + s.plan.down:  # (pushed before the first step: a start at 0 is away)
+            # A node started late is away until then; pushed before the first step, so that step finds it away.
+            late = ((0.0, s.plan.start_s),) if s.plan.start_s > 0 else ()
+            for crash, back in late + s.plan.down:
                 self._push(crash, "down", m)
                 self._push(back, "up", m)
             self._push(0.0, "step", m)
