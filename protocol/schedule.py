@@ -7,9 +7,14 @@ period at that moment (``period``, the median step time of the live learners). R
 whichever node has died since. A round that does not merge in time is due again every ``H * period``
 after that (the slots of ``RoundClock``), so a round whose synchroniser died is taken again by the next one.
 
-Before a fragment's first record (round 0), or on a node that holds a fragment by snapshot with no clock,
-learners fall back to their own step count (``FragmentPlan.due``); the first record puts everyone on the
-clock. The staggered offsets of the fragments come from that first round and are kept by the chain.
+Before a fragment's first record (start-up), or on a node that holds a fragment by snapshot with no clock,
+the fragment takes the slot the stagger gives it from the newest clock of another fragment
+(``swarm_clocks``): its offset in steps (``FragmentPlan``) after that fragment's last round. So a node that
+joins while the swarm is starting contributes every fragment with the others, not at its own step count (a
+learner that starts 20 steps after the first one would otherwise send fragment p 20 steps after the
+round of p that the first one opened, and that round, merged without it, overwrites its work). With no clock
+anywhere (the swarm's first steps, or records that carry no period yet) learners go by their own step
+count (``FragmentPlan.due``). The first record of a fragment starts its own chain.
 
 A learner contributes fragment p at the end of its last step before a slot: after the step that ends at
 ``end`` when the next one would end past the slot, ``end + step_s`` (``RoundClock.slot_at``). The
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from protocol.fragments import FragmentPlan
 
 MIN_PERIOD_S = 1e-3  # a step period outside these bounds is not a learner's: clamp (a record may lie)
 MAX_PERIOD_S = 3600.0
@@ -84,6 +91,27 @@ def next_clock(
         return None
     p = bounded_period(clamp_period(period), before, sync_every)
     return RoundClock(round_ + 1, due + sync_every * p, sync_every * p)
+
+
+def swarm_clocks(clocks: Sequence[RoundClock | None], rounds: Sequence[int], plan: FragmentPlan) -> list:
+    """Every fragment's clock: its own (``clocks[p]``, from its records), or for a fragment with none, the
+    slot of its round ``rounds[p] + 1`` that the stagger gives it after the last round of the fragment
+    whose clock is newest (greatest ``first``: the same on every node that holds the same records), at that
+    fragment's period. None for all when no fragment has a clock."""
+    known = [(c.first, q) for q, c in enumerate(clocks) if c is not None]
+    if not known or len(known) == len(clocks):
+        return list(clocks)
+    ref_q = max(known)[1]
+    ref = clocks[ref_q]
+    period = ref.every / plan.sync_every
+    last = ref.first - ref.every
+    out: list[RoundClock | None] = []
+    for p, c in enumerate(clocks):
+        if c is None:
+            d = (plan.fragments[p].offset - plan.fragments[ref_q].offset) % plan.sync_every
+            c = RoundClock(rounds[p] + 1, last + d * period, ref.every)
+        out.append(c)
+    return out
 
 
 def round_due(clock: RoundClock | None, first_arrival: float) -> float:

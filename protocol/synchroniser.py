@@ -245,6 +245,15 @@ def on_merged(
     return _evaluate(cfg, nxt, now, f"round {state.open_round} merged in {sync_s:.3f}s")
 
 
+def scheduled(state: SyncState, due: tuple[float, float] | None) -> SyncState:
+    """``state`` with its open round due at ``due`` (first moment, repeat period), if the round is still idle
+    (nothing in it yet): a fragment with no record of its own takes the stagger's slot once another
+    fragment's record gives one (``protocol.schedule.swarm_clocks``)."""
+    if due is None or state.phase is not Phase.COLLECTING or state.pending or state.queued:
+        return state
+    return replace(state, due_at=due[0], due_every=due[1])
+
+
 def slot_due(state: SyncState, now: float) -> float | None:
     """The slot of the open round nearest to ``now`` (never before its first): a round that did not merge
     at its first slot is taken again at the next (``protocol.schedule.RoundClock``)."""

@@ -190,3 +190,24 @@ def test_blocking_systems_survive_a_learner_down_and_back(tiny_task, system, p, 
     assert any(any(c.startswith("L3:") for c in r["cids"]) for r in ev.of("merge") if r["t"] > down[1])
     cids = [r["cid"] for r in ev.of("contribute")]
     assert len(cids) == len(set(cids))  # contribution ids stay unique across the rejoin
+
+
+def test_a_learner_that_starts_late_contributes_each_fragment_with_the_others(tiny_task):
+    """Before a fragment's first record its round takes the stagger's slot from another fragment's clock
+    (``protocol.schedule.swarm_clocks``), so a learner that starts while the swarm is starting sends each
+    fragment when the others do, not at its own step count (where that round, merged without it, would
+    overwrite its steps)."""
+    plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=3.0))
+    ev = EventLog()
+    pcfg = ProtocolConfig(fragments=8, sync_every=8, overlap=1)
+    run_system(
+        tiny_task,
+        RunConfig(learners=3, token_budget=3 * 24 * tiny_task.tokens_per_batch, plans=plans),
+        pcfg,
+        INNER,
+        ev,
+    )
+    start = min(r["t0"] for r in ev.of("step") if r["learner"] == "L2")
+    firsts = [r for r in ev.of("merge") if r["round"] == 1 and r["t"] > start + 1.0]
+    assert len(firsts) >= 3  # fragments whose first round came after L2's first step
+    assert all(sorted(r["learners"]) == ["L0", "L1", "L2"] for r in firsts), firsts

@@ -9,8 +9,9 @@ from dht.identity import Identity
 from node.swarm.wire import FragmentState, decode_record, decode_snapshot, encode_record, encode_snapshot
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
-from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_period
-from protocol.synchroniser import Contribution
+from protocol.fragments import Fragment, FragmentPlan
+from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_clocks, swarm_period
+from protocol.synchroniser import Contribution, Phase, SyncState, on_contribution, scheduled
 
 H = 8
 
@@ -193,3 +194,37 @@ def test_a_first_period_is_held_to_the_step_times_the_rounds_learners_report():
     assert held_to_steps(3.0, [0.3, 0.31, 0.29]) == 0.6
     assert held_to_steps(0.3, [0.3, 0.31]) == 0.3
     assert held_to_steps(3.0, []) == 3.0
+
+
+def _plan(n: int, h: int) -> FragmentPlan:
+    return FragmentPlan(tuple(Fragment(i, (f"w{i}",), 4, False, (i * h) // n) for i in range(n)), h)
+
+
+def test_a_fragment_with_no_record_takes_the_staggers_slot_from_the_newest_clock():
+    plan = _plan(4, 8)  # offsets 0, 2, 4, 6; period 0.5 s, so a round every 4 s
+    old = RoundClock(2, first=104.0, every=4.0)  # fragment 0: round 1 at 100, round 2 due at 104
+    newest = RoundClock(2, first=105.0, every=4.0)  # fragment 1: round 1 at 101, round 2 due at 105
+    clocks = swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan)
+    assert clocks[:2] == [old, newest]  # a fragment's own clock is kept
+    # from fragment 1's last round (101), two and four steps of 0.5 s on: round 1 of fragments 2 and 3
+    assert clocks[2:] == [RoundClock(1, 102.0, 4.0), RoundClock(1, 103.0, 4.0)]
+    # The order of the records a node got them in does not matter: only which it holds.
+    assert swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan) == clocks
+    # around the stagger: the newest clock is fragment 3's (offset 6, last round at 199)
+    c3 = RoundClock(4, first=203.0, every=4.0)
+    assert swarm_clocks([None, None, None, c3], [0, 2, 2, 3], plan)[:2] == [
+        RoundClock(1, 200.0, 4.0),
+        RoundClock(3, 201.0, 4.0),
+    ]
+    assert swarm_clocks([None] * 4, [0] * 4, plan) == [None] * 4  # no schedule anywhere: by steps
+
+
+def test_an_idle_round_takes_a_slot_and_one_under_way_keeps_its_own():
+    st = SyncState(fragment=2, live=frozenset({"a", "b"}))
+    timed = scheduled(st, (102.0, 4.0))
+    assert (timed.due_at, timed.due_every) == (102.0, 4.0)
+    assert scheduled(st, None) is st
+    c = Contribution("a", 2, 0, 3, 30, 0.5, {"w": torch.zeros(4)}, cid="a:1")
+    busy = on_contribution(ProtocolConfig(fragments=4, sync_every=8), st, c, now=50.0).state
+    assert busy.pending and busy.phase in (Phase.COLLECTING, Phase.GRACE)
+    assert scheduled(busy, (102.0, 4.0)) is busy

@@ -164,15 +164,16 @@ class LearnerLoop(threading.Thread):
         """The fragments this learner takes after the step it starts now, decided before the step so that a
         unit's ranks all join the same gathers. Baselines: by the learner's own steps (they block, so they
         stay in step). Decoupled: those whose round on the swarm's schedule (``protocol.schedule``) is up
-        before the step after this one ends, a slot this learner has not contributed to; a
-        fragment whose replica knows no schedule yet (before its first record) by the learner's own steps."""
+        before the step after this one ends, a slot this learner has not contributed to (before a
+        fragment's first record, the stagger's slot: ``protocol.schedule.swarm_clocks``); with no schedule
+        anywhere yet, by the learner's own steps."""
         lrn = self.learner
         by_steps = lrn.plan.due(lrn.book.step + 1)
         if self.node.blocking:
             return by_steps
         step_s = self.step_s or 0.0
         now = time.time()
-        clocks = [usable(rep.clock, now) for rep in self.node.replicas]
+        clocks = [usable(c, now) for c in self.node.clocks()]
         return due_fragments(self.slots, clocks, by_steps, now + step_s, step_s)
 
     def _service(self) -> tuple[list[int], list]:

@@ -33,7 +33,7 @@ from protocol.errors import ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
-from protocol.schedule import SlotBook, bounded_period, due_fragments, round_due, swarm_period
+from protocol.schedule import SlotBook, bounded_period, due_fragments, round_due, swarm_clocks, swarm_period
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -44,6 +44,7 @@ from protocol.synchroniser import (
     on_membership,
     on_merged,
     on_tick,
+    scheduled,
 )
 from protocol.systems import system_protocol
 
@@ -237,7 +238,7 @@ class VirtualSwarm:
         due = res.due
         if not self.blocking:
             step_s = self.run_cfg.step_time_s / s.plan.speed
-            due = due_fragments(s.slots, [r.clock for r in self.replicas], res.due, now + dur, step_s)
+            due = due_fragments(s.slots, self._clocks(), res.due, now + dur, step_s)
         for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
@@ -296,18 +297,19 @@ class VirtualSwarm:
             elif isinstance(a, Merge):
                 self._merge(p, a, now)
 
+    def _clocks(self) -> list:  # the node's rule: own clocks, the stagger's before a first record
+        return swarm_clocks([r.clock for r in self.replicas], [r.round for r in self.replicas], self.plan)
+
     def _merge(self, p: int, a: Merge, now: float) -> None:
-        rep = self.replicas[p]
-        st = self.syncs[p]
-        live = [s for s in self.slots if s.learner.name in st.live]
-        period = bounded_period(
-            swarm_period((self.run_cfg.step_time_s / s.plan.speed for s in live), self.run_cfg.step_time_s),
-            rep.clock,
-            self.cfg.sync_every,
-        )
-        due = round_due(rep.clock, st.quorum_at if st.quorum_at is not None else now)
+        rep, st, clock = self.replicas[p], self.syncs[p], self._clocks()[p]
+        live = [self.run_cfg.step_time_s / s.plan.speed for s in self.slots if s.learner.name in st.live]
+        period = bounded_period(swarm_period(live, self.run_cfg.step_time_s), clock, self.cfg.sync_every)
+        due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
+        for q, c in enumerate(self._clocks()):  # idle rounds with no clock of their own take the stagger's
+            if self.replicas[q].clock is None and c is not None:
+                self.syncs[q] = scheduled(self.syncs[q], (c.first, c.every))
         self.merges += 1
         cids = [c.cid for c in a.contributions]
         self.events.emit(

@@ -177,6 +177,7 @@ class CatchUp:
         self.counters["resyncs"] += 1
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
         self._reset_sync(p)
+        self._schedule_unclocked()
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, st.round, rep.theta, True)
 

@@ -19,7 +19,15 @@ from node.swarm.wire import (
     parse_records_request,
 )
 from protocol.errors import ProtocolError, RejectCode
-from protocol.schedule import bounded_period, held_to_steps, round_due, swarm_period, usable
+from protocol.schedule import (
+    RoundClock,
+    bounded_period,
+    held_to_steps,
+    round_due,
+    swarm_clocks,
+    swarm_period,
+    usable,
+)
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -29,6 +37,7 @@ from protocol.synchroniser import (
     on_contribution,
     on_merged,
     on_tick,
+    scheduled,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +88,7 @@ class Replication:
         )
         if not own:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
+        self._schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
@@ -127,11 +137,24 @@ class Replication:
             with contextlib.suppress(ProtocolError):
                 self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
 
+    def clocks(self) -> list[RoundClock | None]:
+        """Each fragment's round clock on the swarm's schedule: its own, or before its first record the
+        stagger's slot (``protocol.schedule.swarm_clocks``). Unchecked against now (``usable``)."""
+        reps = self.replicas
+        return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan)
+
+    def _schedule_unclocked(self) -> None:
+        """A record gave the swarm a newer clock: the idle rounds of fragments with none of their own take
+        the stagger's slot from it."""
+        for p, rep in enumerate(self.replicas):
+            if rep.clock is None:
+                self.syncs[p] = scheduled(self.syncs[p], self._schedule_of(p))
+
     def _schedule_of(self, p: int) -> tuple[float, float] | None:
         """When fragment p's open round is due on the swarm's schedule, on this loop's clock (the state
         machines run on it; the schedule is on the wall clock every node shares), and its repeat period."""
         now = time.time()
-        c = usable(self.replicas[p].clock, now)
+        c = usable(self.clocks()[p], now)
         if c is None:
             return None
         return c.first - now + self.loop.time(), c.every
@@ -155,13 +178,14 @@ class Replication:
         # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
         # arrived first). The wall clock is the swarm's; the state machine runs on the loop's.
         at = st.quorum_at if st.quorum_at is not None else (st.first_at if st.first_at is not None else t0)
-        due = round_due(rep.clock, time.time() - (t0 - at))
+        clock = self.clocks()[p]  # its own, or the stagger's before its first record
+        due = round_due(clock, time.time() - (t0 - at))
         # The members' measured step rates (each over its last steps, the warm-up left out); none measured
         # yet: no schedule in this record, and the learners go by their steps until a later one has one.
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
-        period = rep.clock.every / self.pcfg.sync_every if rep.clock is not None else 0.0
+        period = clock.every / self.pcfg.sync_every if clock is not None else 0.0
         if rates:
-            period = bounded_period(swarm_period(rates, fallback=0.0), rep.clock, self.pcfg.sync_every)
+            period = bounded_period(swarm_period(rates, fallback=0.0), clock, self.pcfg.sync_every)
             # and within a factor of the step time the round's own learners report: a first period (no clock
             # to hold it to) taken from rates measured over a slow start cannot throw the round minutes out
             period = held_to_steps(period, [c.step_time_s for c in a.contributions])
