@@ -117,8 +117,11 @@ def swarm_clocks(clocks: Sequence[RoundClock | None], rounds: Sequence[int], pla
 def round_due(clock: RoundClock | None, first_arrival: float) -> float:
     """The moment a synchroniser writes into the record of the round it merges: the slot of ``clock``
     nearest to the round's first contribution (learners send in the step before a slot), or that
-    contribution's own time when no clock is known (the first round)."""
-    if clock is None:
+    contribution's own time when no clock is known (the first round), or when the round came more than
+    half a repeat before its first slot: then it was not taken on this clock (its learners had none yet
+    and sent by their steps), and writing the slot ahead would put the fragment's next round a whole
+    repeat later than the learners' work, and the one after that further still, each round it happens."""
+    if clock is None or first_arrival < clock.first - clock.every / 2:
         return first_arrival
     if first_arrival <= clock.first:
         return clock.first

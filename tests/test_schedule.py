@@ -72,6 +72,9 @@ def test_the_synchroniser_snaps_the_round_to_the_slot_its_contributions_came_for
     assert round_due(clock, 49.0) == 50.0
     assert round_due(clock, 60.4) == 60.0  # the round's second slot
     assert round_due(None, 12.5) == 12.5  # the first round: its first contribution's time
+    # A round taken long before its slot (its learners sent by their steps, with no clock yet) is due
+    # when it was taken: the slot ahead, written into its record, would push the next round a repeat on.
+    assert round_due(clock, 42.0) == 42.0
 
 
 def test_the_period_is_the_median_and_a_liar_cannot_move_it():
