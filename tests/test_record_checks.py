@@ -2,6 +2,7 @@
 ``FragmentReplica.check_record``, ``OwnCids`` (contributions of ours a record may name) and
 ``SwarmView.credible`` (a head far ahead needs the rest of the swarm's word)."""
 
+import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -9,9 +10,13 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from dht.identity import Identity
 from dht.records import Member
 from node.swarm.contributions import OwnCids
+from node.swarm.replication import Replication
+from node.swarm.transport import Reply
 from node.swarm.view import HEAD_SLACK, SwarmView
+from node.swarm.wire import encode_record
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
@@ -131,3 +136,51 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
     assert outvoted({"a": member("a", 19, "x"), "liar": member("liar", 5, "zero")}) == (None, [])
     # one other member only: nobody to outvote this node
     assert outvoted({"a": member("a", 15, "theirs15")}) == (None, [])
+
+
+class _Receiver(Replication):
+    """The record handler of a node, over a view in which ``joiner`` has published its membership but the
+    node has not read it yet (it joined after the node's last read of the view)."""
+
+    def __init__(self, signer: str, joiner: str) -> None:
+        self.peer_id, self.members, self._peer_book = "me", {signer: object()}, {}
+        self.joiner, self.reads, self.applied = joiner, 0, []
+        self.settings = SimpleNamespace(swarm="s")
+        self.spec = {0: {"w": (16, 16)}}
+        self.events = SimpleNamespace(emit=lambda *a, **k: None)
+        self.penalise = lambda *a: None
+
+    async def _known(self, caller: str) -> bool:
+        return caller in self.members
+
+    async def _look_up(self, peer: str) -> bool:  # the view's re-read: the DHT has the joiner by now
+        self.reads += 1
+        self.members[self.joiner] = object()
+        return peer in self.members
+
+    def _on_record(self, sr, caller):
+        self._vouch(sr)  # what calls a contributor never seen a forgery
+        self.applied.append(sr.record.round)
+        return Reply(True)
+
+
+def test_a_record_naming_a_peer_that_joined_since_our_last_view_read_is_not_called_forged():
+    """At start-up the first rounds hold every node, and one may reach a node before that node has read
+    the newest joiner's membership: it reads the view again before judging (a parity run refused one such
+    honest record as ``forged_record`` before)."""
+    signer, joiner = Identity.generate(), Identity.generate()
+    rep = _replica()
+    g = {"w": torch.randn(16, 16, generator=torch.Generator().manual_seed(3)) * 1e-3}
+    c = Contribution(joiner.peer_id, 0, 0, 4, 400, 1.0, g, f"{joiner.peer_id}:0:1")
+    raw = encode_record("s", rep.make_record(1, [c], CFG), signer)
+    node = _Receiver(signer.peer_id, joiner.peer_id)
+    reply = asyncio.run(node._h_record(signer.peer_id, raw))
+    assert reply.ok and node.applied == [1] and node.reads == 1, reply
+    # A contributor that never joined is still refused, after the one read.
+    stranger = Identity.generate().peer_id
+    c2 = Contribution(stranger, 0, 0, 4, 400, 1.0, g, f"{stranger}:0:1")
+    node = _Receiver(signer.peer_id, joiner.peer_id)
+    reply = asyncio.run(
+        node._h_record(signer.peer_id, encode_record("s", rep.make_record(1, [c2], CFG), signer))
+    )
+    assert not reply.ok and reply.code == "forged_record" and node.reads == 1 and node.applied == []

@@ -8,8 +8,8 @@ import torch
 from dht.identity import Identity
 from node.swarm.wire import FragmentState, decode_record, decode_snapshot, encode_record, encode_snapshot
 from protocol.config import ProtocolConfig
-from protocol.replica import FragmentReplica
 from protocol.fragments import Fragment, FragmentPlan
+from protocol.replica import FragmentReplica
 from protocol.schedule import RoundClock, SlotBook, next_clock, round_due, swarm_clocks, swarm_period
 from protocol.synchroniser import Contribution, Phase, SyncState, on_contribution, scheduled
 

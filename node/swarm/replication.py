@@ -226,6 +226,11 @@ class Replication:
             sr = decode_record(raw, self.settings.swarm, self.spec)
             if sr.signer != self.peer_id and sr.signer not in self.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
+            # A contributor we have never seen may have joined since our last read of the view (start-up:
+            # the first rounds hold every node): look before ``_vouch`` calls the record forged.
+            unseen = {c[0] for c in sr.record.contributors} - (self.members.keys() | self._peer_book.keys())
+            if unseen - {self.peer_id}:
+                await self._look_up(min(unseen - {self.peer_id}))  # one read of the view covers them all
             return self._on_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])

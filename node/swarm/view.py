@@ -239,15 +239,18 @@ class SwarmView:
             return False
         if caller in self.members or caller == self.peer_id:
             return True
-        # A peer that just joined: re-read the view (no DHT write), at most once a heartbeat per caller, so a
-        # caller we do not know cannot make us hammer the DHT.
+        return await self._look_up(caller)
+
+    async def _look_up(self, peer: str) -> bool:
+        """Whether ``peer``, not in our view, has just joined: re-read the view (no DHT write), at most once a
+        heartbeat per peer, so a peer we do not know cannot make us hammer the DHT."""
         now = self.loop.time()
-        if now - self._unknown_asked.get(caller, float("-inf")) >= self.settings.heartbeat_s:
-            self._unknown_asked[caller] = now
+        if now - self._unknown_asked.get(peer, float("-inf")) >= self.settings.heartbeat_s:
+            self._unknown_asked[peer] = now
             if len(self._unknown_asked) > 1024:
-                self._unknown_asked = {caller: now}
+                self._unknown_asked = {peer: now}
             await self._refresh_view()
-        return caller in self.members
+        return peer in self.members
 
     async def _admit(self, caller: str, op: str) -> None:
         """The transport's admission check, before it reads a request's body: a stranger's upload is refused
