@@ -30,6 +30,12 @@ _PART_DTYPES = {
 }
 
 
+def contribution_id(peer_id: str, fragment: int, step: int, t: float) -> str:
+    """A contribution's id: who, which fragment, the step, and the moment the step ended in ms, which makes
+    ids unique and growing through a node's lives (``node.swarm.contributions.OwnCids``)."""
+    return f"{peer_id[-10:]}:{fragment}:{step}:{int(t * 1000)}"
+
+
 @dataclass(frozen=True)
 class ContributionHeader:
     learner: str

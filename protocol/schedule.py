@@ -93,13 +93,16 @@ def next_clock(
     return RoundClock(round_ + 1, due + sync_every * p, sync_every * p)
 
 
-def swarm_clocks(clocks: Sequence[RoundClock | None], rounds: Sequence[int], plan: FragmentPlan) -> list:
+def swarm_clocks(
+    clocks: Sequence[RoundClock | None], rounds: Sequence[int], plan: FragmentPlan, now: float
+) -> list[RoundClock | None]:
     """Every fragment's clock: its own (``clocks[p]``, from its records), or for a fragment with none, the
     slot of its round ``rounds[p] + 1`` that the stagger gives it after the last round of the fragment
     whose clock is newest (greatest ``first``: the same on every node that holds the same records), at that
-    fragment's period. None for all when no fragment has a clock."""
-    known = [(c.first, q) for q, c in enumerate(clocks) if c is not None]
-    if not known or len(known) == len(clocks):
+    fragment's period. Only a clock ``usable`` at ``now`` gives slots: one far ahead (a lie) does not
+    drag the others along. None for all when no fragment has such a clock."""
+    known = [(c.first, q) for q, c in enumerate(clocks) if usable(c, now) is not None]
+    if not known or all(c is not None for c in clocks):
         return list(clocks)
     ref_q = max(known)[1]
     ref = clocks[ref_q]

@@ -130,7 +130,8 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
         assert [r.code for r in replies] == ["record_too_large", "record_too_large"], replies
         # a small gradient, but credited to a contribution of node 0's that node 0 never sent
         small = {n: torch.randn(t.shape) * 1e-4 for n, t in st.theta.items()}
-        theirs = [(node0, f"{node0[-10:]}:0:99999999", contribution_weight(2048, 8), 8, 2048)]
+        late = int((time.time() + 3600) * 1000)  # after node 0's first contribution of this life: it knows
+        theirs = [(node0, f"{node0[-10:]}:0:8:{late}", contribution_weight(2048, 8), 8, 2048)]
         forged = bad.call(node0, "record", _forged(bad, st, small, theirs))
         assert not forged.ok and forged.code == "forged_record", forged
         after = swarm.status()

@@ -20,6 +20,7 @@ from node.swarm.wire import encode_record
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
+from protocol.messages import contribution_id
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
@@ -89,6 +90,25 @@ def test_own_cids_refute_only_what_this_life_knows_it_never_sent():
     own.add(mine + "14")  # 10 falls out of the kept window: no longer refutable
     assert not own.refutes(mine + "10") and own.refutes(mine + "13")
     assert own.refutes("someone-else:0:12") and own.refutes(mine + "notastep")
+
+
+def test_a_node_restored_from_an_older_checkpoint_neither_repeats_ids_nor_disowns_its_old_ones():
+    """A node killed at step 120 and restored from its checkpoint at step 100 steps through 101-120 again.
+    Its ids carry the moment each step ended, so the new ones differ from the old (not replays of merged
+    contributions) and records naming the old ones are not called forged."""
+    me = "12D3KooW" + "y" * 44
+    first = OwnCids(me)
+    before = [contribution_id(me, 3, step, 1000.0 + 0.5 * step) for step in range(101, 121)]
+    for cid in before:
+        first.add(cid)
+    restarted = OwnCids(me)  # the next life: 10 s later, from step 100 again
+    after = [contribution_id(me, 3, step, 1070.0 + 0.5 * step) for step in range(101, 121)]
+    assert not set(before) & set(after)
+    for cid in after[:5]:
+        restarted.add(cid)
+    assert not any(restarted.refutes(cid) for cid in before)  # its records from before the restart
+    assert not any(restarted.refutes(cid) for cid in after[:5])
+    assert restarted.refutes(contribution_id(me, 3, 106, 2000.0))  # after this life's first: it would know
 
 
 def _member(pid: str, round_: int) -> Member:

@@ -207,19 +207,25 @@ def test_a_fragment_with_no_record_takes_the_staggers_slot_from_the_newest_clock
     plan = _plan(4, 8)  # offsets 0, 2, 4, 6; period 0.5 s, so a round every 4 s
     old = RoundClock(2, first=104.0, every=4.0)  # fragment 0: round 1 at 100, round 2 due at 104
     newest = RoundClock(2, first=105.0, every=4.0)  # fragment 1: round 1 at 101, round 2 due at 105
-    clocks = swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan)
+    clocks = swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan, now=101.5)
     assert clocks[:2] == [old, newest]  # a fragment's own clock is kept
     # from fragment 1's last round (101), two and four steps of 0.5 s on: round 1 of fragments 2 and 3
     assert clocks[2:] == [RoundClock(1, 102.0, 4.0), RoundClock(1, 103.0, 4.0)]
     # The order of the records a node got them in does not matter: only which it holds.
-    assert swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan) == clocks
+    assert swarm_clocks([old, newest, None, None], [1, 1, 0, 0], plan, now=101.5) == clocks
     # around the stagger: the newest clock is fragment 3's (offset 6, last round at 199)
     c3 = RoundClock(4, first=203.0, every=4.0)
-    assert swarm_clocks([None, None, None, c3], [0, 2, 2, 3], plan)[:2] == [
+    assert swarm_clocks([None, None, None, c3], [0, 2, 2, 3], plan, now=200.0)[:2] == [
         RoundClock(1, 200.0, 4.0),
         RoundClock(3, 201.0, 4.0),
     ]
-    assert swarm_clocks([None] * 4, [0] * 4, plan) == [None] * 4  # no schedule anywhere: by steps
+    assert swarm_clocks([None] * 4, [0] * 4, plan, now=0.0) == [None] * 4  # no schedule anywhere: by steps
+    # A clock far ahead of now (a lie, or a runaway) gives no slots: the next newest does.
+    liar = RoundClock(2, first=10_000.0, every=4.0)
+    assert swarm_clocks([old, liar, None, None], [1, 1, 0, 0], plan, now=101.5)[2:] == [
+        RoundClock(1, 102.0, 4.0),
+        RoundClock(1, 103.0, 4.0),
+    ]
 
 
 def test_an_idle_round_takes_a_slot_and_one_under_way_keeps_its_own():

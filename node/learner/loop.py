@@ -17,7 +17,7 @@ from node.learner.learner import Learner
 from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
-from protocol.messages import ContributionHeader
+from protocol.messages import ContributionHeader, contribution_id
 from protocol.schedule import SlotBook, due_fragments, usable
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ class LearnerLoop(threading.Thread):
         """Hand the agent every contribution whose snapshot has reached the host (all of them with ``wait``)."""
         lrn = self.learner
         for (base_round, c_steps, c_tokens, step, t), p, enc in lrn.ready_contributions(wait):
-            cid = f"{self.node.peer_id[-10:]}:{p}:{step}"
+            cid = contribution_id(self.node.peer_id, p, step, t)
             header = ContributionHeader(
                 learner=self.node.peer_id,
                 fragment=p,

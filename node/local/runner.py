@@ -10,7 +10,6 @@ would in a swarm of that shape. The same loop runs the fragment-based systems:
   streaming    Streaming DiLoCo: fragments + overlap tau, every live learner, plain mean, learners block
                at tau steps after contributing until the merged fragment is back
   sync-diloco  DiLoCo: one fragment, every live learner, plain mean, learners block right after contributing
-
 Data-parallel lives in ``node.local.dp``. Every system writes the same event records (``node.common.events``).
 """
 
@@ -238,7 +237,7 @@ class VirtualSwarm:
         due = res.due
         if not self.blocking:
             step_s = self.run_cfg.step_time_s / s.plan.speed
-            due = due_fragments(s.slots, self._clocks(), res.due, now + dur, step_s)
+            due = due_fragments(s.slots, self._clocks(now), res.due, now + dur, step_s)
         for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
@@ -297,17 +296,18 @@ class VirtualSwarm:
             elif isinstance(a, Merge):
                 self._merge(p, a, now)
 
-    def _clocks(self) -> list:  # the node's rule: own clocks, the stagger's before a first record
-        return swarm_clocks([r.clock for r in self.replicas], [r.round for r in self.replicas], self.plan)
+    def _clocks(self, now: float) -> list:  # the node's rule: own clocks, the stagger's before a first record
+        reps = self.replicas
+        return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, now)
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
-        rep, st, clock = self.replicas[p], self.syncs[p], self._clocks()[p]
+        rep, st, clock = self.replicas[p], self.syncs[p], self._clocks(now)[p]
         live = [self.run_cfg.step_time_s / s.plan.speed for s in self.slots if s.learner.name in st.live]
         period = bounded_period(swarm_period(live, self.run_cfg.step_time_s), clock, self.cfg.sync_every)
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
-        for q, c in enumerate(self._clocks()):  # idle rounds with no clock of their own take the stagger's
+        for q, c in enumerate(self._clocks(now)):  # idle rounds with no clock of their own take the stagger's
             if self.replicas[q].clock is None and c is not None:
                 self.syncs[q] = scheduled(self.syncs[q], (c.first, c.every))
         self.merges += 1

@@ -34,39 +34,43 @@ HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rou
 class OwnCids:
     """The contribution ids this node sent in this life, to refute a record that claims one it never sent.
 
-    A cid ends with the learner's step. Ids from before the first one sent in this life (a restart) cannot be
-    refuted, nor can ids older than the ``keep`` newest: ``refutes`` says True only when it knows."""
+    A cid ends with the moment its step ended (ms on the node's wall clock), which grows through the node's
+    lives. (It ended with the step number, which a node restored from an older checkpoint steps through
+    again: the node then called records naming its own contributions from before the restart forged, and
+    its new contributions were refused as replays of old ones.) Ids from before the first one sent in this
+    life (a restart) cannot be refuted, nor can ids older than the ``keep`` newest: ``refutes`` says True
+    only when it knows."""
 
     def __init__(self, peer_id: str, keep: int = 65536) -> None:
         self.prefix = f"{peer_id[-10:]}:"
         self.keep = keep
         self.sent: OrderedDict[str, None] = OrderedDict()
-        self.since: int | None = None  # the step from which every id we sent is in ``sent``
+        self.since: int | None = None  # the moment from which every id we sent is in ``sent``
 
     @staticmethod
-    def step_of(cid: str) -> int | None:
+    def moment_of(cid: str) -> int | None:
         try:
             return int(cid.rsplit(":", 1)[1])
         except (IndexError, ValueError):
             return None
 
     def add(self, cid: str) -> None:
-        step = self.step_of(cid)
-        if step is None:
+        moment = self.moment_of(cid)
+        if moment is None:
             return
         if self.since is None:
-            self.since = step
+            self.since = moment
         self.sent[cid] = None
         while len(self.sent) > self.keep:
             old, _ = self.sent.popitem(last=False)
-            self.since = max(self.since, (self.step_of(old) or 0) + 1)
+            self.since = max(self.since, (self.moment_of(old) or 0) + 1)
 
     def refutes(self, cid: str) -> bool:
         """True when ``cid``, claimed as ours, is one this node knows it never sent."""
-        step = self.step_of(cid)
-        if not cid.startswith(self.prefix) or step is None:
+        moment = self.moment_of(cid)
+        if not cid.startswith(self.prefix) or moment is None:
             return True  # not even of our form
-        return self.since is not None and step >= self.since and cid not in self.sent
+        return self.since is not None and moment >= self.since and cid not in self.sent
 
 
 class Contributions:

@@ -141,7 +141,7 @@ class Replication:
         """Each fragment's round clock on the swarm's schedule: its own, or before its first record the
         stagger's slot (``protocol.schedule.swarm_clocks``). Unchecked against now (``usable``)."""
         reps = self.replicas
-        return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan)
+        return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, time.time())
 
     def _schedule_unclocked(self) -> None:
         """A record gave the swarm a newer clock: the idle rounds of fragments with none of their own take
