@@ -18,7 +18,9 @@ Scenarios: ``homogeneous``; ``heterogeneous``: the last two nodes 20% slower wit
 Equal tokens: the swarms run for the same wall time, so blocking systems train fewer tokens. Each system's
 eval loss is read at T, the fewest tokens any system of that scenario and seed trained: from node 0's eval
 records (the global model every ``--eval-every-s``), with the swarm's token count at each record's time
-from every node's step records, interpolated linearly. The runner trains exactly T.
+from every node's step records, interpolated linearly. The runner trains exactly T. A second table reads
+every curve at equal tokens *merged* (``merged_curve``: the tokens whose work the evaluated model holds),
+which takes out where a sync round's step function falls against the evals.
 
 Per system it prints mean +- std over seeds of the eval loss at T, its ratio to sync-diloco's, learners per
 merge, goodput (``protocol.goodput``: the tau overlap steps count, as the paper counts them) and strict
@@ -96,6 +98,49 @@ def eval_at(curve: list[tuple[float, float]], tokens: float) -> float | None:
     return None
 
 
+def merged_curve(records: list[dict], evals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(tokens merged into the evaluated model, loss) for each (moment, loss) of ``evals``: per fragment the
+    ``c_tokens`` of the contributions its merges took up to that moment, weighted by its share of the
+    parameters. Read at equal tokens *trained*, a sync-diloco model is a step function of its rounds, and
+    each eval lands at another phase of them (the nodes' evals every 10 s, the runner's at its budget); read
+    at equal tokens merged, both drivers are compared on what their models hold."""
+    shares = next(r["shares"] for r in records if r.get("kind") == "run")
+    tokens = {r["cid"]: r["c_tokens"] for r in records if r.get("kind") == "contribute"}
+    merges: dict[tuple[int, int], dict] = {}
+    for r in records:
+        if r.get("kind") == "merge":
+            merges.setdefault((r["fragment"], r["round"]), r)
+    steps = sorted(
+        (r["t"], shares[r["fragment"]] * sum(tokens.get(c, 0) for c in r["cids"])) for r in merges.values()
+    )
+    out = []
+    for t, loss in evals:
+        out.append((sum(m for tm, m in steps if tm <= t), loss))
+    return out
+
+
+def real_merged_curve(run_dir: Path, nodes: int) -> list[tuple[float, float]]:
+    """``merged_curve`` of a real run: node 0's merges (the model it evaluates) and evals, every node's
+    contributions."""
+    ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(nodes)}
+    own = [r for r in ev[0] if r.get("kind") in ("run", "merge")]
+    contribs = [r for recs in ev.values() for r in recs if r.get("kind") == "contribute"]
+    evals = [(r["t"], r["loss"]) for r in ev[0] if r.get("kind") == "eval"]
+    return merged_curve(own + contribs, evals)
+
+
+def at_equal_merged(rows: list[dict]) -> None:
+    """Fill ``real_loss_m`` and ``runner_loss_m`` of one seed's rows (one per system): each curve read at
+    the fewest tokens merged that every system reached in both drivers."""
+    ends = [r["real"]["curve_m"][-1][0] for r in rows if r["real"].get("curve_m")]
+    ends += [r["runner"]["curve_m"][-1][0] for r in rows if r["runner"].get("curve_m")]
+    m = min(ends) if ends else 0
+    for r in rows:
+        r["merged"] = m
+        r["real_loss_m"] = eval_at(r["real"].get("curve_m", []), m) if m else None
+        r["runner_loss_m"] = eval_at(r["runner"].get("curve_m", []), m) if m else None
+
+
 def learners_per_merge(records: list[dict]) -> float:
     merges = {(r["fragment"], r["round"]): len(r["learners"]) for r in records if r.get("kind") == "merge"}
     return statistics.mean(merges.values()) if merges else 0.0
@@ -146,6 +191,7 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
     window = rep.get("window_s") or args.duration
     return {
         "curve": curve,
+        "curve_m": real_merged_curve(run_dir, args.nodes),
         "tokens": len(ends) * per_step,
         "goodput": rep.get("goodput", {}).get("goodput"),
         "goodput_strict": rep.get("goodput", {}).get("strict"),
@@ -204,8 +250,11 @@ def runner_run(
     )
     events = EventLog()
     res = run_system(load_task(None, task_config(args)), run, pcfg, InnerConfig(), events)
+    # the budget's eval is of the drained model (every merge done): after every merge event
+    evals = [(t, loss) for _, t, loss in res.evals[:-1]] + [(float("inf"), res.final_loss)]
     return {
         "loss": res.final_loss,
+        "curve_m": merged_curve(events.records, evals),
         "goodput": res.goodput,
         "learners_per_merge": learners_per_merge(events.records),
         "tokens_per_s": res.tokens / res.virtual_s if res.virtual_s else 0.0,
@@ -244,7 +293,28 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
             f"{statistics.mean(r['runner']['learners_per_merge'] for r in rs):>9.2f} "
             f"{statistics.mean(r['runner']['goodput'] for r in rs):>7.3f} {run / real:>11.3f}"
         )
+    if any(r.get("real_loss_m") is not None for rs in rows.values() for r in rs):
+        out += [
+            "",
+            f"{scenario}, at equal tokens merged (``merged_curve``; per seed the fewest any system held)",
+        ]
+        out.append(
+            f"{'system':<14} {'real eval@M':>20} {'ratio':>6} | {'runner eval@M':>20} {'ratio':>6} {'runner/real':>11}"
+        )
+        mbase = _mean([r.get("real_loss_m") for r in rows.get("sync-diloco", [])])
+        rmbase = _mean([r.get("runner_loss_m") for r in rows.get("sync-diloco", [])])
+        for sys_, rs in rows.items():
+            real, run = _mean([r.get("real_loss_m") for r in rs]), _mean([r.get("runner_loss_m") for r in rs])
+            out.append(
+                f"{sys_:<14} {_ms([r.get('real_loss_m') for r in rs]):>20} {real / mbase:>6.3f} | "
+                f"{_ms([r.get('runner_loss_m') for r in rs]):>20} {run / rmbase:>6.3f} {run / real:>11.3f}"
+            )
     return "\n".join(out)
+
+
+def _mean(xs: list) -> float:
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.mean(xs) if xs else float("nan")
 
 
 def rerun_runner(args) -> int:
@@ -261,11 +331,14 @@ def rerun_runner(args) -> int:
                 run_dir = root / f"{scen}-{row['seed']}-{sys_}"
                 ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(sargs.nodes)}
                 real["join_s"] = _join_s(ev, sargs.nodes)
+                real["curve_m"] = real_merged_curve(run_dir, sargs.nodes)
                 _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {row['tokens']:,} tokens")
                 row["runner"] = runner_run(
                     sys_, scen, row["seed"], row["tokens"], real["step_s"], sargs, real["join_s"]
                 )
                 row["runner_loss"] = row["runner"]["loss"]
+        for seed in sorted({row["seed"] for rs in rows.values() for row in rs}):
+            at_equal_merged([row for rs in rows.values() for row in rs if row["seed"] == seed])
         if not args.json:
             print(table(scen, rows), flush=True)
     if args.json:
@@ -330,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["runner_loss"] = float("nan")
                 rows[s].append(row)
                 _log(f"  {s}: real eval@{T:,} {row['real_loss']}, runner {row['runner_loss']}")
+            at_equal_merged([rows[s][-1] for s in systems])
         results[scen] = rows
         if not args.json:
             print(table(scen, rows), flush=True)
