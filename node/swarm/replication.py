@@ -146,15 +146,19 @@ class Replication:
     def _schedule_unclocked(self) -> None:
         """A record gave the swarm a newer clock: the idle rounds of fragments with none of their own take
         the stagger's slot from it."""
+        if all(rep.clock is not None for rep in self.replicas):
+            return  # past start-up: every fragment has its own
+        clocks = self.clocks()
         for p, rep in enumerate(self.replicas):
             if rep.clock is None:
-                self.syncs[p] = scheduled(self.syncs[p], self._schedule_of(p))
+                self.syncs[p] = scheduled(self.syncs[p], self._schedule_of(p, clocks[p]))
 
-    def _schedule_of(self, p: int) -> tuple[float, float] | None:
-        """When fragment p's open round is due on the swarm's schedule, on this loop's clock (the state
-        machines run on it; the schedule is on the wall clock every node shares), and its repeat period."""
+    def _schedule_of(self, p: int, clock: RoundClock | None = None) -> tuple[float, float] | None:
+        """When fragment p's open round is due on the swarm's schedule (``clock``, or its own or the
+        stagger's), on this loop's clock (the state machines run on it; the schedule is on the wall clock
+        every node shares), and its repeat period."""
         now = time.time()
-        c = usable(self.clocks()[p], now)
+        c = usable(clock if clock is not None else self.clocks()[p], now)
         if c is None:
             return None
         return c.first - now + self.loop.time(), c.every
