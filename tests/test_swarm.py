@@ -83,6 +83,13 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     wait_ready([swarm.children[victim]], 120)
     st = swarm.status()[victim]
     assert st["joined_by"].startswith("checkpoint"), st["joined_by"]
+    # It caught up on the rounds merged while it was down before its learner's first step of this life.
+    life = [e for e in swarm.events(victim) if e.get("t", e.get("t0", 0)) >= t_restart]
+    caught = [e for e in life if e["kind"] == "catch_up"]
+    assert caught and caught[0]["fragments"], caught
+    first_step = next(e["step"] for e in life if e["kind"] == "step")
+    taken = {e["fragment"] for e in life if e["kind"] == "adopt" and e["step"] < first_step}
+    assert set(caught[0]["fragments"]) <= taken, (caught[0], taken)
     wait_until(
         lambda: victim_id in swarm.merged_contributors(survivors[0], since=t_restart),
         60,

@@ -302,6 +302,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             self._phase("membership")
             if not self._restored:
                 await self._join_if_behind()
+            else:
+                await self._catch_up_restored()
             self._phase("state")
             self.events.emit(
                 "join",
