@@ -150,6 +150,29 @@ def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
     assert any("L2" in r["learners"] for r in ev.of("merge"))
 
 
+def test_a_learner_started_before_the_first_merge_is_in_the_first_round_of_sync_diloco(tiny_task):
+    """As on the nodes (the launcher starts them seconds apart, before any round merged), a learner that
+    starts before the swarm's first merge has nothing to download and is a member from its start: the first
+    round of synchronous DiLoCo (K = M) waits for its H steps, and the learners stay in one rhythm. (It was
+    left out of round 1 and sent round 2 a contribution from round 0, then waited a round for it.)"""
+    plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=1.5))
+    ev = EventLog()
+    pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
+    run_system(
+        tiny_task,
+        RunConfig(
+            system="sync-diloco", learners=3, token_budget=3 * 16 * tiny_task.tokens_per_batch, plans=plans
+        ),
+        pcfg,
+        INNER,
+        ev,
+    )
+    merges = sorted(ev.of("merge"), key=lambda r: r["round"])
+    assert merges and all(sorted(r["learners"]) == ["L0", "L1", "L2"] for r in merges), merges
+    steps = {r["cid"]: r["step"] for r in ev.of("contribute")}
+    assert {steps[c] for c in merges[0]["cids"]} == {4}  # H steps of each, L2's from its own start
+
+
 @pytest.mark.parametrize("system", ["dp", "streaming", "sync-diloco"])
 def test_baselines_run_and_learn(tiny_task, system):
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)

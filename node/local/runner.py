@@ -370,25 +370,20 @@ class VirtualSwarm:
 
     def _on_rejoin(self, now: float, m: int) -> None:
         s = self.slots[m]
-        donors = [x.learner.book.step for x in self.slots if not x.down and x is not s]
-        s.learner.join(
-            [r.round for r in self.replicas],
-            [r.theta for r in self.replicas],
-            schedule_step=max(donors, default=s.learner.book.step),
-        )
         s.down = False
-        s.members_of = set()
-        for p in range(len(self.replicas)):  # what it had not contributed before it went down is gone
-            self.events.emit(
-                "adopt",
-                t=now,
-                learner=s.learner.name,
-                fragment=p,
-                round=self.replicas[p].round,
-                step=s.learner.steps,
-                kept=False,
-                join=True,
-            )
+        if s.learner.steps == 0 and all(r.round == 0 for r in self.replicas):
+            # Started late, before the swarm's first merge (the launcher's stagger): as on the nodes, nothing
+            # to download, step 0 of its own schedule, and a member from its start, so a round of K = M waits
+            # for it (a node publishes its membership before its first step).
+            s.members_of = {f.index for f in self.plan.fragments}
+        else:
+            donors = [x.learner.book.step for x in self.slots if not x.down and x is not s]
+            rounds = [r.round for r in self.replicas]
+            s.learner.join(rounds, [r.theta for r in self.replicas], max(donors, default=s.learner.book.step))
+            s.members_of = set()
+            gone = dict(t=now, learner=s.learner.name, step=s.learner.steps, kept=False)
+            for p, r in enumerate(rounds):  # what it had not contributed before it went down is gone
+                self.events.emit("adopt", fragment=p, round=r, **gone)
         self.events.emit("up", t=now, learner=s.learner.name)
         self._membership(now)
         self._push(now, "step", m)
