@@ -206,7 +206,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         self.published_self: Member | None = None  # this node's membership record as peers read it
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
-        self._unknown_asked: dict[str, float] = {}  # unknown caller -> when we last re-read the view for it
+        self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
         # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
         self._peer_book: dict[str, float] = dict.fromkeys(
             peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")

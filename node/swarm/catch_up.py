@@ -128,33 +128,39 @@ class CatchUp:
         takes a step: a step from the checkpoint's fragments yields a contribution the synchronisers leave
         out (its base is rounds old) and progress the catch-up then overwrites. Waiting for the usual
         reconcile (a heartbeat and a half, then one fragment at a time) cost the restarted node its first
-        4-5 s of steps in a chaos run. Bounded by the RPC deadline; what is not caught up by then, the
-        heartbeat's reconcile finishes while the learner trains."""
+        4-5 s of steps in a chaos run. A fragment whose fetch failed is tried again (the per-peer backoff
+        spaces the tries) until two tries in a row move nothing, or the RPC deadline; what is still behind
+        then, the heartbeat's reconcile finishes while the learner trains."""
         before = [r.round for r in self.replicas]
-        members = self.live_members()
-        jobs = []
-        for p in range(len(self.replicas)):
-            head, holders = self.winning_heads(p, members)
-            if holders:
-                jobs.append(self._catch_up(p, holders[p % len(holders)], head))
-        if not jobs:
-            return
-        t0 = time.time()
-        done, pending = await asyncio.wait(
-            [asyncio.ensure_future(j) for j in jobs], timeout=self.settings.rpc_timeout_s
-        )
-        for t in pending:
-            t.cancel()
+        t0, behind, idle = time.time(), None, 0
+        deadline = self.loop.time() + self.settings.rpc_timeout_s
+        beats = self._spawn(self._publish_while_joining())  # a donor serves members only
+        try:
+            while self.loop.time() < deadline and idle < 2:  # two tries in a row that moved nothing: stop
+                members = self.live_members()
+                heads = [(p, *self.winning_heads(p, members)) for p in range(len(self.replicas))]
+                heads = [(p, head, holders) for p, head, holders in heads if holders]
+                if not heads:
+                    break
+                if behind is None:
+                    behind = len(heads)
+                else:
+                    await asyncio.sleep(0.3)  # a donor that refused is tried again after its backoff (0.25 s)
+                rounds = [r.round for r in self.replicas]
+                jobs = [asyncio.ensure_future(self._catch_up(p, hs[p % len(hs)], h)) for p, h, hs in heads]
+                _, pending = await asyncio.wait(jobs, timeout=max(0.0, deadline - self.loop.time()))
+                for t in pending:
+                    t.cancel()
+                idle = 0 if [r.round for r in self.replicas] != rounds else idle + 1
+        finally:
+            beats.cancel()
         moved = [p for p, (r, b) in enumerate(zip(self.replicas, before)) if r.round > b]
         for p in moved:  # the learner is not running yet: it takes these before its first step
             self.learner_loop.deliver(p, self.replicas[p].round, self.replicas[p].theta, True)
-        self.events.emit(
-            "catch_up",
-            t=time.time(),
-            fragments=moved,
-            behind=len(jobs),
-            seconds=round(time.time() - t0, 3),
-        )
+        if behind:
+            self.events.emit(
+                "catch_up", t=time.time(), fragments=moved, behind=behind, seconds=round(time.time() - t0, 3)
+            )
 
     async def _publish_while_joining(self) -> None:
         while True:

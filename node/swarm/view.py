@@ -243,13 +243,18 @@ class SwarmView:
 
     async def _look_up(self, peer: str) -> bool:
         """Whether ``peer``, not in our view, has just joined: re-read the view (no DHT write), at most once a
-        heartbeat per peer, so a peer we do not know cannot make us hammer the DHT."""
+        heartbeat per peer, so a peer we do not know cannot make us hammer the DHT. Its requests that come
+        while that re-read runs wait for it: a restarted node asks for every fragment at once, and all but
+        the first were refused as ``unknown_peer``, which put the whole catch-up back by a heartbeat."""
         now = self.loop.time()
-        if now - self._unknown_asked.get(peer, float("-inf")) >= self.settings.heartbeat_s:
-            self._unknown_asked[peer] = now
+        asked, read = self._unknown_asked.get(peer, (float("-inf"), None))
+        if now - asked >= self.settings.heartbeat_s:
             if len(self._unknown_asked) > 1024:
-                self._unknown_asked = {peer: now}
-            await self._refresh_view()
+                self._unknown_asked = {}
+            read = asyncio.ensure_future(self._refresh_view())
+            self._unknown_asked[peer] = (now, read)
+        if read is not None and not read.done():
+            await asyncio.shield(read)
         return peer in self.members
 
     async def _admit(self, caller: str, op: str) -> None:
