@@ -135,9 +135,13 @@ class Contributions:
                 reply = await self._accept(self.peer_id, payload)
             else:
                 try:
+                    # A synchroniser that hangs (stopped, or cut off without a reset) would hold the whole
+                    # budget: while another candidate is left, wait for one at most half of it. (A paused
+                    # node's rounds dropped every contribution sent to them, 19 in one chaos run.)
                     left = max(0.5, deadline - self.loop.time())
+                    wait = left / 2 if len(order) > 1 else left
                     reply = await self.transport.call(
-                        target, "contribute", payload, timeout_s=min(left, self.settings.rpc_timeout_s)
+                        target, "contribute", payload, timeout_s=min(wait, self.settings.rpc_timeout_s)
                     )
                 except TransportError as e:
                     dead.add(target)
