@@ -16,7 +16,7 @@ from node.swarm.contributions import OwnCids
 from node.swarm.replication import Replication
 from node.swarm.transport import Reply
 from node.swarm.view import HEAD_SLACK, SwarmView
-from node.swarm.wire import encode_record
+from node.swarm.wire import decode_record, encode_record
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
@@ -204,3 +204,39 @@ def test_a_record_naming_a_peer_that_joined_since_our_last_view_read_is_not_call
         node._h_record(signer.peer_id, encode_record("s", rep.make_record(1, [c2], CFG), signer))
     )
     assert not reply.ok and reply.code == "forged_record" and node.reads == 1 and node.applied == []
+
+
+class _Restarted(Replication):
+    """The apply path of a node restarted from a checkpoint older than a round it synchronised and signed
+    in its previous life: the record comes back from a peer during the catch-up."""
+
+    def __init__(self, me: str, rep: FragmentReplica) -> None:
+        self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
+        self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
+        self.logs = [{}]
+        self.guard = SimpleNamespace(merged=lambda cids: None)
+        self.own_cids = OwnCids(me)
+        self.counters = {"records_applied": 0}
+        self.events = SimpleNamespace(emit=lambda *a, **k: None)
+        self.learner_loop = SimpleNamespace(is_alive=lambda: False)
+        self.resets: list[int] = []
+
+    def _reset_sync(self, p: int, merged=frozenset()) -> None:
+        self.resets.append(self.replicas[p].round)
+
+    def _schedule_unclocked(self) -> None:
+        pass
+
+
+def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_elses():
+    me = Identity.generate()
+    maker = _replica()
+    rec = _record(maker)
+    sr = decode_record(encode_record("s", rec, me), "s", {0: {"w": (16, 16)}})
+    assert sr.signer == me.peer_id
+    node = _Restarted(me.peer_id, _replica())
+    node._apply(sr)  # from a peer, during the catch-up
+    assert node.replicas[0].round == 1 and node.resets == [1]  # the synchroniser follows the replica
+    node = _Restarted(me.peer_id, _replica())
+    node._apply(sr, made_here=True)  # our synchroniser made it now: its state machine moves on by itself
+    assert node.replicas[0].round == 1 and node.resets == []
