@@ -59,8 +59,7 @@ class Replication:
         rec = sr.record
         p = rec.fragment
         rep = self.replicas[p]
-        own = made_here
-        if not own:
+        if not made_here:
             self._vouch(sr)
             rep.check_record(rec, self.pcfg)
         try:
@@ -93,7 +92,7 @@ class Replication:
             due=rec.due,
             period=rec.period,
         )
-        if not own:
+        if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
         self._schedule_unclocked()
         if self.learner_loop.is_alive():
