@@ -76,8 +76,9 @@ class Membership:
         )
         if not ok:
             raise SwarmUnreachable(
-                f"storing key {self.key!r}: no DHT peer accepted the record of {member.peer_id} (none reachable, "
-                "or a record for this peer id with a later expiration is already stored)"
+                f"storing key {self.key!r}: the record of {member.peer_id} was refused by the DHT peer that "
+                "answered last, or by all (none reachable, a later record of this peer id already stored, or "
+                "something other than per-peer records held under the key); other peers may hold it"
             )
 
     def live(self, now: float | None = None) -> tuple[list[Member], dict[str, str]]:

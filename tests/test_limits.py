@@ -68,3 +68,29 @@ def test_a_failing_membership_read_holds_the_last_good_view_for_a_bounded_time()
     hold = VIEW_HOLD_TTLS * 3.0
     assert horizon(100.0 + hold + 5.0) == 105.0  # ...for a bounded time, then records expire that late
     assert horizon(99.0) == 99.0  # never later than now
+
+
+def test_a_heartbeat_whose_write_fails_still_reads_the_view():
+    """A DHT peer that refuses our record (one holding junk over the members key) fails the write while
+    reads work. The view must still be re-read each beat: left unread for a ttl, every record in it expires
+    and the node sees itself alone (a split seen in tests/test_strangers.py under load)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dht.launch import SwarmUnreachable
+    from node.swarm.view import SwarmView
+
+    reads = []
+
+    def publish(member):
+        raise SwarmUnreachable("refused by the DHT peer that answered last")
+
+    async def refresh():
+        reads.append(True)
+
+    node = SimpleNamespace(
+        membership=SimpleNamespace(publish=publish), self_member=lambda now: None, _refresh_view=refresh
+    )
+    for _ in range(3):
+        asyncio.run(SwarmView._heartbeat_once(node))
+    assert len(reads) == 3

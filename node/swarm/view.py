@@ -177,11 +177,13 @@ class SwarmView:
         return order[0] if order else None
 
     async def _heartbeat_once(self) -> None:
+        """Publish our record, then re-read the view whether or not the write went through: a write can
+        fail while reads work (one DHT peer that refuses our records, e.g. one holding junk over the key),
+        and a view left unread that long lets every record in it expire: the node alone, the swarm split."""
         try:
             await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("heartbeat failed: %s", e)
-            return
         await self._refresh_view()
 
     async def _refresh_view(self) -> None:
