@@ -163,9 +163,14 @@ def held_to_steps(period: float, step_times: Iterable[float]) -> float:
 
 @dataclass
 class SlotBook:
-    """A learner's record of the slots it has contributed to, per fragment: a slot is taken once."""
+    """A learner's record of the slots it has contributed to, per fragment: a slot is taken once.
 
-    taken: dict[int, tuple[int, int]]
+    A slot is known by its round and its *time*, not its index: before a fragment's first record its
+    clock is the stagger's from another fragment (``swarm_clocks``), re-anchored at that fragment's newest
+    round, so the same slot series restarts its indices at every record of the reference. Slots of one
+    round less than half a repeat apart are the same slot (periods move a little from record to record)."""
+
+    taken: dict[int, tuple[int, float]]
 
     def __init__(self) -> None:
         self.taken = {}
@@ -177,10 +182,11 @@ class SlotBook:
         k = clock.slot_at(now, lead)
         if k is None:
             return False
-        key = (clock.round, k)
-        if self.taken.get(p, (-1, -1)) >= key:
+        at = clock.slot_time(k)
+        round_, last = self.taken.get(p, (-1, -math.inf))
+        if clock.round < round_ or (clock.round == round_ and at <= last + clock.every / 2):
             return False
-        self.taken[p] = key
+        self.taken[p] = (clock.round, at)
         return True
 
     def reset(self) -> None:

@@ -237,3 +237,25 @@ def test_an_idle_round_takes_a_slot_and_one_under_way_keeps_its_own():
     busy = on_contribution(ProtocolConfig(fragments=4, sync_every=8), st, c, now=50.0).state
     assert busy.pending and busy.phase in (Phase.COLLECTING, Phase.GRACE)
     assert scheduled(busy, (102.0, 4.0)) is busy
+
+
+def test_a_fragment_on_the_stagger_slot_is_due_every_repeat_while_its_reference_moves_on():
+    """Before a fragment's first record its clock is the stagger's, re-anchored at the newest round of
+    another fragment: the slot indices restart at every record of that fragment. A learner must still
+    contribute once a repeat (under K = M a first round that missed a learner waited for the next slot,
+    which never came: one fragment went 560 s without a round in a chaos run)."""
+    plan = _plan(4, H)
+    book, taken, step_s = SlotBook(), [], 0.5
+    ref_first = 100.0  # fragment 0's clock: its round r due at ref_first, every H steps of 0.5 s
+    every = H * step_s
+    now = 90.0
+    while now < 100.0 + 6 * every:
+        while ref_first + every <= now:  # fragment 0 merges on time: its clock moves to the next round
+            ref_first += every
+        r0 = int((ref_first - 100.0) / every) + 3
+        clocks = swarm_clocks([RoundClock(r0, ref_first, every), None, None, None], [r0 - 1, 0, 0, 0], plan, now)
+        if book.due(2, clocks[2], now, step_s):
+            taken.append(now)
+        now += step_s
+    assert len(taken) >= 6, taken  # once a repeat, not once and never again
+    assert all(b - a >= every - 2 * step_s for a, b in zip(taken, taken[1:])), taken  # and never twice a slot
