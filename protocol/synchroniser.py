@@ -72,6 +72,7 @@ class SyncState:
     fragment: int
     global_round: int = 0
     phase: Phase = Phase.COLLECTING
+    # (learner, base round) -> Contribution: in the open round, and arrived while it merges (for the next)
     pending: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     queued: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     live: frozenset[str] = frozenset()
@@ -116,9 +117,15 @@ def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
     return max(1, min(cfg.quorum, len(state.live))) if state.live else cfg.quorum
 
 
+def pending_learners(state: SyncState) -> set[str]:
+    """The learners with a contribution in the open round."""
+    return {learner for learner, _ in state.pending}
+
+
 def live_pending(state: SyncState) -> int:
-    """Contributions in the open round from live learners (all of them when no live set is known)."""
-    return len(set(state.pending) & state.live) if state.live else len(state.pending)
+    """Learners in the open round that are live (all of them when no live set is known)."""
+    learners = pending_learners(state)
+    return len(learners & state.live) if state.live else len(learners)
 
 
 def has_quorum(cfg: ProtocolConfig, state: SyncState) -> bool:
@@ -143,7 +150,7 @@ def fresh_learners(state: SyncState) -> set[str]:
     against an older round (a straggler of the round before, carried over) holds real work and is merged,
     but it does not stand in for the learner's contribution to this round: "every live learner is in"
     waits for that one (until the grace deadline at most)."""
-    return {k for k, c in state.pending.items() if c.base_round == state.global_round}
+    return {learner for learner, base in state.pending if base == state.global_round}
 
 
 def grace_window(cfg: ProtocolConfig, state: SyncState) -> float:
@@ -187,17 +194,23 @@ def on_contribution(cfg: ProtocolConfig, state: SyncState, c: Contribution, now:
             f"{c.learner}'s contribution (base {c.base_round}) is more than {BEHIND} round behind the "
             f"global round {state.global_round}: left out",
         )
+    key = (c.learner, c.base_round)
     if state.phase is Phase.MERGING:
         queued = dict(state.queued)
-        queued[c.learner] = c
+        queued[key] = c
         return Decision(
             replace(state, queued=MappingProxyType(queued)),
             (),
             f"round {state.open_round} is merging; {c.learner} queued for round {state.open_round + 1}",
         )
+    # Keyed by learner and base: a learner's second contribution against the same round counts its steps
+    # since it last received the fragment, the first one's included, and replaces it; one against a newer
+    # round (the learner adopted a round in between) holds other steps, and both are merged. (Keyed by
+    # learner alone, a straggler of the round just merged, carried into this one, was dropped by the
+    # learner's next contribution: 2.7% of the work in a chaos run, most of it 0-0.5 s late.)
     pending = dict(state.pending)
-    replaced = c.learner in pending
-    pending[c.learner] = c
+    replaced = key in pending
+    pending[key] = c
     state = replace(
         state,
         pending=MappingProxyType(pending),

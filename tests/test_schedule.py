@@ -122,7 +122,9 @@ def test_a_round_on_the_schedule_does_not_open_before_its_slot_and_its_grace_run
     assert not any(isinstance(x, Merge) for x in d.actions), d.reason
     d = on_contribution(cfg, d.state, _c("a", "a-now", base=3), now=99.9)  # a's own: everyone is in
     (m,) = [x for x in d.actions if isinstance(x, Merge)]
-    assert [c.cid for c in m.contributions] == ["a-now", "b", "c"]
+    # a's leftover holds other steps than its own contribution to this round (a adopted round 3 in
+    # between): both are merged, the newer does not replace the older
+    assert [c.cid for c in m.contributions] == ["a-late", "a-now", "b", "c"]
 
 
 def test_a_leftover_is_merged_when_its_learner_sends_nothing_newer():
@@ -253,7 +255,9 @@ def test_a_fragment_on_the_stagger_slot_is_due_every_repeat_while_its_reference_
         while ref_first + every <= now:  # fragment 0 merges on time: its clock moves to the next round
             ref_first += every
         r0 = int((ref_first - 100.0) / every) + 3
-        clocks = swarm_clocks([RoundClock(r0, ref_first, every), None, None, None], [r0 - 1, 0, 0, 0], plan, now)
+        clocks = swarm_clocks(
+            [RoundClock(r0, ref_first, every), None, None, None], [r0 - 1, 0, 0, 0], plan, now
+        )
         if book.due(2, clocks[2], now, step_s):
             taken.append(now)
         now += step_s

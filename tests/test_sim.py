@@ -104,8 +104,10 @@ def test_aggregated_accounting_equals_protocol_goodput_on_per_chip_records(case)
 
 def test_heterogeneous_learners_quorum_and_grace():
     """Half the learners 18% slower with 10% jitter, no failures: K = 1 (with or without grace) wastes
-    nothing; K = M drops the fast learners' contributions that a newer one replaced before the slow
-    learners arrived, so the fast learners keep about 1/1.18 of their work."""
+    nothing; under K = M a fast learner's contribution waits for the slow learners, and its next one
+    against the same round replaces it (scored as dropped by ``protocol.goodput``): the fast learners keep
+    about 0.89 of their work. (Before contributions were keyed by learner and base, one against a newer
+    round replaced them too, work that no other contribution held: the fast learners kept 1/1.18.)"""
     cfg = SimConfig(
         system="decoupled",
         chips=800,
@@ -122,8 +124,9 @@ def test_heterogeneous_learners_quorum_and_grace():
     assert k_1.goodput.goodput == pytest.approx(1.0, abs=2e-3)
     assert k_1g.goodput.goodput == pytest.approx(1.0, abs=2e-3)
     assert k_m.goodput.goodput < 0.95
-    fast = k_m.block_goodput[:2]
-    assert fast == pytest.approx([1 / 1.18] * 2, abs=0.03)
+    fast, slow = k_m.block_goodput[:2], k_m.block_goodput[2:]
+    assert all(1 / 1.18 + 0.02 < f < 0.95 for f in fast), fast
+    assert slow == pytest.approx([1.0] * 2, abs=5e-3)
     assert k_1.merges > k_1g.merges > k_m.merges  # grace gathers stragglers into fewer, larger rounds
 
 
