@@ -8,7 +8,7 @@ whichever node has died since. A round that does not merge in time is due again 
 after that (the slots of ``RoundClock``), so a round whose synchroniser died is taken again by the next one.
 
 Before a fragment's first record (start-up), or on a node that holds a fragment by snapshot with no clock,
-the fragment takes the slot the stagger gives it from the newest clock of another fragment
+the fragment takes the slot the stagger gives it from the clocked fragment just before it in the stagger
 (``swarm_clocks``): its offset in steps (``FragmentPlan``) after that fragment's last round. So a node that
 joins while the swarm is starting contributes every fragment with the others, not at its own step count (a
 learner that starts 20 steps after the first one would otherwise send fragment p 20 steps after the
@@ -97,22 +97,31 @@ def swarm_clocks(
     clocks: Sequence[RoundClock | None], rounds: Sequence[int], plan: FragmentPlan, now: float
 ) -> list[RoundClock | None]:
     """Every fragment's clock: its own (``clocks[p]``, from its records), or for a fragment with none, the
-    slot of its round ``rounds[p] + 1`` that the stagger gives it after the last round of the fragment
-    whose clock is newest (greatest ``first``: the same on every node that holds the same records), at that
-    fragment's period. Only a clock ``usable`` at ``now`` gives slots: one far ahead (a lie) does not
-    drag the others along. None for all when no fragment has such a clock."""
-    known = [(c.first, q) for q, c in enumerate(clocks) if usable(c, now) is not None]
-    if not known or all(c is not None for c in clocks):
+    slot of its round ``rounds[p] + 1`` that the stagger gives it after the last round of the clocked
+    fragment just before it in the stagger (the fewest steps back, then the lowest index: the same on
+    every node that holds the same records), at that fragment's period. Only a clock ``usable`` at
+    ``now`` gives slots: one far ahead (a lie) does not drag the others along. None for all when no
+    fragment has such a clock.
+
+    The reference is fixed per fragment, so the slot it gives moves once per round of the reference, by
+    about a repeat, and comes a fraction of a repeat after that reference's last round. (Taking the
+    fragment whose clock is newest instead changed the reference at every record anywhere; while the
+    fragments' phases still disagreed after the start-up, each change pushed the slot a little further
+    ahead, and one fragment went 60-90 s without a slot in chaos runs.)"""
+    if all(c is not None for c in clocks):
         return list(clocks)
-    ref_q = max(known)[1]
-    ref = clocks[ref_q]
-    period = ref.every / plan.sync_every
-    last = ref.first - ref.every
+    h = plan.sync_every
+    known = [q for q, c in enumerate(clocks) if usable(c, now) is not None]
+    if not known:
+        return list(clocks)
     out: list[RoundClock | None] = []
     for p, c in enumerate(clocks):
         if c is None:
-            d = (plan.fragments[p].offset - plan.fragments[ref_q].offset) % plan.sync_every
-            c = RoundClock(rounds[p] + 1, last + d * period, ref.every)
+            off = plan.fragments[p].offset
+            ref_q = min(known, key=lambda q: ((off - plan.fragments[q].offset) % h, q))
+            ref = clocks[ref_q]
+            d = (off - plan.fragments[ref_q].offset) % h
+            c = RoundClock(rounds[p] + 1, ref.first - ref.every + d * (ref.every / h), ref.every)
         out.append(c)
     return out
 
@@ -166,8 +175,8 @@ class SlotBook:
     """A learner's record of the slots it has contributed to, per fragment: a slot is taken once.
 
     A slot is known by its round and its *time*, not its index: before a fragment's first record its
-    clock is the stagger's from another fragment (``swarm_clocks``), re-anchored at that fragment's newest
-    round, so the same slot series restarts its indices at every record of the reference. Slots of one
+    clock is the stagger's from another fragment (``swarm_clocks``), re-anchored at each new round of that
+    fragment, so the same slot series restarts its indices at every record of the reference. Slots of one
     round less than half a repeat apart are the same slot (periods move a little from record to record)."""
 
     taken: dict[int, tuple[int, float]]

@@ -263,3 +263,34 @@ def test_a_fragment_on_the_stagger_slot_is_due_every_repeat_while_its_reference_
         now += step_s
     assert len(taken) >= 6, taken  # once a repeat, not once and never again
     assert all(b - a >= every - 2 * step_s for a, b in zip(taken, taken[1:])), taken  # and never twice a slot
+
+
+def test_a_fragment_with_no_clock_gets_a_slot_every_repeat_while_the_others_phases_disagree():
+    """After the start-up the clocked fragments are off the stagger by phases of their own (their first
+    records were taken at the learners' step counts). The stagger slot of a fragment with no clock must
+    still come once a repeat: when the reference was the newest clock anywhere, each record elsewhere
+    could push the slot further ahead (one fragment went 60-90 s without a slot in chaos runs)."""
+    import random
+
+    n, h, step_s = 8, 8, 0.5
+    every = h * step_s
+    plan = _plan(n, h)
+    phase = [0.0, 0.8, -0.4, 1.2, 0.3, -1.0, 1.6]
+    for seed in range(3):
+        rng = random.Random(seed)
+        merged = {  # fragment q's rounds: (when merged, round), its phase plus a little noise per round
+            q: [(q * step_s + r * every + phase[q] + rng.uniform(-0.2, 0.2), r) for r in range(1, 40)]
+            for q in range(n - 1)
+        }
+        book, taken, now = SlotBook(), [], 10.0
+        while now < 10.0 + 20 * every:
+            latest = [max(m for m in merged[q] if m[0] <= now) for q in range(n - 1)]
+            clocks = [RoundClock(r + 1, t + every, every) for t, r in latest]
+            got = swarm_clocks([*clocks, None], [r for _, r in latest] + [1], plan, now)
+            assert got[: n - 1] == clocks
+            if book.due(n - 1, got[n - 1], now, step_s):
+                taken.append(now)
+            now += step_s
+        gaps = [b - a for a, b in zip(taken, taken[1:])][1:]  # the first: the slot already up at 10 s
+        assert len(taken) >= 20, (seed, taken)
+        assert max(gaps) <= every + 2 * step_s and min(gaps) >= every - 2 * step_s, (seed, gaps)
