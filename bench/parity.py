@@ -91,7 +91,9 @@ def _log(msg: str) -> None:
 
 
 def learners_per_merge(records: list[dict]) -> float:
-    merges = {(r["fragment"], r["round"]): len(r["learners"]) for r in records if r.get("kind") == "merge"}
+    """Distinct learners per merged round (a round can hold two contributions of one learner: its
+    straggler of the round before and its own)."""
+    merges = {(r["fragment"], r["round"]): len(set(r["learners"])) for r in records if r.get("kind") == "merge"}
     return statistics.mean(merges.values()) if merges else 0.0
 
 
