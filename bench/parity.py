@@ -17,8 +17,12 @@ Scenarios: ``homogeneous``; ``heterogeneous``: the last two nodes 20% slower wit
 
 Equal tokens: the swarms run for the same wall time, so blocking systems train fewer tokens. Each system's
 eval loss is read at T, the fewest tokens any system of that scenario and seed trained: from node 0's eval
-records (the global model every ``--eval-every-s``), with the swarm's token count at each record's time
-from every node's step records, interpolated linearly. The runner trains exactly T. A second table reads
+records (the global model every ``--eval-every-s``, and the model it ended on after the quiet period), with
+the swarm's token count at each record's time from every node's step records, interpolated linearly. The
+runner trains as many tokens as that system's nodes did, evaluates its global model at the token counts
+of node 0's records, and its last evaluation is of its drained model (every merge in flight done, as the
+quiet period does), so its eval at T is read off the same points in the same way. Both final losses (the
+model each driver ended on, at the same token count) are printed too. A second table reads
 every curve at equal tokens *merged* (``merged_curve``: the tokens whose work the evaluated model holds),
 which takes out where a sync round's step function falls against the evals.
 
@@ -93,7 +97,9 @@ def _log(msg: str) -> None:
 def learners_per_merge(records: list[dict]) -> float:
     """Distinct learners per merged round (a round can hold two contributions of one learner: its
     straggler of the round before and its own)."""
-    merges = {(r["fragment"], r["round"]): len(set(r["learners"])) for r in records if r.get("kind") == "merge"}
+    merges = {
+        (r["fragment"], r["round"]): len(set(r["learners"])) for r in records if r.get("kind") == "merge"
+    }
     return statistics.mean(merges.values()) if merges else 0.0
 
 
@@ -176,9 +182,12 @@ def _step_s(ev: dict[int, list[dict]]) -> float:
     return statistics.median(per) if per else 0.3
 
 
-def runner_run(
-    system: str, scenario: str, seed: int, tokens: int, step_s: float, args, join_s: list[float] = ()
-) -> dict:
+def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, args) -> dict:
+    """The runner on ``real``'s run: its learners start and step as the nodes did (``step_s``,
+    ``join_s``), it trains as many tokens as the nodes did and evaluates at the token counts of node 0's
+    evaluations, so both curves are read at T alike; its final, drained model stands for the one the
+    swarm ended on after its quiet period."""
+    step_s, join_s = real["step_s"], real.get("join_s", ())
     name, pcfg = runner_setup(system, args.nodes)
     starts = list(join_s) + [0.0] * (args.nodes - len(join_s))
     plans = tuple(
@@ -192,7 +201,8 @@ def runner_run(
     run = RunConfig(
         system=name,
         learners=args.nodes,
-        token_budget=max(1, int(tokens)),
+        token_budget=max(1, int(real["tokens"])),
+        eval_tokens=tuple(int(t) for t, _ in real["curve"] if t > 0) + (int(tokens),),
         step_time_s=step_s,
         seed=seed,
         plans=plans,
@@ -203,8 +213,11 @@ def runner_run(
     res = run_system(load_task(None, task_config(args)), run, pcfg, InnerConfig(), events)
     # the budget's eval is of the drained model (every merge done): after every merge event
     evals = [(t, loss) for _, t, loss in res.evals[:-1]] + [(float("inf"), res.final_loss)]
+    curve = [(n, loss) for n, _, loss in res.evals]
     return {
-        "loss": res.final_loss,
+        "loss": eval_at(curve, tokens),
+        "final_loss": res.final_loss,
+        "curve": curve,
         "curve_m": merged_curve(events.records, evals),
         "goodput": res.goodput,
         "learners_per_merge": learners_per_merge(events.records),
@@ -226,7 +239,7 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
         f"{scenario}",
         f"{'system':<14} {'real eval@T':>20} {'ratio':>6} {'lrn/merge':>9} {'goodput':>7} {'strict':>6} "
         f"{'final':>6} {'tok/s':>7} {'refused':>7} | {'runner eval@T':>20} {'ratio':>6} {'lrn/merge':>9} "
-        f"{'goodput':>7} {'runner/real':>11}",
+        f"{'goodput':>7} {'runner/real':>11} {'final r/r':>9}",
     ]
     for sys_, rs in rows.items():
         real = statistics.mean(r["real_loss"] for r in rs)
@@ -242,7 +255,8 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
             f"{sum(r['real']['refused'] for r in rs):>7d} | "
             f"{_ms([r['runner_loss'] for r in rs]):>20} {run / rbase if rbase else float('nan'):>6.3f} "
             f"{statistics.mean(r['runner']['learners_per_merge'] for r in rs):>9.2f} "
-            f"{statistics.mean(r['runner']['goodput'] for r in rs):>7.3f} {run / real:>11.3f}"
+            f"{statistics.mean(r['runner']['goodput'] for r in rs):>7.3f} {run / real:>11.3f} "
+            f"{_ratio([r['runner'].get('final_loss') for r in rs], [r['real'].get('final_loss') for r in rs]):>9.3f}"
         )
     if any(r.get("real_loss_m") is not None for rs in rows.values() for r in rs):
         out += [
@@ -263,6 +277,11 @@ def table(scenario: str, rows: dict[str, list[dict]]) -> str:
     return "\n".join(out)
 
 
+def _ratio(num: list, den: list) -> float:
+    """Mean of ``num`` over mean of ``den`` (NaN where either is missing: a run without the runner)."""
+    return _mean(num) / _mean(den) if den and _mean(den) else float("nan")
+
+
 def _mean(xs: list) -> float:
     xs = [x for x in xs if x is not None and x == x]
     return statistics.mean(xs) if xs else float("nan")
@@ -272,7 +291,7 @@ def rerun_runner(args) -> int:
     """The runner side again, against the real side of a saved run (``--json`` output, possibly after
     log lines): same systems, seeds, token counts, step times, and each node's start from its run dir."""
     text = Path(args.runner_from).read_text()
-    saved = json.loads(text[text.index("{\n") :])
+    saved, _ = json.JSONDecoder().raw_decode(text[text.index("{\n") :])  # log lines may follow too
     sargs = argparse.Namespace(**{**saved["args"], "runner_from": ""})
     root = Path(sargs.run_dir)
     for scen, rows in saved["results"].items():
@@ -283,10 +302,8 @@ def rerun_runner(args) -> int:
                 ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(sargs.nodes)}
                 real["join_s"] = _join_s(ev, sargs.nodes)
                 real["curve_m"] = real_merged_curve(run_dir, sargs.nodes)
-                _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {row['tokens']:,} tokens")
-                row["runner"] = runner_run(
-                    sys_, scen, row["seed"], row["tokens"], real["step_s"], sargs, real["join_s"]
-                )
+                _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {real['tokens']:,} tokens")
+                row["runner"] = runner_run(sys_, scen, row["seed"], row["tokens"], real, sargs)
                 row["runner_loss"] = row["runner"]["loss"]
         for seed in sorted({row["seed"] for rs in rows.values() for row in rs}):
             at_equal_merged([row for rs in rows.values() for row in rs if row["seed"] == seed])
@@ -346,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 real = reals[s]
                 row = {"seed": seed, "tokens": T, "real": real, "real_loss": eval_at(real["curve"], T)}
                 if not args.no_runner:
-                    _log(f"{scen} seed {seed}: {s} in the runner to {T:,} tokens")
-                    row["runner"] = runner_run(s, scen, seed, T, real["step_s"], args, real["join_s"])
+                    _log(f"{scen} seed {seed}: {s} in the runner to {real['tokens']:,} tokens")
+                    row["runner"] = runner_run(s, scen, seed, T, real, args)
                     row["runner_loss"] = row["runner"]["loss"]
                 else:
                     row["runner"] = {"learners_per_merge": 0.0, "goodput": 0.0}

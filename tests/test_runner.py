@@ -10,6 +10,7 @@ from node.learner.learner import InnerConfig, lr_lambda
 from node.local.run_config import LearnerPlan, RunConfig
 from node.local.runner import VirtualSwarm, run_system
 from protocol.config import ProtocolConfig
+from protocol.errors import ConfigError
 from protocol.goodput import compute_goodput
 
 INNER = InnerConfig(lr=3e-3)
@@ -234,3 +235,24 @@ def test_a_learner_that_starts_late_contributes_each_fragment_with_the_others(ti
     firsts = [r for r in ev.of("merge") if r["round"] == 1 and r["t"] > start + 1.0]
     assert len(firsts) >= 3  # fragments whose first round came after L2's first step
     assert all(sorted(r["learners"]) == ["L0", "L1", "L2"] for r in firsts), firsts
+
+
+@pytest.mark.parametrize("system", ["dp", "decoupled"])
+def test_evaluates_at_the_token_counts_given(tiny_task, system):
+    """``eval_tokens`` (bench.parity reads the runner at the real nodes' evaluation points): one eval
+    at the first step that reaches each count, the budget's last, none elsewhere."""
+    per = tiny_task.tokens_per_batch
+    budget = 2 * 20 * per
+    wanted = (5 * per, 17 * per, 31 * per)
+    pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
+    run = RunConfig(system=system, learners=2, token_budget=budget, eval_tokens=wanted + (10**9,))
+    res = run_system(tiny_task, run, pcfg, INNER)
+    at = [n for n, _, _ in res.evals]
+    assert at[0] == 0 and at[-1] == budget and len(at) == len(wanted) + 2, at
+    for n, want in zip(at[1:-1], wanted):
+        assert want <= n < want + 2 * per, (at, wanted)  # two learners step per round of the clock
+
+
+def test_eval_tokens_must_be_positive():
+    with pytest.raises(ConfigError, match="eval_tokens"):
+        RunConfig(eval_tokens=(100, 0))

@@ -44,7 +44,7 @@ def run_dp(
     def is_down(m: int, t: float) -> bool:
         return any(c <= t < b for c, b in plans[m].down)
 
-    thresholds = [run.token_budget * (k + 1) // run.eval_points for k in range(run.eval_points)]
+    thresholds = run.eval_thresholds()
     evals = [(0, 0.0, evaluate(task, model))]
     now, tokens, step, sent = 0.0, 0, 0, 0
     while tokens < run.token_budget:

@@ -39,6 +39,9 @@ class RunConfig:
     token_budget: int = 4_000_000
     step_time_s: float = 1.0
     eval_points: int = 10
+    # swarm token counts at which to evaluate the global model, instead of eval_points evenly spaced
+    # (bench.parity: the real nodes' evaluation points, so both drivers' curves are read alike)
+    eval_tokens: tuple[int, ...] = ()
     seed: int = 0
     net: NetConfig = NetConfig()
     plans: tuple[LearnerPlan, ...] = ()
@@ -52,6 +55,14 @@ class RunConfig:
             raise ConfigError(f"{len(self.plans)} learner plans given for learners={self.learners}")
         if self.token_budget <= 0:
             raise ConfigError(f"token_budget={self.token_budget} is invalid: must be > 0")
+        if any(t <= 0 for t in self.eval_tokens):
+            raise ConfigError(f"eval_tokens={self.eval_tokens} is invalid: every count must be > 0")
+
+    def eval_thresholds(self) -> list[int]:
+        """Token counts at which the global model is evaluated, ascending, the budget's last."""
+        if self.eval_tokens:
+            return sorted({t for t in self.eval_tokens if t < self.token_budget} | {self.token_budget})
+        return [self.token_budget * (k + 1) // self.eval_points for k in range(self.eval_points)]
 
     def plan(self, m: int) -> LearnerPlan:
         return self.plans[m] if self.plans else LearnerPlan()

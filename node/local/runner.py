@@ -156,7 +156,7 @@ class VirtualSwarm:
                 self._push(crash, "down", m)
                 self._push(back, "up", m)
             self._push(0.0, "step", m)
-        thresholds = [run.token_budget * (k + 1) // run.eval_points for k in range(run.eval_points)]
+        thresholds = run.eval_thresholds()
         now = 0.0
         self.evals.append((0, 0.0, self.eval_global()))
         self.events.emit("eval", t=0.0, tokens=0, loss=self.evals[-1][2])
