@@ -13,7 +13,9 @@ schedule, data seeds and speeds. Systems:
   sync-diloco           --system sync-diloco (fp32, plain mean, one fragment, blocks at each sync)
 
 Scenarios: ``homogeneous``; ``heterogeneous``: the last two nodes 20% slower with +-10% jitter
-(``--slowdown 1.2 --jitter 0.1``; in the runner speed 1/1.2, jitter 0.1).
+(``--slowdown 1.2 --jitter 0.1``). The runner's learners step at each node's measured pace: its mean
+step-to-step time and their spread as uniform jitter (``--runner-pace nominal``: the knobs alone, speed
+1/1.2 and jitter 0.1 on the slowed nodes, none elsewhere).
 
 Equal tokens: the swarms run for the same wall time, so blocking systems train fewer tokens. Each system's
 eval loss is read at T, the fewest tokens any system of that scenario and seed trained: from node 0's eval
@@ -157,6 +159,7 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         "tokens_per_s": rep.get("tokens_trained", 0) / window if window else 0.0,
         "step_s": _step_s(ev),
         "join_s": _join_s(ev, args.nodes),
+        "pace": _pace(ev, args.nodes),
         "refused": sum(1 for r in all_records if r.get("kind") == "reject"),
         "one_hash": rep.get("equal_hashes"),
     }
@@ -170,6 +173,23 @@ def _join_s(ev: dict[int, list[dict]], nodes: int) -> list[float]:
     ]
     t0 = min((t for t in first if t is not None), default=0.0)
     return [0.0 if t is None else t - t0 for t in first]
+
+
+def _pace(ev: dict[int, list[dict]], nodes: int) -> list[tuple[float, float]]:
+    """Each node's (mean seconds from one step's start to the next, their coefficient of variation), past
+    its first 10 steps; (0, 0) for a node with too few. Four nodes sharing two cores step far from evenly
+    (a coefficient of about 0.25 with no --jitter at all), and how far apart their contributions land
+    decides what a round of K = M waits for."""
+    out = []
+    for i in range(nodes):
+        t = sorted(r["t0"] for r in ev.get(i, []) if r.get("kind") == "step")
+        gaps = [b - a for a, b in zip(t, t[1:])][10:]
+        if len(gaps) < 10:
+            out.append((0.0, 0.0))
+            continue
+        mean = statistics.mean(gaps)
+        out.append((mean, statistics.pstdev(gaps) / mean))
+    return out
 
 
 def _step_s(ev: dict[int, list[dict]]) -> float:
@@ -190,19 +210,24 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, a
     step_s, join_s = real["step_s"], real.get("join_s", ())
     name, pcfg = runner_setup(system, args.nodes)
     starts = list(join_s) + [0.0] * (args.nodes - len(join_s))
-    plans = tuple(
-        LearnerPlan(
-            speed=1 / SLOW if slow(scenario, i, args.nodes) else 1.0,
-            jitter=JITTER if slow(scenario, i, args.nodes) else 0.0,
-            start_s=starts[i],
-        )
-        for i in range(args.nodes)
-    )
+    pace = real.get("pace") or []
+    measured = getattr(args, "runner_pace", "measured") == "measured" and len(pace) == args.nodes
+    measured = measured and all(mean > 0 for mean, _ in pace)
+    plans = []
+    for i in range(args.nodes):
+        if measured:  # each node's own mean step and spread (uniform jitter of that variance, at most 0.9)
+            mean, cv = pace[i]
+            speed, jitter = step_s / mean, min(0.9, cv * 3**0.5)
+        else:  # the scenario's nominal knobs
+            speed = 1 / SLOW if slow(scenario, i, args.nodes) else 1.0
+            jitter = JITTER if slow(scenario, i, args.nodes) else 0.0
+        plans.append(LearnerPlan(speed=speed, jitter=jitter, start_s=starts[i]))
+    plans = tuple(plans)
     run = RunConfig(
         system=name,
         learners=args.nodes,
         token_budget=max(1, int(real["tokens"])),
-        eval_tokens=tuple(int(t) for t, _ in real["curve"] if t > 0) + (int(tokens),),
+        eval_tokens=tuple(int(t) for t, _ in real["curve"] if t > 0),
         step_time_s=step_s,
         seed=seed,
         plans=plans,
@@ -292,7 +317,7 @@ def rerun_runner(args) -> int:
     log lines): same systems, seeds, token counts, step times, and each node's start from its run dir."""
     text = Path(args.runner_from).read_text()
     saved, _ = json.JSONDecoder().raw_decode(text[text.index("{\n") :])  # log lines may follow too
-    sargs = argparse.Namespace(**{**saved["args"], "runner_from": ""})
+    sargs = argparse.Namespace(**{**saved["args"], "runner_from": "", "runner_pace": args.runner_pace})
     root = Path(sargs.run_dir)
     for scen, rows in saved["results"].items():
         for sys_, rs in rows.items():
@@ -301,6 +326,7 @@ def rerun_runner(args) -> int:
                 run_dir = root / f"{scen}-{row['seed']}-{sys_}"
                 ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(sargs.nodes)}
                 real["join_s"] = _join_s(ev, sargs.nodes)
+                real["pace"] = _pace(ev, sargs.nodes)
                 real["curve_m"] = real_merged_curve(run_dir, sargs.nodes)
                 _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {real['tokens']:,} tokens")
                 row["runner"] = runner_run(sys_, scen, row["seed"], row["tokens"], real, sargs)
@@ -330,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=TaskConfig.batch_size)
     ap.add_argument("--node-flags", default="", help="more flags for every node (not the runner)")
     ap.add_argument("--run-dir", default="")
+    ap.add_argument(
+        "--runner-pace",
+        choices=("measured", "nominal"),
+        default="measured",
+        help="runner learners' step times: each node's measured mean and spread (default), or the "
+        "scenario's knobs alone (every node at the median pace, jitter only on the slowed ones)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--runner-from",
