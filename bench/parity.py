@@ -63,6 +63,7 @@ from node.learner.task import TaskConfig, load_task  # noqa: E402
 from node.local.run_config import LearnerPlan, NetConfig, RunConfig  # noqa: E402
 from node.local.runner import run_system  # noqa: E402
 from protocol.config import ProtocolConfig  # noqa: E402
+from protocol.goodput import compute_goodput  # noqa: E402
 
 SYSTEMS = ("decoupled", "decoupled-km", "decoupled-carry", "streaming", "sync-diloco")
 SCENARIOS = ("homogeneous", "heterogeneous")
@@ -244,10 +245,32 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, a
         "final_loss": res.final_loss,
         "curve": curve,
         "curve_m": merged_curve(events.records, evals),
-        "goodput": res.goodput,
+        "goodput": window_goodput(events.records, max(starts)).goodput,
         "learners_per_merge": learners_per_merge(events.records),
         "tokens_per_s": res.tokens / res.virtual_s if res.virtual_s else 0.0,
     }
+
+
+def window_goodput(records: list[dict], t0: float):
+    """``compute_goodput`` of a runner's records from ``t0`` (its last learner's start) on, as the chaos
+    report scores the nodes from the moment every node was up: a late learner's start-up is no loss."""
+    out, down = [], {}
+    for r in records:
+        kind = r.get("kind")
+        if kind == "run":
+            out.append({**r, "t0": max(r["t0"], t0)})
+        elif kind == "step" and r["t0"] < t0:
+            continue
+        elif kind == "down":
+            down[r["learner"]] = r
+        elif kind == "up" and r["learner"] in down:
+            d = down.pop(r["learner"])
+            if r["t"] > t0:
+                out += [{**d, "t": max(d["t"], t0)}, r]
+        else:
+            out.append(r)
+    out += [{**d, "t": max(d["t"], t0)} for d in down.values()]
+    return compute_goodput(out)
 
 
 def _ms(xs: list[float]) -> str:
