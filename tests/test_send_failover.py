@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import node.swarm.contributions as contributions
 from node.common.events import EventLog
 from node.swarm.contributions import Contributions
+from node.swarm.guard import Guard
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
 
@@ -23,13 +24,16 @@ class _Transport:
     def __init__(self, hung: set[str]) -> None:
         self.hung = hung
         self.calls: list[tuple[str, float]] = []
+        self.replies: dict[str, Reply] = {}
+        self.on_call = lambda target: None
 
     async def call(self, target: str, op: str, payload: bytes, timeout_s: float) -> Reply:
         self.calls.append((target, timeout_s))
+        self.on_call(target)
         if target in self.hung:
             await asyncio.sleep(timeout_s)
             raise TransportError(f"{op} to {target}: no reply within {timeout_s:.1f}s")
-        return Reply(True)
+        return self.replies.get(target, Reply(True))
 
 
 class _Sender(Contributions):
@@ -43,6 +47,12 @@ class _Sender(Contributions):
         self.suspect: dict[str, float] = {}
         self.counters: Counter = Counter()
         self.events = EventLog()
+        self.guard = Guard()
+        self.accepted: list[str] = []
+
+    async def _accept(self, caller: str, payload: bytes) -> Reply:  # this node as the synchroniser
+        self.accepted.append(caller)
+        return Reply(True)
 
     def candidates(self, p: int) -> list[str]:
         return list(self.order)
@@ -51,12 +61,14 @@ class _Sender(Contributions):
         return 0
 
 
-def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0) -> _Sender:
+def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0, setup=None) -> _Sender:
     monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
     monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
 
     async def go() -> _Sender:
         s = _Sender(order, hung, failover_s)
+        if setup is not None:
+            setup(s)
         await s._send(SimpleNamespace(fragment=3, cid="me:3:10:1000"), None)
         return s
 
@@ -78,3 +90,33 @@ def test_the_last_candidate_gets_what_is_left_and_then_the_contribution_is_dropp
     assert (a, b) == ("A", "B") and wa <= 0.5 + 1e-6 and wb > wa  # B, the last one left, gets the rest
     assert s.counters["contributions_sent"] == 0
     assert [e["why"] for e in s.events.of("drop")] == ["no synchroniser in time"]
+
+
+CID = "me:3:10:1000"
+
+
+def test_a_contribution_merged_before_its_reply_came_back_is_not_sent_again(monkeypatch):
+    """Seen in a failure-free parity run: the synchroniser merged the contribution, its stream broke before
+    the reply, and the merge record reached the sender before its failover did. The failover went to the
+    sender itself, which refused its own contribution as a replay (one refusal and one drop, no fault)."""
+
+    def setup(s: _Sender) -> None:
+        def merged_then_broke(target: str) -> None:
+            s.guard.merged([CID])  # the merge record arrives while the call fails
+            raise TransportError("stream broke (IncompleteReadError)")
+
+        s.transport.on_call = merged_then_broke
+
+    s = _send(monkeypatch, ["A", "me"], hung=set(), setup=setup)
+    assert [t for t, _ in s.transport.calls] == ["A"]
+    assert s.accepted == []  # not offered to this node's own synchroniser again
+    assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")
+
+
+def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
+    def setup(s: _Sender) -> None:
+        s.transport.replies["A"] = Reply(False, "replayed", f"contribution {CID} was already merged")
+
+    s = _send(monkeypatch, ["A", "B"], hung=set(), setup=setup)
+    assert [t for t, _ in s.transport.calls] == ["A"]
+    assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")

@@ -121,6 +121,12 @@ class Contributions:
         hint: str | None = None
         last = ""
         while self.loop.time() < deadline:
+            if self.guard.was_merged(header.cid):
+                # A merge record we applied names it: an earlier attempt landed and only its reply was
+                # lost (the synchroniser merged, then its stream broke), or a re-send of the blocking
+                # baselines found it merged. Sending it again would only be refused as a replay.
+                self.counters["contributions_sent"] += 1
+                return
             order = [x for x in self.candidates(p) if x not in dead and x not in refused]
             if hint is not None and hint not in dead and hint not in refused:
                 order.insert(0, hint)
@@ -155,6 +161,9 @@ class Contributions:
                     )
                     continue
             if reply.ok:
+                self.counters["contributions_sent"] += 1
+                return
+            if reply.code == RejectCode.REPLAYED.value:  # it landed at an earlier attempt: not lost
                 self.counters["contributions_sent"] += 1
                 return
             last = f"{target}: {reply.code} {reply.message}"

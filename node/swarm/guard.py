@@ -86,6 +86,9 @@ class Guard:
         while len(self._merged) > self.remember:
             self._merged.popitem(last=False)
 
+    def was_merged(self, cid: str) -> bool:
+        return cid in self._merged
+
     def check_replay(self, cid: str) -> None:
         if cid in self._merged:
             raise ProtocolError(RejectCode.REPLAYED, f"contribution {cid} was already merged")
