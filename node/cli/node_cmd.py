@@ -42,10 +42,18 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     import os
 
+    import torch.multiprocessing as torch_mp
+
     from node.cli.config import build_config, describe
     from node.learner.unit import Unit, run_rank
     from node.swarm.agent import Node
 
+    # hivemind (imported above) puts torch's shared memory on the file_system strategy, whose helper
+    # process, torch_shm_manager, outlives the node and aborts ("terminate called after throwing an
+    # instance of 'std::system_error'") once the node's temporary folder is gone: every node the launcher
+    # stopped wrote that to its log. What the node shares it shares by fork (hivemind's future states),
+    # which file descriptors serve without a helper. HIVEMIND_MEMORY_SHARING_STRATEGY still chooses.
+    torch_mp.set_sharing_strategy(os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor"))
     cfg = build_config(args, args.config, root=NodeConfig)
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
