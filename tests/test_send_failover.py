@@ -19,6 +19,8 @@ from node.swarm.guard import Guard
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
 
+CID = "me:3:10:1000"
+
 
 class _Transport:
     def __init__(self, hung: set[str]) -> None:
@@ -69,7 +71,7 @@ def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0
         s = _Sender(order, hung, failover_s)
         if setup is not None:
             setup(s)
-        await s._send(SimpleNamespace(fragment=3, cid="me:3:10:1000"), None)
+        await s._send(SimpleNamespace(fragment=3, cid=CID), None)
         return s
 
     return asyncio.run(go())
@@ -90,9 +92,6 @@ def test_the_last_candidate_gets_what_is_left_and_then_the_contribution_is_dropp
     assert (a, b) == ("A", "B") and wa <= 0.5 + 1e-6 and wb > wa  # B, the last one left, gets the rest
     assert s.counters["contributions_sent"] == 0
     assert [e["why"] for e in s.events.of("drop")] == ["no synchroniser in time"]
-
-
-CID = "me:3:10:1000"
 
 
 def test_a_contribution_merged_before_its_reply_came_back_is_not_sent_again(monkeypatch):

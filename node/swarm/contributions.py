@@ -160,10 +160,7 @@ class Contributions:
                         "synchroniser %s of fragment %d unreachable; trying the next candidate", target, p
                     )
                     continue
-            if reply.ok:
-                self.counters["contributions_sent"] += 1
-                return
-            if reply.code == RejectCode.REPLAYED.value:  # it landed at an earlier attempt: not lost
+            if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 self.counters["contributions_sent"] += 1
                 return
             last = f"{target}: {reply.code} {reply.message}"

@@ -90,7 +90,7 @@ class Guard:
         return cid in self._merged
 
     def check_replay(self, cid: str) -> None:
-        if cid in self._merged:
+        if self.was_merged(cid):
             raise ProtocolError(RejectCode.REPLAYED, f"contribution {cid} was already merged")
 
     def status(self) -> dict:
