@@ -83,12 +83,15 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     wait_ready([swarm.children[victim]], 120)
     st = swarm.status()[victim]
     assert st["joined_by"].startswith("checkpoint"), st["joined_by"]
+
     # It caught up on the rounds merged while it was down before its learner's first step of this life.
     # Ready is not stepped: on a loaded machine the learner's first step of this life may come later.
     def this_life():
         return [e for e in swarm.events(victim) if e.get("t", e.get("t0", 0)) >= t_restart]
 
-    wait_until(lambda: any(e["kind"] == "step" for e in this_life()), 60, "the restarted learner's first step")
+    wait_until(
+        lambda: any(e["kind"] == "step" for e in this_life()), 60, "the restarted learner's first step"
+    )
     life = this_life()
     caught = [e for e in life if e["kind"] == "catch_up"]
     assert caught and caught[0]["fragments"], caught
