@@ -13,11 +13,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from node.swarm import checkpoint as ckpt
 from protocol.hashing import tensors_hash
-from tests.fuzz.harness import BYTE_MUTATORS, SWARM, Target, mutate_st_header, mutate_st_tensors, st_meta
+from tests.fuzz.harness import (
+    BYTE_MUTATORS,
+    SWARM,
+    Target,
+    mutate_st_header,
+    mutate_st_tensors,
+    st_dump,
+    st_meta,
+)
 
 
 # checkpoints ----------------------------------------------------------------------------------------------
@@ -62,14 +69,14 @@ def reseal_checkpoint(rng: random.Random, raw: bytes) -> bytes:
     except TypeError:  # a dtype numpy cannot hash (float8): the loader must refuse it all the same
         doc["tensors_sha256"] = ""
     doc["meta"]["resealed"] = True  # valid by construction now: ``check`` cannot expect the seed's contents
-    return st_save(tensors, metadata=ckpt.checkpoint_metadata(doc))
+    return st_dump(tensors, metadata=ckpt.checkpoint_metadata(doc))
 
 
 def other_swarm(rng: random.Random, raw: bytes) -> bytes:
     tensors, meta = dict(st_load(raw)), dict(st_meta(raw))
     doc = json.loads(meta["ddiloco"])
     doc["swarm"] = rng.choice(["other", "", SWARM + " ", SWARM.upper()])
-    return st_save(tensors, metadata=ckpt.checkpoint_metadata(doc))
+    return st_dump(tensors, metadata=ckpt.checkpoint_metadata(doc))
 
 
 def load_checkpoint_bytes(raw: bytes) -> ckpt.Checkpoint:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from node.swarm import transport, wire
 from protocol.codecs import encode_tensors
@@ -42,6 +41,7 @@ from tests.fuzz.harness import (
     mutate_st_tensors,
     mutate_tensor,
     splicer,
+    st_dump,
     st_meta,
 )
 
@@ -122,7 +122,7 @@ def _mutate_parts(rng: random.Random, value: tuple) -> tuple:
         n = rng.choice(sorted(tensors))
         tensors[n] = mutate_tensor(rng, tensors[n])
     else:
-        raw = mutate_st_tensors(rng, st_save({k: v.contiguous() for k, v in tensors.items()}))
+        raw = mutate_st_tensors(rng, st_dump({k: v.contiguous() for k, v in tensors.items()}))
         tensors = dict(st_load(raw))
     return tensors, codec, block
 
@@ -171,7 +171,7 @@ def resign_record(rng: random.Random, raw: bytes) -> bytes:
     tensors, meta = dict(st_load(raw)), dict(st_meta(raw))
     sig = ident().sign(wire._signed_bytes(meta["record"], tensors_hash(tensors)))
     meta.update(signer=ident().peer_id, sig=sig.hex())
-    return st_save(tensors, metadata=meta)
+    return st_dump(tensors, metadata=meta)
 
 
 def _check_record(sr: wire.SignedRecord) -> None:
@@ -216,7 +216,7 @@ def rehash_snapshot(rng: random.Random, raw: bytes) -> bytes:
         theta = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{p}/theta/")}
         h[1] = tensors_hash(theta)
     meta["heads"] = dumps(heads)
-    return st_save(tensors, metadata=meta)
+    return st_dump(tensors, metadata=meta)
 
 
 def _check_snapshot(states: list[wire.FragmentState]) -> None:
