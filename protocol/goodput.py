@@ -9,7 +9,8 @@ Records are dicts (one JSON line each). The ones read here:
   merge      {fragment, round, cids: [...]}
   down / up  {learner, t}        block {learner, t0, t1}
 
-  adopt      {learner, fragment, step, kept, round}   (optional; older records without ``step`` are ignored)
+  adopt      {learner, fragment, step, kept, round, lost}   (optional; older records without ``step`` are
+             ignored; ``lost``: the learner's process died at that step, so nothing of it carries over)
 
 A step's work on fragment p reaches the global model through the learner's contributions of p at or
 after that step, up to the first adoption of p that overwrites the learner's copy (an adopt record with
@@ -28,6 +29,11 @@ the overwriting round merged is useful (``overlap_s``). Beyond tau steps the rou
 the protocol budgets (the paper's learner would have blocked there): those steps are dropped and also
 tallied as ``late_s``. ``strict`` counts every overwritten step as dropped: the share of the work whose
 every step reached the global model.
+
+Where the dropped work went, in four parts that sum to ``dropped_s``: ``late_s`` (above); ``killed_s``,
+never sent before the learner's process died (an adopt record with ``lost``); ``left_out_s``, sent, but no
+round merged any of the contributions that carried it; ``unsent_s``, overwritten by a round before the
+learner sent it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class Goodput:
     steps: int
     overlap_s: float = 0.0  # in useful_s: the tau steps the paper's rule overwrites by design
     late_s: float = 0.0  # in dropped_s: overwritten after a merged contribution, more than tau steps on
+    killed_s: float = 0.0  # in dropped_s: not yet sent when the learner's process died
+    left_out_s: float = 0.0  # in dropped_s: sent, and no round merged it
+    unsent_s: float = 0.0  # in dropped_s: overwritten by a round before the learner sent it
 
     @property
     def strict(self) -> float:
@@ -68,9 +77,9 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         list
     )  # (learner, p) -> [(step, cid)]
     merged: dict[str, set[int]] = defaultdict(set)  # cid -> the rounds that merged it
-    overwrites: dict[tuple[str, int], list[tuple[int, int | None]]] = defaultdict(
+    overwrites: dict[tuple[str, int], list[tuple[int, int | None, bool]]] = defaultdict(
         list
-    )  # (learner, p) -> [(step, round)]
+    )  # (learner, p) -> [(step, round, lost with the process)]
     down_s = blocked_s = 0.0
     down_at: dict[str, float] = {}
     for r in records:
@@ -85,7 +94,7 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             for cid in r["cids"]:
                 merged[cid].add(r.get("round"))
         elif kind == "adopt" and "step" in r and not r.get("kept", False):
-            overwrites[(r["learner"], r["fragment"])].append((r["step"], r.get("round")))
+            overwrites[(r["learner"], r["fragment"])].append((r["step"], r.get("round"), bool(r.get("lost"))))
         elif kind == "down":
             down_at[r["learner"]] = r["t"]
         elif kind == "up" and r["learner"] in down_at:
@@ -98,7 +107,8 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         down_s += run["t1"] - t
     shares = run["shares"]
     tau = int(run.get("overlap", 0))
-    useful = dropped = pending = overlap = late = 0.0
+    useful = pending = overlap = 0.0
+    lost: dict[str, float] = defaultdict(float)  # dropped, by where it went
     n_steps = 0
     for learner, lst in steps.items():
         for p, share in enumerate(shares):
@@ -108,7 +118,7 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             for _, cid in cl:
                 reached.append(reached[-1] + (cid in merged))
             ow = sorted(overwrites.get((learner, p), []), key=lambda x: x[0])
-            ow_steps = [s for s, _ in ow]
+            ow_steps = [s for s, _, _ in ow]
             for step, dur in lst:
                 i = bisect.bisect_left(keys, step)  # first contribution at or after the step
                 k = bisect.bisect_left(ow_steps, step)  # first overwrite at or after it
@@ -124,9 +134,12 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
                     if sent and step - keys[i - 1] <= tau:
                         useful += dur * share
                         overlap += dur * share
+                    elif sent:
+                        lost["late"] += dur * share
+                    elif j > i:
+                        lost["left_out"] += dur * share
                     else:
-                        dropped += dur * share
-                        late += dur * share if sent else 0.0
+                        lost["killed" if ow[k][2] else "unsent"] += dur * share
                 else:
                     pending += dur * share
         n_steps += len(lst)
@@ -137,9 +150,12 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
         allocated_s=allocated,
         down_s=down_s,
         blocked_s=blocked_s,
-        dropped_s=dropped,
+        dropped_s=sum(lost.values()),
         pending_s=pending,
         steps=n_steps,
         overlap_s=overlap,
-        late_s=late,
+        late_s=lost["late"],
+        killed_s=lost["killed"],
+        left_out_s=lost["left_out"],
+        unsent_s=lost["unsent"],
     )

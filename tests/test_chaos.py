@@ -73,7 +73,7 @@ def test_a_kill_loses_uncontributed_steps_and_a_restart_repeats_step_numbers():
     a += [{"kind": "merge", "t": 10.5, "fragment": 0, "round": 1, "cids": ["a1", "a2"], "hash": "h"}, run]
     g = chaos_goodput({0: a}, {0: "a"}, [Outage(0, "kill", 4.5)], 0.0, 12.0)
     assert g.useful_s == pytest.approx(2 + 4)  # steps 1-2, then 3-6 of the second life
-    assert g.dropped_s == pytest.approx(2)  # steps 3-4 of the first life, lost to the kill
+    assert g.dropped_s == g.killed_s == pytest.approx(2)  # steps 3-4 of the first life, lost to the kill
     assert g.down_s == pytest.approx(1.5)
     assert g.goodput == pytest.approx(6 / 12)
 

@@ -57,6 +57,7 @@ def test_steps_overwritten_within_tau_of_a_merged_contribution_are_the_overlap()
     assert g.useful_s == pytest.approx(4 + 1 + 3 + 2)
     assert g.overlap_s == pytest.approx(3.0)
     assert g.late_s == pytest.approx(1.0)
+    assert g.left_out_s == pytest.approx(1.0)  # step 12
     assert g.dropped_s == pytest.approx(2.0)
     assert g.goodput == pytest.approx(10 / 12)
     assert g.strict == pytest.approx(7 / 12)
@@ -77,3 +78,22 @@ def test_a_round_that_left_the_contribution_out_is_no_overlap():
     g = compute_goodput(recs)
     assert g.overlap_s == pytest.approx(2.0)  # steps 9 and 10 only
     assert g.useful_s == pytest.approx(3 + 2)  # steps 6-8 via a8, and the overlap
+
+
+def test_dropped_work_is_split_by_where_it_went():
+    """Steps 1-2 are sent in c2 and merged; 3-4 in c4, which no round merges (left out); 5-6 are overwritten
+    by round 2 before the learner sends them (unsent); 7-8 were never sent when its process died (killed)."""
+    recs = [{"kind": "run", "t0": 0.0, "t1": 8.0, "learners": ["a"], "shares": [1.0], "overlap": 0}]
+    recs += [{"kind": "step", "learner": "a", "step": s, "t0": s - 1.0, "t1": float(s)} for s in range(1, 9)]
+    for step, cid in ((2, "c2"), (4, "c4")):
+        recs.append({"kind": "contribute", "learner": "a", "fragment": 0, "step": step, "cid": cid})
+    recs += [
+        {"kind": "merge", "fragment": 0, "round": 1, "cids": ["c2"]},
+        {"kind": "merge", "fragment": 0, "round": 2, "cids": ["b"]},
+        {"kind": "adopt", "learner": "a", "fragment": 0, "step": 6, "round": 2, "kept": False},
+        {"kind": "adopt", "learner": "a", "fragment": 0, "step": 8, "kept": False, "lost": True},
+    ]
+    g = compute_goodput(recs)
+    assert g.useful_s == pytest.approx(2.0)
+    assert (g.left_out_s, g.unsent_s, g.killed_s, g.late_s) == pytest.approx((2.0, 2.0, 2.0, 0.0))
+    assert g.dropped_s == pytest.approx(g.left_out_s + g.unsent_s + g.killed_s + g.late_s)

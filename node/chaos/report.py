@@ -118,15 +118,17 @@ def goodput_records(
                     {"kind": "step", "learner": learner, "step": step, "t0": a, "t1": max(a, b - stopped)}
                 )
         for seg, step in last_step.items():
-            if seg < len(kills):  # this segment ended in a kill -9: its uncontributed work is lost
+            if seg < len(kills):  # this segment ended in a kill -9: what it had not sent is lost with it
                 for p in range(len(shares)):
-                    cid = f"lost:{learner[-10:]}:{seg}:{p}"
                     out.append(
-                        {"kind": "contribute", "learner": learner, "fragment": p, "step": step, "cid": cid}
-                    )
-                    # and nothing of this life carries over to the next one
-                    out.append(
-                        {"kind": "adopt", "learner": learner, "fragment": p, "step": step, "kept": False}
+                        {
+                            "kind": "adopt",
+                            "learner": learner,
+                            "fragment": p,
+                            "step": step,
+                            "kept": False,
+                            "lost": True,
+                        }
                     )
     return out
 

@@ -186,6 +186,11 @@ def render(rep: dict) -> str:
             f"(down {g['down_s']:.0f} s, dropped {g['dropped_s']:.0f} s, pending {g['pending_s']:.0f} s left out); "
             f"overlap {g.get('overlap_s', 0.0):.0f} s counted useful, strict {_pct(g.get('strict', g['goodput']))}"
         )
+        lines.append(
+            f"dropped: {g.get('killed_s', 0.0):.0f} s unsent when a process died, {g.get('left_out_s', 0.0):.0f} s "
+            f"sent and left out, {g.get('unsent_s', 0.0):.0f} s overwritten before it was sent, "
+            f"{g.get('late_s', 0.0):.0f} s overwritten more than tau steps after it was sent"
+        )
     elif g:
         lines.append(f"goodput: {g.get('error')}")
     st = rep.get("stall")
