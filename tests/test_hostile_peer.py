@@ -58,7 +58,12 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
         assert first.ok, first
         wait_until(lambda: fragment0()["round"] == r0 + 1, 30, "the honest contribution merged")
         h1 = swarm.status()[0]["model_hash"]
-        replies = [asyncio.run(call(honest))]  # the same bytes again: a replay
+        # The same bytes again. The first copy is what an honest sender whose reply was lost sends: answered
+        # as landed, not merged again, no strike. The second is a replay.
+        resend = asyncio.run(call(honest))
+        assert resend.ok and resend.code == "replayed", resend
+        assert fragment0()["round"] == r0 + 1 and swarm.status()[0]["model_hash"] == h1
+        replies = [asyncio.run(call(honest))]
         scaled = {n: t * 1000 * 1000 for n, t in small.items()}
         replies.append(asyncio.run(call(_contribution(bad, spec, base=r0 + 1, tensors=scaled))))
         nan = {n: torch.full(s, math.nan) for n, s in spec[0].items()}

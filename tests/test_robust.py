@@ -65,6 +65,19 @@ def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
     g.check_replay("a:0:3")
 
 
+def test_the_first_copy_of_a_merged_contribution_is_a_resend_and_the_second_a_replay():
+    g = Guard()
+    assert not g.first_resend("a:0:1")  # never merged: an ordinary contribution
+    g.merged(["a:0:1"])
+    assert g.first_resend("a:0:1")  # its reply was lost: answered as landed, no strike
+    assert not g.first_resend("a:0:1")  # a second copy: a replay
+    with pytest.raises(ProtocolError) as e:
+        g.check_replay("a:0:1")
+    assert e.value.code is RejectCode.REPLAYED
+    g.merged(["a:0:1"])  # a later record naming it again does not make the next copy free
+    assert not g.first_resend("a:0:1")
+
+
 def _final_loss(task, scale: float, **defence) -> float:
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, **defence)
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(), LearnerPlan(scale=scale))

@@ -207,6 +207,9 @@ class Contributions:
             who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
+            if self.guard.first_resend(h.cid):
+                self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
+                return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
             self.guard.check_replay(h.cid)
             self.replicas[p].check_delta(delta, self.pcfg)
             c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid)

@@ -9,6 +9,9 @@ that does not follow ours yet) cost nothing.
 
 Replays: a contribution id that a merge record already merged is refused with ``replayed``; every node
 learns merged ids from the records it applies, so a replay is refused by whichever node it is sent to.
+The first copy of a merged id is an honest sender's re-send (its synchroniser merged, then the stream broke
+before the reply, and the sender had not applied the record yet): it is answered as landed and costs its
+sender nothing. Only a second copy is refused and counted.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Guard:
         self.scores: dict[str, float] = {}
         self.banned_until: dict[str, float] = {}
         self.bans = 0
-        self._merged: OrderedDict[str, None] = OrderedDict()
+        self._merged: OrderedDict[str, bool | None] = OrderedDict()  # merged id -> re-sent once already
 
     # ---------------------------------------------------------------- scores and bans
     def banned(self, peer: str, now: float) -> bool:
@@ -81,13 +84,21 @@ class Guard:
     # ---------------------------------------------------------------- replays
     def merged(self, cids) -> None:
         for cid in cids:
-            self._merged[cid] = None
+            self._merged.setdefault(cid, None)
             self._merged.move_to_end(cid)
         while len(self._merged) > self.remember:
             self._merged.popitem(last=False)
 
     def was_merged(self, cid: str) -> bool:
         return cid in self._merged
+
+    def first_resend(self, cid: str) -> bool:
+        """True once for a merged id: the first copy that comes again, which the sender may resend
+        honestly (its reply was lost); later copies are replays."""
+        if self._merged.get(cid, True) is not None:  # not merged, or already re-sent once
+            return False
+        self._merged[cid] = True
+        return True
 
     def check_replay(self, cid: str) -> None:
         if self.was_merged(cid):
