@@ -15,7 +15,9 @@ schedule, data seeds and speeds. Systems:
 Scenarios: ``homogeneous``; ``heterogeneous``: the last two nodes 20% slower with +-10% jitter
 (``--slowdown 1.2 --jitter 0.1``). The runner's learners step at each node's measured pace: its mean
 step-to-step time and their spread as uniform jitter (``--runner-pace nominal``: the knobs alone, speed
-1/1.2 and jitter 0.1 on the slowed nodes, none elsewhere).
+1/1.2 and jitter 0.1 on the slowed nodes, none elsewhere). Either way each runner learner starts when its
+node took its first step and replays, as measured, the steps its node made before the last node's first:
+the nodes start one after another on this host, and the first one's learner is starved meanwhile.
 
 Equal tokens: the swarms run for the same wall time, so blocking systems train fewer tokens. Each system's
 eval loss is read at T, the fewest tokens any system of that scenario and seed trained: from node 0's eval
@@ -56,6 +58,7 @@ from bench.parity_curves import at_equal_merged, eval_at, real_merged_curve  # n
 from bench.parity_runner import (  # noqa: E402
     JITTER,
     SLOW,
+    first_steps,
     learners_per_merge,
     pace,
     runner_run,
@@ -137,6 +140,7 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         "step_s": _step_s(ev),
         "join_s": _join_s(ev, args.nodes),
         "pace": pace(ev, args.nodes),
+        "first_steps": first_steps(ev, args.nodes),
         "refused": sum(1 for r in all_records if r.get("kind") == "reject"),
         "one_hash": rep.get("equal_hashes"),
     }
@@ -239,6 +243,7 @@ def rerun_runner(args) -> int:
                 ev = {i: read_events(run_dir / f"node-{i}" / "events.jsonl") for i in range(sargs.nodes)}
                 real["join_s"] = _join_s(ev, sargs.nodes)
                 real["pace"] = pace(ev, sargs.nodes)
+                real["first_steps"] = first_steps(ev, sargs.nodes)
                 real["curve_m"] = real_merged_curve(run_dir, sargs.nodes)
                 _log(f"{scen} seed {row['seed']}: {sys_} in the runner to {real['tokens']:,} tokens")
                 row["runner"] = runner_run(sys_, scen, row["seed"], row["tokens"], real, sargs)
@@ -273,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=("measured", "nominal"),
         default="measured",
         help="runner learners' step times: each node's measured mean and spread (default), or the "
-        "scenario's knobs alone (every node at the median pace, jitter only on the slowed ones)",
+        "scenario's knobs alone (every node at the median pace, jitter only on the slowed ones); "
+        "either way a learner's steps from before the last node's first are replayed as measured",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(

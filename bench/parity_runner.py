@@ -63,15 +63,27 @@ def pace(ev: dict[int, list[dict]], nodes: int) -> list[tuple[float, float]]:
     return out
 
 
+def first_steps(ev: dict[int, list[dict]], nodes: int) -> list[list[float]]:
+    """Each node's steps (seconds from one step's start to the next) that started before the last node's
+    first step. Nodes start one after another on this host, and while the later ones import and build
+    their models the first one's learner, niced, is starved: in a homogeneous run of 100 s node 0 made 2
+    steps (4.5 s and 6.9 s) in the 13 s before the others' first, where its pace would make 14, each a
+    round of one. The runner replays these steps as they were (``LearnerPlan.first_steps_s``)."""
+    starts = {i: sorted(r["t0"] for r in ev.get(i, []) if r.get("kind") == "step") for i in range(nodes)}
+    last = max((t[0] for t in starts.values() if t), default=0.0)
+    return [[b - a for a, b in zip(t, t[1:]) if a < last] for t in (starts[i] for i in range(nodes))]
+
+
 def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, args) -> dict:
     """The runner on ``real``'s run: its learners start and step as the nodes did (``step_s``,
-    ``join_s``), it trains as many tokens as the nodes did and evaluates at the token counts of node 0's
+    ``join_s``, ``first_steps``), it trains as many tokens as the nodes did and evaluates at the token counts of node 0's
     evaluations, so both curves are read at T alike; its final, drained model stands for the one the
     swarm ended on after its quiet period."""
     step_s, join_s = real["step_s"], real.get("join_s", ())
     name, pcfg = runner_setup(system, args.nodes)
     starts = list(join_s) + [0.0] * (args.nodes - len(join_s))
     pace = real.get("pace") or []
+    firsts = real.get("first_steps") or [[]] * args.nodes
     measured = getattr(args, "runner_pace", "measured") == "measured" and len(pace) == args.nodes
     measured = measured and all(mean > 0 for mean, _ in pace)
     plans = []
@@ -82,7 +94,7 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, a
         else:  # the scenario's nominal knobs
             speed = 1 / SLOW if slow(scenario, i, args.nodes) else 1.0
             jitter = JITTER if slow(scenario, i, args.nodes) else 0.0
-        plans.append(LearnerPlan(speed=speed, jitter=jitter, start_s=starts[i]))
+        plans.append(LearnerPlan(speed, jitter, start_s=starts[i], first_steps_s=tuple(firsts[i])))
     plans = tuple(plans)
     run = RunConfig(
         system=name,

@@ -149,6 +149,36 @@ def swarm_period(step_times: Iterable[float], fallback: float) -> float:
 
 
 PERIOD_STEP = 2.0  # a record's period stays within this factor of the one before it
+RATE_MIN_STEPS = 8  # a learner's step rate counts once this many of its step ends are measured
+RATE_WINDOW = 64  # ... over its last this many
+PHASE_EVERY = 4  # steps between two checks that a learner is in phase with the swarm's schedule
+
+
+def measured_period(ends: Sequence[float]) -> float:
+    """Seconds per step over a learner's last step ends (``RATE_WINDOW``, oldest first); 0 until
+    ``RATE_MIN_STEPS`` are in: a learner's first steps (start-up, a join's download) are no measure of its
+    pace, and a schedule made of them would put the next rounds minutes out."""
+    ends = list(ends)[-RATE_WINDOW:]
+    if len(ends) < RATE_MIN_STEPS or ends[-1] <= ends[0]:
+        return 0.0
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def record_period(
+    step_times: Iterable[float], clock: RoundClock | None, sync_every: int, reported: Iterable[float]
+) -> float:
+    """The step period a synchroniser writes into the record of a round it merges: the median of the live
+    learners' measured step times (``step_times``, 0 for one not measured yet), held within
+    ``PERIOD_STEP`` of the fragment's clock and of the step times the round's contributors reported
+    (``reported``). With none measured: the clock's period, or 0 with no clock (the record then carries no
+    schedule, and the learners go by their own steps until a record that has one)."""
+    xs = [t for t in step_times if math.isfinite(t) and t > 0]
+    if not xs:
+        return clock.every / sync_every if clock is not None else 0.0
+    period = bounded_period(swarm_period(xs, fallback=0.0), clock, sync_every)
+    # a first period (no clock to hold it to) taken from rates measured over a slow start cannot throw
+    # the round minutes out
+    return held_to_steps(period, reported)
 
 
 def bounded_period(period: float, clock: RoundClock | None, sync_every: int) -> float:

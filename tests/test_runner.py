@@ -154,8 +154,10 @@ def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
 def test_a_learner_started_before_the_first_merge_is_in_the_first_round_of_sync_diloco(tiny_task):
     """As on the nodes (the launcher starts them seconds apart, before any round merged), a learner that
     starts before the swarm's first merge has nothing to download and is a member from its start: the first
-    round of synchronous DiLoCo (K = M) waits for its H steps, and the learners stay in one rhythm. (It was
-    left out of round 1 and sent round 2 a contribution from round 0, then waited a round for it.)"""
+    round of synchronous DiLoCo (K = M) waits for it, and the learners stay in one rhythm. (It was left out
+    of round 1 and sent round 2 a contribution from round 0, then waited a round for it.) After its first
+    step it takes the swarm's step number, as a node does (``_align_schedule``), so it sends with the others
+    the steps it made: 3, started 1.5 steps late."""
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=1.5))
     ev = EventLog()
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
@@ -171,7 +173,10 @@ def test_a_learner_started_before_the_first_merge_is_in_the_first_round_of_sync_
     merges = sorted(ev.of("merge"), key=lambda r: r["round"])
     assert merges and all(sorted(r["learners"]) == ["L0", "L1", "L2"] for r in merges), merges
     steps = {r["cid"]: r["step"] for r in ev.of("contribute")}
-    assert {steps[c] for c in merges[0]["cids"]} == {4}  # H steps of each, L2's from its own start
+    first = {c.split(":")[0]: steps[c] for c in merges[0]["cids"]}
+    assert first == {"L0": 4, "L1": 4, "L2": 3}, first
+    aligned = [r for r in ev.of("align") if r["learner"] == "L2"]
+    assert [(r["before"], r["after"]) for r in aligned] == [(1, 2)], aligned
 
 
 @pytest.mark.parametrize("system", ["dp", "streaming", "sync-diloco"])
@@ -220,7 +225,8 @@ def test_a_learner_that_starts_late_contributes_each_fragment_with_the_others(ti
     """Before a fragment's first record its round takes the stagger's slot from another fragment's clock
     (``protocol.schedule.swarm_clocks``), so a learner that starts while the swarm is starting sends each
     fragment when the others do, not at its own step count (where that round, merged without it, would
-    overwrite its steps)."""
+    overwrite its steps). Its first step takes nothing (its schedule is put in phase with the others' after
+    it, as a node's is): a round of its one step, merged alone, would overwrite the others' work."""
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=3.0))
     ev = EventLog()
     pcfg = ProtocolConfig(fragments=8, sync_every=8, overlap=1)
@@ -232,9 +238,14 @@ def test_a_learner_that_starts_late_contributes_each_fragment_with_the_others(ti
         ev,
     )
     start = min(r["t0"] for r in ev.of("step") if r["learner"] == "L2")
-    firsts = [r for r in ev.of("merge") if r["round"] == 1 and r["t"] > start + 1.0]
-    assert len(firsts) >= 3  # fragments whose first round came after L2's first step
+    firsts = [r for r in ev.of("merge") if r["round"] == 1 and r["t"] > start + 2.0]
+    assert len(firsts) >= 3  # fragments whose first round came after L2's second step
     assert all(sorted(r["learners"]) == ["L0", "L1", "L2"] for r in firsts), firsts
+    l2 = sorted((r["t"], r["step"]) for r in ev.of("contribute") if r["learner"] == "L2")
+    assert l2[0][1] == 2, l2  # nothing from its first step
+    end = max(r["t1"] for r in ev.of("step"))  # after it, the budget spent, stragglers merge alone
+    alone = [r for r in ev.of("merge") if r["t"] <= end and set(r["learners"]) == {"L2"}]
+    assert not alone, alone
 
 
 @pytest.mark.parametrize("system", ["dp", "decoupled"])
@@ -256,3 +267,21 @@ def test_evaluates_at_the_token_counts_given(tiny_task, system):
 def test_eval_tokens_must_be_positive():
     with pytest.raises(ConfigError, match="eval_tokens"):
         RunConfig(eval_tokens=(100, 0))
+
+
+def test_a_learners_first_steps_take_the_times_its_plan_gives(tiny_task):
+    """``LearnerPlan.first_steps_s`` (bench.parity: a node's steps while the other nodes were still starting
+    on the same host): the learner's first steps take those times, then its speed and jitter apply."""
+    plans = (LearnerPlan(first_steps_s=(4.5, 7.0)), LearnerPlan())
+    ev = EventLog()
+    pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
+    run_system(
+        tiny_task,
+        RunConfig(learners=2, token_budget=2 * 12 * tiny_task.tokens_per_batch, plans=plans),
+        pcfg,
+        INNER,
+        ev,
+    )
+    l0 = [r["t1"] - r["t0"] for r in ev.of("step") if r["learner"] == "L0"]
+    assert l0[:3] == pytest.approx([4.5, 7.0, 1.0]), l0
+    assert all(r["t1"] - r["t0"] == pytest.approx(1.0) for r in ev.of("step") if r["learner"] == "L1")

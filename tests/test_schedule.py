@@ -3,6 +3,7 @@ records, a slot is contributed to once, and a round that does not merge in time 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dht.identity import Identity
@@ -199,6 +200,23 @@ def test_a_first_period_is_held_to_the_step_times_the_rounds_learners_report():
     assert held_to_steps(3.0, [0.3, 0.31, 0.29]) == 0.6
     assert held_to_steps(0.3, [0.3, 0.31]) == 0.3
     assert held_to_steps(3.0, []) == 3.0
+
+
+def test_a_records_period_is_the_measured_one_and_none_before_any_learner_has_a_measure():
+    """One rule for the node and the runner (``record_period``): until some live learner has
+    ``RATE_MIN_STEPS`` steps measured a record carries no schedule (or its clock's), then the median of the
+    measures, held to the clock and to what the round's learners report."""
+    from protocol.schedule import RATE_MIN_STEPS, measured_period, record_period
+
+    ends = [0.5 * k for k in range(RATE_MIN_STEPS)]
+    assert measured_period(ends[:-1]) == 0.0  # one step short of a measure
+    assert measured_period(ends) == 0.5
+    assert measured_period([4.5, 11.4] + [11.4 + 0.9 * k for k in range(1, 100)]) == pytest.approx(0.9)
+    assert record_period([0.0, 0.0], None, H, [4.0]) == 0.0  # no measure, no clock: no schedule yet
+    clock = RoundClock(3, 10.0, H * 0.5)
+    assert record_period([0.0], clock, H, [0.5]) == 0.5  # no measure: the clock's own period
+    assert record_period([0.4, 0.5, 9.0], clock, H, [0.5, 0.5]) == 0.5  # the median
+    assert record_period([4.0], None, H, [0.3]) == 0.6  # a slow start's measure held to the reports
 
 
 def _plan(n: int, h: int) -> FragmentPlan:

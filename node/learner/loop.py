@@ -18,12 +18,10 @@ from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader, contribution_id
-from protocol.schedule import SlotBook, due_fragments, usable
+from protocol.schedule import PHASE_EVERY, RATE_MIN_STEPS, RATE_WINDOW, SlotBook, due_fragments, usable
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
-PHASE_EVERY = 4  # steps between two checks that the learner is in phase with the swarm's schedule
-RATE_MIN_STEPS = 8  # steps measured before a learner publishes its step rate
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
@@ -47,6 +45,7 @@ class LearnerLoop(threading.Thread):
         self._resent_at = 0.0
         self.tokens = 0
         self.step_s: float | None = None
+        self._first_step = 0  # the learner's step count when this life of it started (``run``)
         self.loss_ema: float | None = None
         self.eval_loss: float | None = None
         self.eval_history: list[tuple[float, int, float]] = []
@@ -54,7 +53,7 @@ class LearnerLoop(threading.Thread):
         self._eval_model = node.task.new_model()
         # The agent's periodic evaluation and the final one share this model.
         self._eval_lock = threading.Lock()
-        self._rate: deque = deque(maxlen=64)  # (time, tokens) for tokens/s
+        self._rate: deque = deque(maxlen=RATE_WINDOW)  # (time, tokens) for tokens/s
         self.slots = SlotBook()  # the schedule's slots this learner has contributed to
         self._jitter_rng = random.Random(node.learner.seed)
 
@@ -169,6 +168,11 @@ class LearnerLoop(threading.Thread):
         anywhere yet, by the learner's own steps."""
         lrn = self.learner
         by_steps = lrn.plan.due(lrn.book.step + 1)
+        if lrn.steps == self._first_step and self.node.swarm_step() is not None:
+            # A life's first step among peers: its schedule is put in phase with theirs after this step
+            # (``_align_schedule``); what its own count makes due now is out of phase, and a round of one
+            # learner's single step, merged alone, would overwrite what the others trained on it.
+            by_steps = []
         if self.node.blocking:
             return by_steps
         step_s = self.step_s or 0.0
@@ -278,7 +282,7 @@ class LearnerLoop(threading.Thread):
         niced = lower_own_thread_priority(s.learner_nice) if s.learner_nice > 0 else 0
         self.node.events.emit("learner", t=time.time(), learner=self.node.peer_id, niced=niced)
         lrn = self.learner
-        first_step = lrn.steps
+        first_step = self._first_step = lrn.steps
         unit = self.node.unit
         try:
             if unit is not None:  # the other ranks wait for rank 0: join them, then hand them the state

@@ -20,6 +20,9 @@ class LearnerPlan:
     down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
     scale: float = 1.0  # multiplies the learner's outer gradients: >1 plays a hostile learner (robust merge)
     start_s: float = 0.0  # joins at this virtual time (downloading the global model), as a late node does
+    # the virtual seconds its first steps take, as given, before speed and jitter apply (bench.parity: a
+    # node's steps while the other nodes were still starting on the same host, which starve it)
+    first_steps_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,10 @@ class RunResult:
         return d
 
 
-def jittered(rng: random.Random, plan: LearnerPlan, step_time_s: float) -> float:
+def jittered(rng: random.Random, plan: LearnerPlan, step_time_s: float, step: int = -1) -> float:
+    """How long the learner's step number ``step`` (0 for its first) takes: ``plan.first_steps_s[step]``
+    while there is one, else ``step_time_s`` at the plan's speed, times a draw of its jitter."""
     f = 1.0 + (rng.uniform(-plan.jitter, plan.jitter) if plan.jitter else 0.0)
+    if 0 <= step < len(plan.first_steps_s):
+        return plan.first_steps_s[step]
     return step_time_s / plan.speed * f

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
+from collections import deque
 
 import torch
 
@@ -32,7 +34,16 @@ from protocol.errors import ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
-from protocol.schedule import SlotBook, bounded_period, due_fragments, round_due, swarm_clocks, swarm_period
+from protocol.schedule import (
+    PHASE_EVERY,
+    RATE_WINDOW,
+    SlotBook,
+    due_fragments,
+    measured_period,
+    record_period,
+    round_due,
+    swarm_clocks,
+)
 from protocol.synchroniser import (
     Contribution,
     Decision,
@@ -75,6 +86,20 @@ class _LearnerSlot:
         self.members_of: set[int] = set()
         self.inbox: list[tuple[int, int, dict, list]] = []  # (fragment, round, theta, merged of its own)
         self.slots = SlotBook()  # the schedule's slots it has contributed to
+        self.fresh_process()
+
+    def fresh_process(self) -> None:
+        """What a node measures of its learner's pace, as a new process does: its step ends (the rate its
+        membership record publishes) and its step time's moving average (what its contributions report),
+        the first step of a life replaced by the second (warm-up)."""
+        self.ends: deque = deque(maxlen=RATE_WINDOW)
+        self.step_s: float | None = None
+        self.first_step = self.learner.steps
+
+    def measure(self, start: float, end: float) -> None:
+        self.ends.append(end)
+        fresh = self.step_s is None or self.learner.steps == self.first_step + 2
+        self.step_s = (end - start) if fresh else 0.9 * self.step_s + 0.1 * (end - start)
 
 
 class VirtualSwarm:
@@ -229,15 +254,17 @@ class VirtualSwarm:
             return
         res = lrn.train_step()
         self.tokens += res.tokens
-        dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s)
+        dur = jittered(s.rng, s.plan, self.run_cfg.step_time_s, lrn.steps - 1)
+        s.measure(now, now + dur)
         self.events.emit("step", learner=lrn.name, step=lrn.steps, t0=now, t1=now + dur, loss=res.loss)
         self._last_step_end = max(self._last_step_end, now + dur)
-        # The node's rule (node.learner.loop): slots of the swarm's schedule before the next step's end,
-        # else (no record yet) the learner's own steps.
+        # The node's rule (node.learner.loop): slots of the swarm's schedule before the next step's end
+        # (as long as its steps have taken on average), else (no record yet) the learner's own steps.
         due = res.due
+        if lrn.steps == s.first_step + 1 and self._swarm_step(now, m) is not None:  # decided at its start
+            due = []  # the node's rule: a life's first step among peers takes nothing by its own count
         if not self.blocking:
-            step_s = self.run_cfg.step_time_s / s.plan.speed
-            due = due_fragments(s.slots, self._clocks(now), res.due, now + dur, step_s)
+            due = due_fragments(s.slots, self._clocks(now), due, now + dur, s.step_s or 0.0)
         for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
@@ -258,11 +285,58 @@ class VirtualSwarm:
                 c_steps=c.c_steps,
                 c_tokens=c.c_tokens,
             )
-            contrib = (lrn.name, p, c.base_round, c.c_steps, c.c_tokens, dur, enc, cid)
+            contrib = (lrn.name, p, c.base_round, c.c_steps, c.c_tokens, s.step_s or 0.0, enc, cid)
             self._push(now + dur + self.run_cfg.net.transfer_s(nbytes), "contrib", contrib)
             if self.blocking:
                 s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)
-        self._push(now + dur, "step", m)
+        wait = 0.0
+        if lrn.steps == s.first_step + 1:
+            wait = self._align(m, now + dur)
+        elif not self.blocking and (lrn.steps - s.first_step) % PHASE_EVERY == 0:
+            self._keep_in_phase(m, now + dur)
+        self._push(now + dur + wait, "step", m)
+
+    # ---- the node's phase rules (node.learner.loop: _align_schedule, _keep_in_phase)
+    def _swarm_step(self, t: float, m: int) -> float | None:
+        """Where the fragment schedules of learner m's peers are at ``t``, in steps: the furthest one's steps
+        done, extrapolated at its measured rate (none until it has one), as a node reads its peers'
+        membership records (there a heartbeat old)."""
+        out = []
+        for x in self.slots:
+            if x is self.slots[m] or x.down or not x.ends:
+                continue
+            done, last = x.learner.book.step, x.ends[-1]
+            if t < last:  # its step in progress is counted in book.step already
+                done, last = done - 1, x.ends[-2] if len(x.ends) > 1 else last
+            period = measured_period(x.ends)
+            if done > 0:
+                out.append(done + (max(0.0, t - last) / period if period > 0 else 0.0))
+        return max(out, default=None)
+
+    def _align(self, m: int, t: float) -> float:
+        """After a life's first step: take the step number the swarm starts next, and wait (at most 2 s,
+        once) until it starts it. Returns the wait."""
+        s = self.slots[m]
+        target = self._swarm_step(t, m)
+        if target is None:
+            return 0.0
+        nxt = math.ceil(target)
+        wait = min(2.0, (nxt - target) * (s.step_s or 0.0))
+        before, s.learner.book.step = s.learner.book.step, nxt
+        self.events.emit("align", t=t, learner=s.learner.name, before=before, after=nxt, wait_s=wait)
+        return wait
+
+    def _keep_in_phase(self, m: int, t: float) -> None:
+        """A learner half a step or more behind the swarm's schedule moves its schedule forward to it."""
+        book = self.slots[m].learner.book
+        target = self._swarm_step(t, m)
+        if target is None or target - book.step < 0.5:
+            return
+        before = book.step
+        book.step = before + round(target - before)
+        self.events.emit(
+            "align", t=t, learner=self.slots[m].learner.name, before=before, after=book.step, wait_s=0.0
+        )
 
     def _on_contrib(self, now: float, payload) -> None:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
@@ -302,8 +376,11 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clock = self.replicas[p], self.syncs[p], self._clocks(now)[p]
-        live = [self.run_cfg.step_time_s / s.plan.speed for s in self.slots if s.learner.name in st.live]
-        period = bounded_period(swarm_period(live, self.run_cfg.step_time_s), clock, self.cfg.sync_every)
+        # The node's rule (node.swarm.replication): the live learners' measured step times (none until a
+        # learner has RATE_MIN_STEPS), where a node reads them from membership records a heartbeat old
+        live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]
+        reported = [c.step_time_s for c in a.contributions]
+        period = record_period(live, clock, self.cfg.sync_every, reported)
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
@@ -321,6 +398,8 @@ class VirtualSwarm:
             hash=rec.new_hash,
             learners=[c.learner for c in a.contributions],
             weights=[c[2] for c in rec.contributors],
+            due=rec.due,
+            period=rec.period,
         )
         nbytes = sum(t.numel() * 4 for t in rep.theta.values())
         arrive = now + self.run_cfg.net.merge_s + self.run_cfg.net.transfer_s(nbytes)
@@ -371,14 +450,21 @@ class VirtualSwarm:
     def _on_rejoin(self, now: float, m: int) -> None:
         s = self.slots[m]
         s.down = False
-        if s.learner.steps == 0 and all(r.round == 0 for r in self.replicas):
-            # Started late, before the swarm's first merge (the launcher's stagger): as on the nodes, nothing
-            # to download, step 0 of its own schedule, and a member from its start, so a round of K = M waits
-            # for it (a node publishes its membership before its first step).
+        s.fresh_process()
+        rounds = [r.round for r in self.replicas]
+        if s.learner.steps == 0:
+            # Started late (the launcher starts nodes one after another): as a node, the global model
+            # downloaded if any round merged (nothing to download before), step 0 of its own schedule, in phase
+            # with the swarm's after its first step (``_align``), and a member of every fragment from its
+            # start, so a round of K = M waits for it (a node publishes its membership before its first step).
+            if any(r > 0 for r in rounds):
+                s.learner.join(rounds, [r.theta for r in self.replicas])
             s.members_of = {f.index for f in self.plan.fragments}
         else:
+            # Back after a failure: it takes a donor's step (in phase at once) and is waited for on fragment
+            # p only from its first contribution of p, so rounds under way do not stall for it (learners of
+            # the blocking systems that wait on each other's fragments deadlocked without).
             donors = [x.learner.book.step for x in self.slots if not x.down and x is not s]
-            rounds = [r.round for r in self.replicas]
             s.learner.join(rounds, [r.theta for r in self.replicas], max(donors, default=s.learner.book.step))
             s.members_of = set()
             gone = dict(t=now, learner=s.learner.name, step=s.learner.steps, kept=False)

@@ -21,11 +21,9 @@ from node.swarm.wire import (
 from protocol.errors import ProtocolError, RejectCode
 from protocol.schedule import (
     RoundClock,
-    bounded_period,
-    held_to_steps,
+    record_period,
     round_due,
     swarm_clocks,
-    swarm_period,
     usable,
 )
 from protocol.synchroniser import (
@@ -193,12 +191,8 @@ class Replication:
         # The members' measured step rates (each over its last steps, the warm-up left out); none measured
         # yet: no schedule in this record, and the learners go by their steps until a later one has one.
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
-        period = clock.every / self.pcfg.sync_every if clock is not None else 0.0
-        if rates:
-            period = bounded_period(swarm_period(rates, fallback=0.0), clock, self.pcfg.sync_every)
-            # and within a factor of the step time the round's own learners report: a first period (no clock
-            # to hold it to) taken from rates measured over a slow start cannot throw the round minutes out
-            period = held_to_steps(period, [c.step_time_s for c in a.contributions])
+        reported = [c.step_time_s for c in a.contributions]
+        period = record_period(rates, clock, self.pcfg.sync_every, reported)
         try:
             rec = rep.make_record(
                 a.round, a.contributions, self.pcfg, live=len(st.live), due=due, period=period
