@@ -135,3 +135,51 @@ def test_kill9_of_a_unit_node_leaves_no_rank_behind(swarm):
     wait_until(lambda: len(_running_with(state)) >= 3, 60, "torchrun and both ranks running")
     swarm.kill9(0)
     wait_until(lambda: not _running_with(state), 30, "every rank of the killed node to be gone")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter ('' once it is gone); a killed orphan may stay a zombie ('Z')."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _maps(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def test_a_rank_dies_with_its_launcher_even_during_its_imports(tmp_path):
+    """``python -m node`` under torchrun asks the kernel for SIGKILL on its parent's death before its
+    imports: a rank whose launcher was killed during its seconds of imports (the node's process group,
+    kill -9) lived on, waiting on a rendezvous with peers that were gone."""
+
+    from node.common.lifetime import started_by_torchrun
+
+    assert started_by_torchrun({"WORLD_SIZE": "2", "RANK": "1"})
+    assert not started_by_torchrun({"WORLD_SIZE": "1", "RANK": "0"}) and not started_by_torchrun({})
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        "env = dict(os.environ, WORLD_SIZE='2', RANK='1', LOCAL_RANK='1', MASTER_ADDR='127.0.0.1',"
+        " MASTER_PORT='9')\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'node', 'node', '--state-dir', {str(tmp_path)!r}], env=env)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    rank = int(parent.stdout.readline())
+    try:
+        wait_until(lambda: "libtorch" in _maps(rank), 60, "the rank importing torch")
+        parent.kill()
+        parent.wait(timeout=30)
+        wait_until(lambda: _state(rank) in ("", "Z"), 10, "the rank gone with its launcher")
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+        if _state(rank) not in ("", "Z"):
+            os.kill(rank, 9)

@@ -36,6 +36,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from node.common.lifetime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 STATE, STEP, PAUSE, STOP = 0, 1, 2, 3
@@ -267,18 +269,6 @@ def follow(learner, unit: Unit) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this rank when its launcher (torchrun's agent) dies, e.g. when the
-    node's process group is killed: a rank holds no state of its own, and must not outlive its node."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        logger.debug("no PR_SET_PDEATHSIG here; this rank exits when rank 0's collectives fail")
-
-
 def run_rank(cfg, unit: Unit) -> int:
     """A rank > 0 of a node's learner unit: the learner only (no DHT, no state folder), led by rank 0.
 
@@ -291,7 +281,7 @@ def run_rank(cfg, unit: Unit) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()  # again, in case this rank was started another way than ``python -m node``
     s = cfg.node
     if s.threads > 0:
         torch.set_num_threads(s.threads)

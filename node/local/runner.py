@@ -1,10 +1,8 @@
 """The in-process runner: M real learners, the pure core, and a virtual clock (DESIGN §3, driver 2).
 
-Every learner trains a real model on real batches; what is virtual is time. Each inner step takes
-``step_time_s / speed`` virtual seconds (times a jitter factor); a message takes ``latency + bytes /
-bandwidth``; a merge takes ``merge_s``. A priority queue of timed events drives learners, synchronisers and
-failures, so a run is deterministic for a seed, and stragglers, grace windows and failures behave as they
-would in a swarm of that shape. The same loop runs the fragment-based systems:
+Learners train real models on real batches; time is virtual (a step ``step_time_s / speed`` times jitter,
+a message ``latency + bytes / bandwidth``, a merge ``merge_s``). Timed events drive learners,
+synchronisers and failures, deterministic for a seed. One loop runs the fragment-based systems:
 
   decoupled    the paper: non-blocking learners, quorum K, adaptive grace, RDA, token weights
   streaming    Streaming DiLoCo: fragments + overlap tau, every live learner, plain mean, learners block
@@ -17,9 +15,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-import random
-from collections import deque
 
 import torch
 
@@ -27,7 +22,8 @@ from node.common.events import EventLog
 from node.learner.learner import InnerConfig, Learner, plan_for
 from node.learner.task import Task, evaluate
 from node.local.dp import run_dp
-from node.local.run_config import LearnerPlan, RunConfig, RunResult, jittered
+from node.local.learner_slot import LearnerSlot, align, keep_in_phase, live_set, swarm_step
+from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
@@ -36,8 +32,6 @@ from protocol.hashing import model_hash
 from protocol.replica import FragmentReplica, NormBook
 from protocol.schedule import (
     PHASE_EVERY,
-    RATE_WINDOW,
-    SlotBook,
     due_fragments,
     measured_period,
     record_period,
@@ -73,35 +67,6 @@ def run_system(
     return VirtualSwarm(task, run, pcfg, inner, events, progress).run()
 
 
-class _LearnerSlot:
-    def __init__(self, learner: Learner, plan: LearnerPlan, seed: int) -> None:
-        self.learner = learner
-        self.plan = plan
-        self.rng = random.Random(seed)
-        self.down = False
-        self.blocked_since: float | None = None
-        self.awaiting: dict[int, tuple[str, int]] = {}  # fragment -> (cid, step by which it must be back)
-        # Fragments whose rounds count on this learner. A learner that rejoins is waited for on fragment p
-        # only from its first contribution of p: rounds already under way must not stall for it.
-        self.members_of: set[int] = set()
-        self.inbox: list[tuple[int, int, dict, list]] = []  # (fragment, round, theta, merged of its own)
-        self.slots = SlotBook()  # the schedule's slots it has contributed to
-        self.fresh_process()
-
-    def fresh_process(self) -> None:
-        """What a node measures of its learner's pace, as a new process does: its step ends (the rate its
-        membership record publishes) and its step time's moving average (what its contributions report),
-        the first step of a life replaced by the second (warm-up)."""
-        self.ends: deque = deque(maxlen=RATE_WINDOW)
-        self.step_s: float | None = None
-        self.first_step = self.learner.steps
-
-    def measure(self, start: float, end: float) -> None:
-        self.ends.append(end)
-        fresh = self.step_s is None or self.learner.steps == self.first_step + 2
-        self.step_s = (end - start) if fresh else 0.9 * self.step_s + 0.1 * (end - start)
-
-
 class VirtualSwarm:
     """Runs one fragment-based system to a token budget. See the module docstring."""
 
@@ -131,7 +96,7 @@ class VirtualSwarm:
             lrn = Learner(
                 f"L{m}", task, self.cfg, inner, steps, seed, plan=self.plan, data_part=(m, run.learners)
             )
-            self.slots.append(_LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
+            self.slots.append(LearnerSlot(lrn, run.plan(m), seed=run.seed * 7919 + m))
         base = self.slots[0].learner.base
         norms = NormBook()  # one robust-merge reference for all fragments
         self.replicas = [
@@ -156,10 +121,6 @@ class VirtualSwarm:
     # ---- plumbing
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
-
-    def _live(self, p: int) -> frozenset[str]:
-        """Learners that fragment p's synchroniser waits for: up, and (after a rejoin) back in p's rhythm."""
-        return frozenset(s.learner.name for s in self.slots if not s.down and p in s.members_of)
 
     def global_params(self) -> dict[str, torch.Tensor]:
         return {n: t for r in self.replicas for n, t in r.theta.items()}
@@ -261,7 +222,9 @@ class VirtualSwarm:
         # The node's rule (node.learner.loop): slots of the swarm's schedule before the next step's end
         # (as long as its steps have taken on average), else (no record yet) the learner's own steps.
         due = res.due
-        if lrn.steps == s.first_step + 1 and self._swarm_step(now, m) is not None:  # decided at its start
+        if (
+            lrn.steps == s.first_step + 1 and swarm_step(self.slots, s, now) is not None
+        ):  # decided at its start
             due = []  # the node's rule: a life's first step among peers takes nothing by its own count
         if not self.blocking:
             due = due_fragments(s.slots, self._clocks(now), due, now + dur, s.step_s or 0.0)
@@ -291,52 +254,10 @@ class VirtualSwarm:
                 s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)
         wait = 0.0
         if lrn.steps == s.first_step + 1:
-            wait = self._align(m, now + dur)
+            wait = align(self.slots, s, now + dur, self.events)
         elif not self.blocking and (lrn.steps - s.first_step) % PHASE_EVERY == 0:
-            self._keep_in_phase(m, now + dur)
+            keep_in_phase(self.slots, s, now + dur, self.events)
         self._push(now + dur + wait, "step", m)
-
-    # ---- the node's phase rules (node.learner.loop: _align_schedule, _keep_in_phase)
-    def _swarm_step(self, t: float, m: int) -> float | None:
-        """Where the fragment schedules of learner m's peers are at ``t``, in steps: the furthest one's steps
-        done, extrapolated at its measured rate (none until it has one), as a node reads its peers'
-        membership records (there a heartbeat old)."""
-        out = []
-        for x in self.slots:
-            if x is self.slots[m] or x.down or not x.ends:
-                continue
-            done, last = x.learner.book.step, x.ends[-1]
-            if t < last:  # its step in progress is counted in book.step already
-                done, last = done - 1, x.ends[-2] if len(x.ends) > 1 else last
-            period = measured_period(x.ends)
-            if done > 0:
-                out.append(done + (max(0.0, t - last) / period if period > 0 else 0.0))
-        return max(out, default=None)
-
-    def _align(self, m: int, t: float) -> float:
-        """After a life's first step: take the step number the swarm starts next, and wait (at most 2 s,
-        once) until it starts it. Returns the wait."""
-        s = self.slots[m]
-        target = self._swarm_step(t, m)
-        if target is None:
-            return 0.0
-        nxt = math.ceil(target)
-        wait = min(2.0, (nxt - target) * (s.step_s or 0.0))
-        before, s.learner.book.step = s.learner.book.step, nxt
-        self.events.emit("align", t=t, learner=s.learner.name, before=before, after=nxt, wait_s=wait)
-        return wait
-
-    def _keep_in_phase(self, m: int, t: float) -> None:
-        """A learner half a step or more behind the swarm's schedule moves its schedule forward to it."""
-        book = self.slots[m].learner.book
-        target = self._swarm_step(t, m)
-        if target is None or target - book.step < 0.5:
-            return
-        before = book.step
-        book.step = before + round(target - before)
-        self.events.emit(
-            "align", t=t, learner=self.slots[m].learner.name, before=before, after=book.step, wait_s=0.0
-        )
 
     def _on_contrib(self, now: float, payload) -> None:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
@@ -376,11 +297,9 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clock = self.replicas[p], self.syncs[p], self._clocks(now)[p]
-        # The node's rule (node.swarm.replication): the live learners' measured step times (none until a
-        # learner has RATE_MIN_STEPS), where a node reads them from membership records a heartbeat old
+        # the node's rule: the live learners' measured step times (a node's are a heartbeat old)
         live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]
-        reported = [c.step_time_s for c in a.contributions]
-        period = record_period(live, clock, self.cfg.sync_every, reported)
+        period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
@@ -453,17 +372,14 @@ class VirtualSwarm:
         s.fresh_process()
         rounds = [r.round for r in self.replicas]
         if s.learner.steps == 0:
-            # Started late (the launcher starts nodes one after another): as a node, the global model
-            # downloaded if any round merged (nothing to download before), step 0 of its own schedule, in phase
-            # with the swarm's after its first step (``_align``), and a member of every fragment from its
-            # start, so a round of K = M waits for it (a node publishes its membership before its first step).
+            # Started late, as a node: the global model (if any round merged), step 0 of its own schedule
+            # (aligned after its first step), a member of every fragment's rounds from its start.
             if any(r > 0 for r in rounds):
                 s.learner.join(rounds, [r.theta for r in self.replicas])
             s.members_of = {f.index for f in self.plan.fragments}
         else:
-            # Back after a failure: it takes a donor's step (in phase at once) and is waited for on fragment
-            # p only from its first contribution of p, so rounds under way do not stall for it (learners of
-            # the blocking systems that wait on each other's fragments deadlocked without).
+            # Back after a failure: a donor's step, and waited for on fragment p only from its first
+            # contribution of p (blocking systems' learners deadlocked without: docs/algorithm.md).
             donors = [x.learner.book.step for x in self.slots if not x.down and x is not s]
             s.learner.join(rounds, [r.theta for r in self.replicas], max(donors, default=s.learner.book.step))
             s.members_of = set()
@@ -476,6 +392,6 @@ class VirtualSwarm:
 
     def _membership(self, now: float, fragments: list[int] | None = None) -> None:
         for p in range(len(self.syncs)) if fragments is None else fragments:
-            live = self._live(p)
+            live = live_set(self.slots, p)
             if live != self.syncs[p].live:
                 self._decide(p, on_membership(self.cfg, self.syncs[p], live, now), now)
