@@ -259,20 +259,31 @@ def rerun_runner(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: %(default)s")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: %(default)s")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N for each system and scenario")
+    ap.add_argument("--nodes", type=int, default=4, help="node processes (and runner learners) per swarm")
     ap.add_argument("--duration", type=float, default=150.0, help="seconds each swarm trains")
-    ap.add_argument("--eval-every-s", type=float, default=10.0)
-    ap.add_argument("--no-runner", action="store_true")
-    ap.add_argument("--dim", type=int, default=ModelConfig.dim)
-    ap.add_argument("--layers", type=int, default=ModelConfig.layers)
-    ap.add_argument("--heads", type=int, default=ModelConfig.heads)
-    ap.add_argument("--seq-len", type=int, default=ModelConfig.seq_len)
-    ap.add_argument("--batch-size", type=int, default=TaskConfig.batch_size)
+    ap.add_argument(
+        "--eval-every-s", type=float, default=10.0, help="node 0 evaluates the global model this often"
+    )
+    ap.add_argument("--no-runner", action="store_true", help="real nodes only")
+    ap.add_argument("--dim", type=int, default=ModelConfig.dim, help="model width (as ddiloco node)")
+    ap.add_argument(
+        "--layers", type=int, default=ModelConfig.layers, help="transformer blocks (as ddiloco node)"
+    )
+    ap.add_argument("--heads", type=int, default=ModelConfig.heads, help="attention heads (as ddiloco node)")
+    ap.add_argument(
+        "--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence (as ddiloco node)"
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=TaskConfig.batch_size,
+        help="sequences per inner step (as ddiloco node)",
+    )
     ap.add_argument("--node-flags", default="", help="more flags for every node (not the runner)")
-    ap.add_argument("--run-dir", default="")
+    ap.add_argument("--run-dir", default="", help="where the runs' node dirs go (default: a new temp dir)")
     ap.add_argument(
         "--runner-pace",
         choices=("measured", "nominal"),
@@ -281,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "scenario's knobs alone (every node at the median pace, jitter only on the slowed ones); "
         "either way a learner's steps from before the last node's first are replayed as measured",
     )
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print every run's results as JSON, not the tables")
     ap.add_argument(
         "--runner-from",
         default="",
