@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     )
     a.add_argument("--out", required=True, help="certificate file to write (give it to the node)")
     r = ss.add_parser("revoke", help="list a peer id in the swarm's revocation file")
-    r.add_argument("peer_id")
+    r.add_argument("peer_id", help="the peer id to refuse from now on (12D3KooW...)")
     r.add_argument("--dir", required=True, help="the swarm folder made by 'swarm init'")
 
 
