@@ -77,12 +77,29 @@ class Attacker:
         return self.run(self.tr.call(peer, op, payload))
 
     def close(self) -> None:
+        """Cancel what its server still runs (a handler that never answers), shut its daemon, close its loop.
+
+        A handler task left pending on a stopped loop is destroyed by the garbage collector later, inside some
+        other test: its ``writer.close()`` then raises on the closed loop, and the traceback that pytest
+        formats for it (Python 3.11 parses the source line with ``ast``) once ran inside pytest's own
+        ``ast.parse`` of a module and failed it with "AST constructor recursion depth mismatch"."""
         try:
-            self.run(self.tr.p2p.shutdown(), timeout_s=20)
+            self.run(self._shutdown(), timeout_s=20)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if not self.thread.is_alive():
+                self.loop.close()
             self.dht.shutdown()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tr.p2p.shutdown()
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+        assert not left, f"tasks still pending after the attacker's shutdown: {left}"
 
 
 def _two_nodes_merging(swarm: Swarm, rounds: int) -> None:
