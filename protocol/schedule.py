@@ -164,6 +164,13 @@ def measured_period(ends: Sequence[float]) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
+def averaged_step_s(previous: float | None, step_s: float, restart: bool) -> float:
+    """A learner's step time as its contributions report it: a moving average (0.9 / 0.1) of its steps,
+    restarted (``restart``) at a life's second step, which replaces the first's warm-up (allocations,
+    kernel selection) rather than averaging with it."""
+    return step_s if previous is None or restart else 0.9 * previous + 0.1 * step_s
+
+
 def record_period(
     step_times: Iterable[float], clock: RoundClock | None, sync_every: int, reported: Iterable[float]
 ) -> float:

@@ -18,7 +18,15 @@ from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
 from protocol.messages import ContributionHeader, contribution_id
-from protocol.schedule import PHASE_EVERY, RATE_MIN_STEPS, RATE_WINDOW, SlotBook, due_fragments, usable
+from protocol.schedule import (
+    PHASE_EVERY,
+    RATE_WINDOW,
+    SlotBook,
+    averaged_step_s,
+    due_fragments,
+    measured_period,
+    usable,
+)
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
@@ -102,11 +110,10 @@ class LearnerLoop(threading.Thread):
         return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
 
     def steps_per_s(self) -> float:
-        """Steps per second over the last steps, 0 until ``RATE_MIN_STEPS`` are in: the swarm's schedule is
-        made of these, and a node's first steps (start-up, a join's download) are no measure of its pace."""
-        if len(self._rate) < RATE_MIN_STEPS:
-            return 0.0
-        return self.tokens_per_s() / self.learner.tokens_per_step
+        """Steps per second over the last steps (``protocol.schedule.measured_period``, the runner's rule too),
+        0 until enough are in: the swarm's schedule is made of these."""
+        period = measured_period([t for t, _ in self._rate])
+        return 1.0 / period if period > 0 else 0.0
 
     def _align_schedule(self) -> None:
         """Put the fragment schedule in phase with the swarm's, once, after this run's first step (which
@@ -322,10 +329,7 @@ class LearnerLoop(threading.Thread):
                 if delay > 0:
                     self.stop_flag.wait(delay)
                 t1 = time.time()
-                # The run's first step carries the warm-up (allocations, kernel selection): the second
-                # step's time replaces it rather than averaging with it.
-                fresh = self.step_s is None or lrn.steps == first_step + 2
-                self.step_s = (t1 - t0) if fresh else 0.9 * self.step_s + 0.1 * (t1 - t0)
+                self.step_s = averaged_step_s(self.step_s, t1 - t0, lrn.steps == first_step + 2)
                 self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
                 self.tokens += res.tokens
                 self._rate.append((t1, self.tokens))

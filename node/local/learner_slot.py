@@ -11,7 +11,7 @@ from collections import deque
 from node.common.events import EventLog
 from node.learner.learner import Learner
 from node.local.run_config import LearnerPlan
-from protocol.schedule import RATE_WINDOW, SlotBook, measured_period
+from protocol.schedule import RATE_WINDOW, SlotBook, averaged_step_s, measured_period
 
 
 class LearnerSlot:
@@ -39,8 +39,7 @@ class LearnerSlot:
 
     def measure(self, start: float, end: float) -> None:
         self.ends.append(end)
-        fresh = self.step_s is None or self.learner.steps == self.first_step + 2
-        self.step_s = (end - start) if fresh else 0.9 * self.step_s + 0.1 * (end - start)
+        self.step_s = averaged_step_s(self.step_s, end - start, self.learner.steps == self.first_step + 2)
 
 
 def live_set(slots: list[LearnerSlot], p: int) -> frozenset[str]:
