@@ -16,6 +16,15 @@ from protocol.goodput import compute_goodput
 INNER = InnerConfig(lr=3e-3)
 
 
+def _run_plans(task, plans: tuple[LearnerPlan, ...], pcfg: ProtocolConfig, steps_each: int):
+    """The runner with one learner per plan and a budget of ``steps_each`` steps' tokens per learner; its
+    result and events."""
+    ev = EventLog()
+    n = len(plans)
+    run = RunConfig(learners=n, token_budget=n * steps_each * task.tokens_per_batch, plans=plans)
+    return run_system(task, run, pcfg, INNER, ev), ev
+
+
 def handwritten_diloco(task, learners: int, h: int, rounds: int, total_steps: int, lr: float, mu: float):
     """Synchronous DiLoCo written out plainly: H AdamW steps each, mean outer gradient, Nesterov SGD."""
     models = [task.new_model() for _ in range(learners)]
@@ -113,15 +122,8 @@ def test_k1_without_grace_merges_alone_and_grace_waits_for_stragglers(tiny_task)
 
 def test_learner_down_does_not_stop_the_others_and_rejoins(tiny_task):
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(down=((5.0, 20.0),)))
-    ev = EventLog()
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1, quorum=3)
-    res = run_system(
-        tiny_task,
-        RunConfig(learners=3, token_budget=3 * 40 * tiny_task.tokens_per_batch, plans=plans),
-        pcfg,
-        INNER,
-        ev,
-    )
+    res, ev = _run_plans(tiny_task, plans, pcfg, 40)
     # K=3 but only two live learners while L2 is down: quorum follows the live set, merges go on
     during = [r for r in ev.of("merge") if 5.0 < r["t"] < 20.0]
     assert during and all("L2" not in r["learners"] for r in during)
@@ -134,15 +136,8 @@ def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
     """``LearnerPlan.start_s``: as the launcher starts nodes one after another, the runner starts a learner
     late; until then the others merge without it, then it downloads the global model and trains."""
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=12.0))
-    ev = EventLog()
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1, quorum=3)
-    run_system(
-        tiny_task,
-        RunConfig(learners=3, token_budget=3 * 40 * tiny_task.tokens_per_batch, plans=plans),
-        pcfg,
-        INNER,
-        ev,
-    )
+    _, ev = _run_plans(tiny_task, plans, pcfg, 40)
     steps = [r for r in ev.of("step") if r["learner"] == "L2"]
     assert steps and min(r["t0"] for r in steps) >= 12.0
     assert min(r["t0"] for r in ev.of("step") if r["learner"] == "L0") == 0.0
@@ -228,15 +223,8 @@ def test_a_learner_that_starts_late_contributes_each_fragment_with_the_others(ti
     overwrite its steps). Its first step takes nothing (its schedule is put in phase with the others' after
     it, as a node's is): a round of its one step, merged alone, would overwrite the others' work."""
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(start_s=3.0))
-    ev = EventLog()
     pcfg = ProtocolConfig(fragments=8, sync_every=8, overlap=1)
-    run_system(
-        tiny_task,
-        RunConfig(learners=3, token_budget=3 * 24 * tiny_task.tokens_per_batch, plans=plans),
-        pcfg,
-        INNER,
-        ev,
-    )
+    _, ev = _run_plans(tiny_task, plans, pcfg, 24)
     start = min(r["t0"] for r in ev.of("step") if r["learner"] == "L2")
     firsts = [r for r in ev.of("merge") if r["round"] == 1 and r["t"] > start + 2.0]
     assert len(firsts) >= 3  # fragments whose first round came after L2's second step
@@ -273,15 +261,8 @@ def test_a_learners_first_steps_take_the_times_its_plan_gives(tiny_task):
     """``LearnerPlan.first_steps_s`` (bench.parity: a node's steps while the other nodes were still starting
     on the same host): the learner's first steps take those times, then its speed and jitter apply."""
     plans = (LearnerPlan(first_steps_s=(4.5, 7.0)), LearnerPlan())
-    ev = EventLog()
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
-    run_system(
-        tiny_task,
-        RunConfig(learners=2, token_budget=2 * 12 * tiny_task.tokens_per_batch, plans=plans),
-        pcfg,
-        INNER,
-        ev,
-    )
+    _, ev = _run_plans(tiny_task, plans, pcfg, 12)
     l0 = [r["t1"] - r["t0"] for r in ev.of("step") if r["learner"] == "L0"]
     assert l0[:3] == pytest.approx([4.5, 7.0, 1.0]), l0
     assert all(r["t1"] - r["t0"] == pytest.approx(1.0) for r in ev.of("step") if r["learner"] == "L1")
