@@ -68,7 +68,14 @@ class ProtocolConfig:
             "help": "refuse (too_large) an outer gradient whose RMS per parameter exceeds this (0: off)"
         },
     )
-    history: int = field(default=16, metadata={"help": "global rounds kept per fragment to anchor old bases"})
+    history: int = field(
+        default=4,
+        metadata={
+            "help": "merge records kept per fragment (each about 1/7 of the fragment's fp32 bytes in int4), to "
+            "re-anchor contributions taken on older rounds and to let peers catch up by records; a peer "
+            "further behind downloads a snapshot"
+        },
+    )
 
     def __post_init__(self) -> None:
         from protocol.codecs import CODECS  # local: codecs imports torch, config should stay light

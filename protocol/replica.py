@@ -1,8 +1,14 @@
-"""A replica of one global fragment: Theta_p, its outer momentum, and a short history of past rounds.
+"""A replica of one global fragment: Theta_p, its outer momentum, and what re-anchors older bases.
 
 Every node keeps one per fragment (DESIGN §4, replicated global state). The synchroniser of a round turns
 contributions into a ``MergeRecord`` with ``make_record``; every replica, the synchroniser's included,
 applies that record with ``apply_record`` and checks it lands on the record's hash.
+
+History holds no copies of the fragment: for each of the last ``history`` rounds it keeps that round's
+merged outer gradient as it travels (the record's codec, int4 by default: about 1/7 of the fragment's fp32
+bytes), or a callable that decodes it again from the signed record the node logs anyway. A contribution
+taken on an older base is re-anchored by walking the outer steps back from the current state
+(``base``): Theta_{r-1} = Theta_r + lr (g_r + mu v_r), v_{r-1} = (v_r - g_r) / mu.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,17 @@ class MergeRecord:
     clipped: tuple[str, ...] = ()  # contribution ids scaled down by the robust merge (local, not signed)
     due: float = 0.0  # when this round was taken, on the swarm's clock (protocol.schedule); signed
     period: float = 0.0  # the swarm's step period then (0: no schedule); the next round is due H periods on
+
+
+GradSource = Mapping[str, "torch.Tensor | Encoded"] | Callable[[], Mapping[str, torch.Tensor]]
+
+
+def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
+    if callable(src):
+        return src()
+    if any(isinstance(v, Encoded) for v in src.values()):
+        return decode_tensors(dict(src))
+    return src
 
 
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
@@ -86,16 +103,22 @@ class FragmentReplica:
         index: int,
         theta: Mapping[str, torch.Tensor],
         is_embedding: bool,
-        history: int = 16,
+        history: int = 4,
         norms: NormBook | None = None,
+        copy: bool = True,
     ):
+        """``copy=False``: take ``theta``'s fp32 tensors as they are (the caller never writes to them)."""
         self.index = index
         self.is_embedding = is_embedding
-        self.theta = {k: v.detach().to(torch.float32).clone() for k, v in theta.items()}
+        self.theta = {
+            k: (v.detach().to(torch.float32).clone() if copy or v.dtype != torch.float32 else v.detach())
+            for k, v in theta.items()
+        }
         self.momentum = {k: torch.zeros_like(v) for k, v in self.theta.items()}
         self.round = 0
         self._history_len = history
-        self.history: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict({0: self.theta})
+        # round r -> (how to get round r's merged gradient again, outer lr, outer momentum)
+        self._past: OrderedDict[int, tuple[GradSource, float, float]] = OrderedDict()
         self._hash = tensors_hash(self.theta)
         # The outcome of the record this replica made last: applying its own record needs no recompute.
         self._made: tuple[MergeRecord, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
@@ -133,17 +156,44 @@ class FragmentReplica:
         self.round = round_
         self._hash = tensors_hash(self.theta)
         self._made = None
-        self.history = OrderedDict({round_: self.theta})
+        self._past.clear()
         self.clock = clock if clock is not None and clock.round == round_ + 1 else None
 
+    def keeps(self, round_: int) -> bool:
+        """Whether a contribution taken on global round ``round_`` can still be re-anchored here."""
+        return round_ == self.round or (
+            round_ < self.round and all(r in self._past for r in range(round_ + 1, self.round + 1))
+        )
+
+    def history_tensors(self) -> list[torch.Tensor]:
+        """The tensors the history holds (for the node's memory account)."""
+        out = []
+        for src, _, _ in list(self._past.values()):
+            if isinstance(src, Mapping):
+                for v in src.values():
+                    out.extend(v.parts.values() if isinstance(v, Encoded) else [v])
+        return out
+
     def base(self, round_: int) -> dict[str, torch.Tensor]:
-        try:
-            return self.history[round_]
-        except KeyError:
+        """Global round ``round_`` of this fragment: the current state, or rebuilt by walking the outer
+        steps of the rounds since back (fp32; within a few ulps of the state that round had)."""
+        if round_ == self.round:
+            return self.theta
+        if not self.keeps(round_):
             raise ProtocolError(
                 RejectCode.STALE_BASE,
                 f"fragment {self.index} no longer keeps round {round_} (now at {self.round})",
-            ) from None
+            )
+        theta = dict(self.theta)
+        mom = dict(self.momentum)
+        for r in range(self.round, round_, -1):
+            src, lr, mu = self._past[r]
+            grad = _grad_of(src)
+            for k, g in grad.items():
+                theta[k] = theta[k] + lr * (g + mu * mom[k])
+                if mu != 0:
+                    mom[k] = (mom[k] - g) / mu
+        return theta
 
     def check_delta(self, delta: Mapping[str, torch.Tensor], cfg: ProtocolConfig | None = None) -> None:
         """Shape, name and finiteness checks of a decoded outer gradient against this fragment, and with
@@ -280,7 +330,10 @@ class FragmentReplica:
                 f"merged gradient norm {n:.3g} is {n / ref:.0f}x a learner's typical {ref:.3g}",
             )
 
-    def apply_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
+    def apply_record(self, rec: MergeRecord, cfg: ProtocolConfig, source: GradSource | None = None) -> None:
+        """Apply ``rec`` (raises ProtocolError if it does not follow this replica or misses its hash).
+        ``source``: how to get the record's merged gradient again later, e.g. by decoding the signed record
+        its caller keeps (default: the record's wire tensors, else its decoded gradient)."""
         if rec.round != self.round + 1 or rec.parent_hash != self._hash:
             raise ProtocolError(
                 RejectCode.STALE_BASE,
@@ -301,7 +354,9 @@ class FragmentReplica:
             )
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
-        self.history[rec.round] = theta
+        if source is None:
+            source = dict(rec.wire) if rec.wire is not None else dict(rec.grad)
+        self._past[rec.round] = (source, cfg.outer_lr, cfg.outer_momentum)
         self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every, before=self.clock)
-        while len(self.history) > self._history_len:
-            self.history.popitem(last=False)
+        while len(self._past) > self._history_len:
+            self._past.popitem(last=False)

@@ -45,6 +45,19 @@ def add_parser(sub) -> None:
     )
 
 
+def memory_summary(mem: dict | None) -> str:
+    """One line: the node's resident memory against its fp32 weights, and its parts (node.swarm.memory)."""
+    if not mem or not mem.get("weights_bytes"):
+        return "memory: -"
+    w = mem["weights_bytes"]
+    x = lambda b: f"{b / w:.2f}x"  # noqa: E731
+    parts = "  ".join(f"{k} {x(v)}" for k, v in mem["host"].items() if v)
+    rss = "-" if not mem.get("rss") else f"{mem['rss'] / 1e9:.2f} GB ({x(mem['rss'])})"
+    peak = "-" if not mem.get("peak_rss") else f"{mem['peak_rss'] / 1e9:.2f} GB ({x(mem['peak_rss'])})"
+    other = "" if mem.get("other") is None else f"  other {x(mem['other'])}"
+    return f"memory: rss {rss}  peak {peak}  of {w / 1e6:.0f} MB fp32 weights; {parts}{other}"
+
+
 def _status_table(s: dict) -> str:
     lr = s["learner"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -68,6 +81,7 @@ def _status_table(s: dict) -> str:
         f"bytes sent {s['bytes_sent'] / 1e6:.2f} MB  received {s['bytes_received'] / 1e6:.2f} MB  "
         f"refused {s['refused'] or 'none'}",
         "counters: " + "  ".join(f"{k} {v}" for k, v in s["counters"].items()),
+        memory_summary(s.get("memory")),
         "",
         f"peers ({len(s['peers'])}):",
     ]

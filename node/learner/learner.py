@@ -62,6 +62,14 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _held(g: torch.Tensor) -> torch.Tensor:
+    """A global fragment's tensor as a base: the tensor itself when it is fp32 on the host (the global
+    fragments handed to a learner are never written to: a merge makes new tensors), else an fp32 host copy.
+    So a learner's base and its node's replica share their memory."""
+    g = g.detach()
+    return g if g.device.type == "cpu" and g.dtype == torch.float32 else g.to("cpu", torch.float32)
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -294,7 +302,7 @@ class Learner:
                         self.params[n].copy_(
                             adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha)
                         )
-        self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
+        self.base[p] = {n: _held(g) for n, g in theta.items()}
         return True
 
     def join(self, rounds: list[int], thetas: list[dict[str, torch.Tensor]], schedule_step: int = 0) -> None:
@@ -312,7 +320,7 @@ class Learner:
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
                 for n, g in theta.items():
                     self.params[n].copy_(g.to(self.device))
-                self.base[p] = {n: g.detach().to("cpu", torch.float32).clone() for n, g in theta.items()}
+                self.base[p] = {n: _held(g) for n, g in theta.items()}
                 self.book.counters[p].base_round = r
         self._new_optimizer()
 
@@ -348,14 +356,16 @@ class Learner:
 
     # ---- checkpoints: tensors (flat names) and JSON metadata
     def state(
-        self, full: tuple[dict[str, torch.Tensor], dict] | None = None
+        self, full: tuple[dict[str, torch.Tensor], dict] | None = None, copy: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict]:
         """The learner's checkpoint. ``full``: (parameters, optimizer state dict) gathered by a sharded unit;
-        a sharded learner has no whole state of its own to give."""
+        a sharded learner has no whole state of its own to give. ``copy=False``: the live parameters and
+        optimizer state themselves, valid until the next step (for a writer that is done before it; see
+        ``node.swarm.checkpoint.PendingCheckpoint``). Bases are never copied: nothing writes to them."""
         if full is None:
             self._whole("hand out its state")
             params, opt = (
-                {n: p.detach().to("cpu").clone() for n, p in self.params.items()},
+                {n: (p.detach().to("cpu").clone() if copy else p.detach()) for n, p in self.params.items()},
                 self.opt.state_dict(),
             )
         else:
@@ -363,10 +373,11 @@ class Learner:
         tensors = {f"learner/{n}": t for n, t in params.items()}
         for p, base in enumerate(self.base):
             for n, t in base.items():
-                tensors[f"base/{p}/{n}"] = t.clone()
+                tensors[f"base/{p}/{n}"] = t
         for i, st in opt["state"].items():
             for k, v in st.items():
-                tensors[f"opt/{i}/{k}"] = torch.as_tensor(v).detach().to("cpu").clone()
+                v = torch.as_tensor(v).detach()
+                tensors[f"opt/{i}/{k}"] = v.to("cpu").clone() if copy else v
         tensors["gen"] = self.gen.get_state()
         meta = {
             "steps": self.steps,

@@ -13,6 +13,7 @@ from collections import deque
 import torch
 
 from node.common.priority import lower_own_thread_priority
+from node.learner.evaluation import ParamsModel, eval_model
 from node.learner.learner import Learner
 from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
@@ -41,7 +42,9 @@ class LearnerLoop(threading.Thread):
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
         self.inbox: deque = deque()  # (fragment, round, theta, force, merged)
-        self.requests: deque = deque()  # (kind, concurrent Future)
+        # (kind, concurrent Future): kind "state" (the learner's state, copied), ("write", fn) (fn called with
+        # the live state, here, between two steps; its result answers)
+        self.requests: deque = deque()
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
         self.idle = threading.Event()  # set while paused or stopped: no step in progress
@@ -58,8 +61,9 @@ class LearnerLoop(threading.Thread):
         self.eval_loss: float | None = None
         self.eval_history: list[tuple[float, int, float]] = []
         self.error: BaseException | None = None
-        self._eval_model = node.task.new_model()
-        # The agent's periodic evaluation and the final one share this model.
+        # The agent's periodic evaluation and the final one share this model, which holds no weights of its
+        # own: it evaluates the tensors it is handed (node.learner.evaluation).
+        self._eval_model = eval_model(node.task, learner.model)
         self._eval_lock = threading.Lock()
         self._rate: deque = deque(maxlen=RATE_WINDOW)  # (time, tokens) for tokens/s
         self.slots = SlotBook()  # the schedule's slots this learner has contributed to
@@ -227,7 +231,11 @@ class LearnerLoop(threading.Thread):
         """Answer state requests; a sharded unit gathered the whole state in the exchange just made."""
         for kind, fut in asks:
             try:
-                if kind != "state":
+                if isinstance(kind, tuple) and kind[0] == "write":
+                    # a checkpoint writer that takes the live state now, before the next step changes it
+                    full = self.node.unit.take_saved() if self.learner.sharded else None
+                    fut.set_result(kind[1](*self.learner.state(full, copy=False)))
+                elif kind != "state":
                     fut.set_result(None)
                 elif self.learner.sharded:
                     fut.set_result(self.learner.state(self.node.unit.take_saved()))
@@ -275,12 +283,20 @@ class LearnerLoop(threading.Thread):
         if params is None:
             params = {n: t for base in self.learner.base for n, t in base.items()}
         with self._eval_lock:
-            self._eval_model.load_state_dict(params, strict=False)
-            loss = evaluate(self.node.task, self._eval_model)
+            if isinstance(self._eval_model, ParamsModel):
+                loss = self._eval_model.evaluate(params)
+            else:
+                self._eval_model.load_state_dict(params, strict=False)
+                loss = evaluate(self.node.task, self._eval_model)
         self.eval_loss = loss
         self.eval_history.append((at, steps, loss))
         self.node.events.emit("eval", t=at, tokens=tokens, loss=loss, step=steps)
         return loss
+
+    def eval_tensors(self) -> list[torch.Tensor]:
+        """The tensors the evaluation model holds of its own (the node's memory account)."""
+        m = self._eval_model
+        return m.tensors() if isinstance(m, ParamsModel) else list(m.parameters())
 
     def run(self) -> None:
         s = self.node.settings

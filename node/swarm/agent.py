@@ -173,7 +173,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         P = len(self.plan.fragments)
         norms = NormBook()  # one robust-merge reference for all fragments
         self.replicas = [
-            FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history, norms)
+            # the learner's bases are fresh fp32 copies nothing writes to: the replicas start on them
+            FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history, norms, copy=False)
             for f in self.plan.fragments
         ]
         self.heads: list[tuple[int, str, int, float]] = [(0, r.hash, 0, 0.0) for r in self.replicas]
@@ -392,7 +393,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                params = {n: t.clone() for r in self.replicas for n, t in r.theta.items()}
+                # the replicas' tensors as they are: a merge makes new ones and never writes to these
+                params = {n: t for r in self.replicas for n, t in r.theta.items()}
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 await asyncio.sleep(self.settings.eval_every_s)
         finally:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,24 +65,162 @@ def save_checkpoint(
     folder: str | Path, step: int, tensors: Mapping[str, torch.Tensor], meta: dict, swarm: str, keep: int = 3
 ) -> Path:
     """Write ``ckpt-<step>.safetensors`` atomically; keep the newest ``keep`` files."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    doc = {"format": FORMAT, "swarm": swarm, "step": step, "tensors_sha256": tensors_hash(flat), "meta": meta}
-    final = folder / f"ckpt-{step:010d}.safetensors"
-    tmp = folder / f".{final.name}.{os.getpid()}.tmp"
+    pending = PendingCheckpoint(folder, step, tensors, meta, swarm, keep)
     try:
-        save_file(flat, str(tmp), metadata=checkpoint_metadata(doc))
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(folder)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    for old in list_checkpoints(folder)[keep:]:
-        old.unlink(missing_ok=True)
-    return final
+        pending.write(tensors)
+        return pending.finish()
+    except BaseException:
+        pending.abandon()
+        raise
+
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_PLACEHOLDER = "0" * 64  # a SHA-256 in hex, before it is known: the header keeps its length
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` on the host, without a copy where it already is a contiguous host tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class PendingCheckpoint:
+    """A checkpoint written in parts, straight from the tensors, with no copy of the model made for it.
+
+    The layout (names, dtypes, shapes, offsets) is fixed first, so each tensor's bytes go to their place in
+    a temporary file when its holder can hand them over: a learner writes its live parameters and optimizer
+    state between two steps (its tensors change at the next one), while the node's replicas, which a merge
+    replaces rather than writes to, are written from another thread. ``finish`` then reads the file back
+    to hash the tensors as ``protocol.hashing.tensors_hash`` does, writes the header over its placeholder
+    (same length), fsyncs and renames. The file is a plain safetensors file (``load_checkpoint``,
+    ``safetensors.torch.load_file``)."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: dict,
+        swarm: str,
+        keep: int = 3,
+    ) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.step, self.meta, self.swarm, self.keep = step, meta, swarm, keep
+        self.final = self.folder / f"ckpt-{step:010d}.safetensors"
+        self.tmp = self.folder / f".{self.final.name}.{os.getpid()}.{id(self)}.tmp"
+        self.entries: dict[str, dict] = {}
+        offset = 0
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.dtype not in _DTYPES:
+                raise CheckpointError(f"checkpoint tensor {name}: dtype {t.dtype} is not one we write")
+            n = t.numel() * t.element_size()
+            self.entries[name] = {
+                "dtype": _DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+        self.dtypes = {name: tensors[name].dtype for name in self.entries}
+        self.header = self._header(_PLACEHOLDER)
+        self.data_start = 8 + len(self.header)
+        self.written: set[str] = set()
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self.fd, self.data_start + offset)
+
+    def _header(self, tensors_sha256: str) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "swarm": self.swarm,
+            "step": self.step,
+            "tensors_sha256": tensors_sha256,
+            "meta": self.meta,
+        }
+        header = {"__metadata__": checkpoint_metadata(doc), **self.entries}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)  # safetensors pads its header with spaces to 8 bytes
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write these tensors' bytes now (any thread; each must be one the layout names, as it was laid)."""
+        for name, t in tensors.items():
+            e = self.entries.get(name)
+            if e is None or list(t.shape) != e["shape"] or t.dtype != self.dtypes[name]:
+                raise CheckpointError(
+                    f"checkpoint tensor {name} is not the one laid out ({t.dtype}, {t.shape})"
+                )
+            buf = _host_bytes(t)
+            at, end = self.data_start + e["data_offsets"][0], self.data_start + e["data_offsets"][1]
+            while at < end:
+                n = os.pwrite(self.fd, buf[at - self.data_start - e["data_offsets"][0] :], at)
+                at += n
+            self.written.add(name)
+
+    def _hash(self) -> str:
+        """``tensors_hash`` of the tensors as written, read back from the file."""
+        h = hashlib.sha256()
+        size = os.fstat(self.fd).st_size
+        with mmap.mmap(self.fd, size, prot=mmap.PROT_READ) if size else _Empty() as mm:
+            view = memoryview(mm)
+            try:
+                for name, e in self.entries.items():  # sorted by name when laid out
+                    a, b = e["data_offsets"]
+                    h.update(name.encode())
+                    h.update(str(self.dtypes[name]).encode())
+                    h.update(repr(tuple(e["shape"])).encode())
+                    h.update(view[self.data_start + a : self.data_start + b])
+            finally:
+                view.release()
+        return h.hexdigest()
+
+    def finish(self) -> Path:
+        """Hash, write the header, fsync, rename; keep the newest ``keep`` checkpoints. Every tensor must have
+        been written."""
+        missing = set(self.entries) - self.written
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {self.final.name}: tensors never written: {sorted(missing)[:4]}"
+            )
+        header = self._header(self._hash())
+        if len(header) != len(self.header):
+            raise CheckpointError(f"checkpoint {self.final.name}: its header changed length")
+        os.pwrite(self.fd, struct.pack("<Q", len(header)) + header, 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.final)
+        _fsync_dir(self.folder)
+        for old in list_checkpoints(self.folder)[self.keep :]:
+            old.unlink(missing_ok=True)
+        return self.final
+
+    def abandon(self) -> None:
+        """Close and remove the temporary file (after a failure); the previous checkpoints stay."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+class _Empty:
+    def __enter__(self):
+        return b""
+
+    def __exit__(self, *exc):
+        return False
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:

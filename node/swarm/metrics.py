@@ -93,6 +93,25 @@ class StatusCollector(Collector):
         for code, n in sorted(doc["refused"].items()):
             refused.add_metric([code], n)
         yield refused
+        mem = doc.get("memory") or {}
+        if mem.get("host"):
+            parts = GaugeMetricFamily(
+                f"{PREFIX}_memory_bytes", "host memory the node holds, by part", labels=["part"]
+            )
+            for part, n in mem["host"].items():
+                parts.add_metric([part], n)
+            if mem.get("other") is not None:
+                parts.add_metric(["other"], mem["other"])
+            yield parts
+            for key, help_ in (
+                ("weights_bytes", "size of the model's weights in fp32"),
+                ("rss", "resident memory of the node's process"),
+                ("peak_rss", "peak resident memory of the node's process"),
+            ):
+                if mem.get(key) is not None:
+                    yield GaugeMetricFamily(
+                        f"{PREFIX}_memory_{key.removesuffix('_bytes')}_bytes", help_, mem[key]
+                    )
         info = GaugeMetricFamily(f"{PREFIX}_node_info", "this node's identity", labels=["peer_id", "swarm"])
         info.add_metric([doc["peer_id"], doc["swarm"]], 1)
         yield info

@@ -13,12 +13,18 @@ import os
 import time
 from pathlib import Path
 
-from node.swarm.checkpoint import export_model, export_pretrained, load_latest, save_checkpoint
+from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
 
 logger = logging.getLogger(__name__)
+
+
+def _abandon_late(fut: concurrent.futures.Future) -> None:
+    """A checkpoint the learner laid out after its node stopped waiting: its file is removed."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result()[0].abandon()
 
 
 class Persistence:
@@ -75,40 +81,59 @@ class Persistence:
         return True
 
     async def checkpoint(self) -> Path | None:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.learner_loop.is_alive():
-            self.learner_loop.requests.append(("state", fut))
+        """Write a checkpoint with no copy of the model made for it (``PendingCheckpoint``): the learner
+        writes its live parameters and optimizer state into the file between two steps; the replicas,
+        bases and the rest are written from a worker thread, then the file is hashed and renamed."""
+        # taken together on this loop, where records change them: a record applied while the file is being
+        # written must count in neither, or a restart applies it again and counts its tokens twice
+        fixed = {}
+        for p, rep in enumerate(self.replicas):
+            for k in rep.theta:
+                fixed[f"theta/{p}/{k}"] = rep.theta[k]
+                fixed[f"mom/{p}/{k}"] = rep.momentum[k]
+        shared = {"peer_id": self.peer_id, "heads": [list(h) for h in self.heads]}
+        shared["merged_tokens"] = list(self.merged_tokens)
+        folder, swarm = self.state_dir / "checkpoints", self.settings.swarm
+
+        def lay_out(ltensors: dict, lmeta: dict) -> tuple[PendingCheckpoint, dict]:
+            # on the learner's thread (or with the learner stopped): its live tensors go to the file now
+            meta = {**shared, "learner": lmeta, "tokens": self.learner_loop.tokens}
+            pending = PendingCheckpoint(folder, int(lmeta["steps"]), {**ltensors, **fixed}, meta, swarm)
+            rest = dict(fixed)
             try:
-                ltensors, lmeta = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
+                live = {}
+                for k, t in ltensors.items():
+                    (rest if k.startswith("base/") or k == "gen" else live)[k] = t
+                pending.write(live)
+            except BaseException:
+                pending.abandon()
+                raise
+            return pending, rest
+
+        if self.learner_loop.is_alive():
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self.learner_loop.requests.append((("write", lay_out), fut))
+            try:
+                pending, rest = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
             except TimeoutError:
+                # the learner may still lay it out later: drop that file then
+                fut.add_done_callback(_abandon_late)
                 logger.warning("checkpoint skipped: the learner did not hand over its state within 60 s")
                 return None
         else:
-            ltensors, lmeta = self.learner.state()
-        tensors = dict(ltensors)
-        for p, rep in enumerate(self.replicas):
-            for k in rep.theta:
-                tensors[f"theta/{p}/{k}"] = rep.theta[k]
-                tensors[f"mom/{p}/{k}"] = rep.momentum[k]
-        meta = {
-            "peer_id": self.peer_id,
-            "heads": [list(h) for h in self.heads],
-            "learner": lmeta,
-            # copies, taken with the heads and the replicas above: a record applied while the file is being
-            # written must count in neither, or a restart applies it again and counts its tokens twice
-            "merged_tokens": list(self.merged_tokens),
-            "tokens": self.learner_loop.tokens,
-        }
-        path = await asyncio.to_thread(
-            save_checkpoint,
-            self.state_dir / "checkpoints",
-            self.learner.steps,
-            tensors,
-            meta,
-            self.settings.swarm,
-        )
+            pending, rest = await asyncio.to_thread(lambda: lay_out(*self.learner.state(copy=False)))
+
+        def finish() -> Path:
+            try:
+                pending.write(rest)
+                return pending.finish()
+            except BaseException:
+                pending.abandon()
+                raise
+
+        path = await asyncio.to_thread(finish)
         self.counters["checkpoints"] += 1
-        self.events.emit("checkpoint", t=time.time(), path=str(path), step=self.learner.steps)
+        self.events.emit("checkpoint", t=time.time(), path=str(path), step=pending.step)
         return path
 
     def _write_ready(self, name: str = "ready.json") -> None:

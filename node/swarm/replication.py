@@ -61,7 +61,7 @@ class Replication:
             self._vouch(sr)
             rep.check_record(rec, self.pcfg)
         try:
-            rep.apply_record(rec, self.pcfg)
+            rep.apply_record(rec, self.pcfg, source=self._grad_source(sr))
         except ProtocolError as e:
             if "lands on" in str(e):
                 self.counters["hash_mismatches"] += 1
@@ -73,7 +73,9 @@ class Replication:
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
         log = self.logs[p]
-        log[rec.round] = sr
+        # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
+        # fp32 copy of the fragment per round kept
+        log[rec.round] = replace(sr, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             log.popitem(last=False)
         self.counters["records_applied"] += 1
@@ -96,6 +98,12 @@ class Replication:
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
+
+    def _grad_source(self, sr: SignedRecord):
+        """How the replica gets this record's merged gradient again, to re-anchor a contribution taken on an
+        older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
+        raw = sr.raw
+        return lambda: decode_record(raw, self.settings.swarm, self.spec).record.grad
 
     def _vouch(self, sr: SignedRecord) -> None:
         """What this node can refute of another's record from its own knowledge: a signer it has never seen
@@ -136,7 +144,7 @@ class Replication:
         self.leases.pop(p, None)
         now = self.loop.time()
         for c in list(old.pending.values()) + list(old.queued.values()):
-            if c.cid in merged or c.base_round not in rep.history or not carried(c, st):
+            if c.cid in merged or not rep.keeps(c.base_round) or not carried(c, st):
                 continue
             with contextlib.suppress(ProtocolError):
                 self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))

@@ -19,6 +19,7 @@ from typing import Any
 
 from node.common.events import EventLog, record_time
 from node.common.status_client import ACTIONS, StatusError  # noqa: F401 - re-exported for the server's callers
+from node.swarm.memory import breakdown as memory_breakdown
 from protocol.errors import DDiLoCoError
 from protocol.goodput import compute_goodput
 from protocol.synchroniser import has_quorum
@@ -134,6 +135,8 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
             }
             for pid, m in sorted(members.items())
         ],
+        # what the node holds by part, against resident memory and the fp32 weights (node.swarm.memory)
+        "memory": memory_breakdown(node),
         "bytes_sent": t.bytes_out if t else 0,
         "bytes_received": t.bytes_in if t else 0,
         "refused": dict(t.refused) if t else {},
