@@ -1,0 +1,166 @@
+"""What a node holds (issue 30): no fragment copies in history, checkpoints written from the tensors,
+evaluation without weights of its own, and the account of it all (``node.swarm.memory``)."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from node.learner.evaluation import ParamsModel
+from node.learner.learner import InnerConfig, Learner
+from node.learner.task import TaskConfig, evaluate, load_task
+from node.swarm.checkpoint import CheckpointError, PendingCheckpoint, list_checkpoints, load_checkpoint
+from node.swarm.memory import breakdown
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import Contribution
+
+CFG = ProtocolConfig()
+
+
+def _rounds(rep: FragmentReplica, n: int, cfg=CFG) -> list[dict[str, torch.Tensor]]:
+    """Apply ``n`` rounds of random contributions; the state after each, as a reference copy."""
+    states = [{k: v.clone() for k, v in rep.theta.items()}]
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + i)
+        delta = {k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in rep.theta.items()}
+        c = Contribution("a", 0, rep.round, 4, 400, 1.0, delta, f"a:0:{i}")
+        rep.apply_record(rep.make_record(rep.round + 1, [c], cfg), cfg)
+        states.append({k: v.clone() for k, v in rep.theta.items()})
+    return states
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp32"])
+def test_an_old_base_is_rebuilt_from_the_records_not_kept(codec):
+    cfg = replace(CFG, record_codec=codec, history=4)
+    rep = FragmentReplica(0, {"w": torch.randn(32, 16), "b": torch.randn(16)}, False, history=4)
+    states = _rounds(rep, 6, cfg)
+    for back in range(5):  # the current round and the four the history holds
+        r = rep.round - back
+        assert rep.keeps(r)
+        base = rep.base(r)
+        for k in base:
+            torch.testing.assert_close(base[k], states[r][k], rtol=0, atol=1e-5)
+    assert not rep.keeps(rep.round - 5)
+    with pytest.raises(ProtocolError):
+        rep.base(rep.round - 5)
+    # what it keeps for that: no tensor of the fragment's size, in any codec but fp32
+    numel = sum(v.numel() for v in rep.theta.values())
+    kept = sum(t.numel() * t.element_size() for t in rep.history_tensors())
+    assert kept <= 4 * 4 * numel * (1.0 if codec == "fp32" else 0.2)  # int4: 0.14 plus padding
+
+
+def test_a_contribution_on_an_older_base_is_anchored_as_with_a_kept_copy():
+    rep = FragmentReplica(0, {"w": torch.randn(8, 8)}, False)
+    states = _rounds(rep, 3)
+    delta = {"w": torch.full((8, 8), 1e-3)}
+    c = Contribution("b", 0, 1, 4, 400, 1.0, delta, "b:0:1")
+    rec = rep.make_record(rep.round + 1, [c], replace(CFG, record_codec="fp32", merge="mean"))
+    # one contributor, the mean: the merged gradient is Theta_now - theta_b = (Theta_now - Theta_1) + delta
+    want = states[3]["w"] - states[1]["w"] + delta["w"]
+    torch.testing.assert_close(rec.grad["w"], want, rtol=0, atol=1e-5)
+
+
+def test_a_replica_built_without_copy_shares_its_tensors():
+    w = torch.randn(4, 4)
+    assert FragmentReplica(0, {"w": w}, False, copy=False).theta["w"] is not None
+    assert FragmentReplica(0, {"w": w}, False, copy=False).theta["w"].data_ptr() == w.data_ptr()
+    assert FragmentReplica(0, {"w": w}, False).theta["w"].data_ptr() != w.data_ptr()
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "learner/w": torch.randn(64, 8, generator=g),
+        "opt/0/step": torch.tensor(3.0),
+        "theta/0/w": torch.randn(64, 8, generator=g),
+        "gen": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+        "half": torch.randn(5, generator=g).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def test_a_checkpoint_written_in_parts_loads_as_one(tmp_path):
+    t = _tensors(1)
+    pending = PendingCheckpoint(tmp_path, 7, t, {"note": "x"}, swarm="s")
+    live = {k: v for k, v in t.items() if k.startswith(("learner/", "opt/"))}
+    pending.write(live)
+    for v in live.values():  # the learner's next step: what it wrote is in the file already
+        v.add_(1.0)
+    pending.write({k: v for k, v in t.items() if k not in live})
+    path = pending.finish()
+    ck = load_checkpoint(path, "s")
+    assert ck.step == 7 and ck.meta == {"note": "x"}
+    ref = _tensors(1)
+    for k, v in ref.items():
+        assert torch.equal(ck.tensors[k], v), k
+    assert set(load_file(str(path))) == set(ref)  # plain safetensors
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_and_leaves_nothing(tmp_path):
+    t = _tensors(2)
+    pending = PendingCheckpoint(tmp_path, 1, t, {}, swarm="s")
+    pending.write({"learner/w": t["learner/w"]})
+    with pytest.raises(CheckpointError, match="never written"):
+        pending.finish()
+    pending.abandon()
+    with pytest.raises(CheckpointError, match="not the one laid out"):
+        PendingCheckpoint(tmp_path, 1, t, {}, swarm="s").write({"learner/w": torch.zeros(3)})
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_a_checkpoint_changed_after_it_was_written_is_refused_on_load(tmp_path):
+    t = _tensors(3)
+    pending = PendingCheckpoint(tmp_path, 2, t, {}, swarm="s")
+    pending.write(t)
+    path = pending.finish()
+    raw = bytearray(path.read_bytes())
+    raw[-20] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        load_checkpoint(path, "s")
+
+
+def _learner():
+    task = load_task(None, TaskConfig())
+    return task, Learner("m", task, ProtocolConfig(), InnerConfig(), 10, seed=0)
+
+
+def test_evaluation_holds_no_weights_and_gives_the_loaded_models_loss():
+    task, lrn = _learner()
+    lrn.train_step()
+    params = {n: p.detach().clone() for n, p in lrn.params.items()}
+    ev = ParamsModel(task, lrn.model)
+    assert ev.tensors() == []
+    got = ev.evaluate(params)
+    ref = task.new_model()
+    ref.load_state_dict(params, strict=False)
+    assert got == pytest.approx(evaluate(task, ref), rel=1e-6)
+    assert ev.tensors() == []  # nothing of the evaluated tensors is kept
+    with pytest.raises(KeyError):
+        ev.evaluate({})
+
+
+def test_the_account_counts_a_shared_tensor_once():
+    task, lrn = _learner()
+    lrn.train_step()
+    reps = [
+        FragmentReplica(f.index, lrn.base[f.index], f.is_embedding, copy=False) for f in lrn.plan.fragments
+    ]
+    node = SimpleNamespace(learner=lrn, replicas=reps, plan=lrn.plan, logs=[])
+    mem = breakdown(node)
+    w = mem["weights_bytes"]
+    assert w == 4 * sum(p.numel() for p in lrn.params.values())
+    host = mem["host"]
+    assert host["learner_params"] == w and host["learner_grads"] == w
+    assert host["optimizer"] >= 2 * w
+    assert host["replica"] == w and host["momentum"] == w
+    assert host["bases"] == 0  # the bases are the replicas' tensors
+    assert mem["rss"] and mem["rss"] >= mem["host_counted"] - host["eval"]
+    # a base that is a copy of its own is counted as one
+    lrn.base[0] = {n: t.clone() for n, t in lrn.base[0].items()}
+    assert breakdown(node)["host"]["bases"] == 4 * lrn.plan.fragments[0].numel
