@@ -7,11 +7,22 @@ accumulate in fp32. Each also states its worst-case elementwise error, which the
 sign bit and a 3-bit code for its magnitude relative to s, one of {0, 2^-6, 2^-5, ..., 2^-1, 1}, rounded to
 the nearest level in linear terms. Two codes pack into a byte, so a value costs 4 bits + 32/block bits.
 Bound: |x - q(x)| <= max(|x| / 3, s / 128).
+
+Speed (issue 30, ``bench/codecs.py``): int8 and int4 go over a tensor in pieces of whole blocks, about
+``_CHUNK`` values each, so that their several elementwise passes stay in cache, and write straight into
+slices of the output tensors. int4 encode reads each code from a 1024-entry table indexed by the sign,
+exponent and top mantissa bit of y = x / s (the midpoints between levels are where those bits change), and
+decode reads the two signed levels of each byte from a 256-entry table. The arithmetic is the plain one
+(y = x / s, a tie to the lower level as bucketize has it; x = level * s; int8 round(x / s * 127) and
+q * s / 127, in that order), so codes and decoded values are bit for bit those of the straightforward
+implementation (the one before issue 30; tests/test_codecs.py compares with such references).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +31,46 @@ from protocol.errors import ProtocolError, RejectCode
 
 _INT4_LEVELS = torch.tensor([0.0] + [2.0**-k for k in range(6, -1, -1)])  # 8 magnitudes, code 0..7
 _INT4_MIDPOINTS = (_INT4_LEVELS[1:] + _INT4_LEVELS[:-1]) / 2
+
+# Values one pass of int8/int4 works on: big enough that torch's per-op overhead (some microseconds) is
+# small next to the op, small enough that a piece's few buffers stay in cache (measured: bench/codecs.py).
+_CHUNK = 1 << 18
+
+
+def _int4_code_table() -> torch.Tensor:
+    """The int4 code (sign << 3 | magnitude code) of y = x / s (|y| <= 1) as a function of
+    p = ((bits(y) - 1) mod 2^32) >> 22, i.e. of the sign, the 8 exponent bits and the top mantissa bit of the
+    bit pattern just below y's. The patterns with one p run from (p << 22) + 1 to (p + 1) << 22, and every
+    midpoint between two levels (1.5 * 2^-k, and 2^-7 between 0 and 2^-6) is such a run's last pattern, so
+    one code serves a whole run, a tie going to the lower level as with bucketize. The runs of p = 511 and
+    1023 end at -0.0 and +0.0 (the rest of them are NaNs): code 0."""
+    first = (torch.arange(1024, dtype=torch.int64) << 22) + 1  # each run's first pattern, as uint32
+    first = torch.where(first >= 2**31, first - 2**32, first).to(torch.int32).view(torch.float32)
+    code = torch.bucketize(first.abs(), _INT4_MIDPOINTS) | ((first < 0).to(torch.int64) << 3)
+    code[511] = code[1023] = 0
+    return code
+
+
+def _int16(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16)
+
+
+# Encode: each p's code as int16 code * 0x1001 (the code in bits 0-3 and 12-15): two neighbours read as one
+# little-endian int32 and shifted right by 12 hold the first's code in bits 0-3 and the second's in 4-7,
+# which is their packed byte. Decode: the two signed levels each byte holds, a fp32 pair read as one int64.
+_INT4_ENCODE = _int16(_int4_code_table() * 0x1001)
+_INT4_SIGNED = torch.cat([_INT4_LEVELS, -_INT4_LEVELS])  # by code 0..15
+_INT4_DECODE = torch.stack([_INT4_SIGNED.repeat(16), _INT4_SIGNED.repeat_interleave(16)], dim=1)
+_INT4_DECODE = _INT4_DECODE.contiguous().view(torch.int64).reshape(256)
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _int4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = _TABLES.get(device)
+    if tables is None:
+        tables = _TABLES[device] = (_INT4_ENCODE.to(device), _INT4_DECODE.to(device))
+    return tables
 
 
 @dataclass(frozen=True)
@@ -48,11 +99,78 @@ def _scales(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
+def _per_piece(blocks: int, block: int, device: torch.device) -> int:
+    """Blocks in one piece: about ``_CHUNK`` values on the CPU, everything at once elsewhere."""
+    if device.type != "cpu":
+        return max(1, blocks)
+    return max(1, _CHUNK // block)
+
+
+def _in_pieces(x: torch.Tensor, block: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """x's values as (first block, fp32 (blocks, block)) pieces in order, the last one zero-padded to whole
+    blocks. A piece of a contiguous fp32 x is a view of it; others are converted one piece at a time."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    blocks = -(-n // block)
+    per = _per_piece(blocks, block, flat.device)
+    for b0 in range(0, blocks, per):
+        b1 = min(blocks, b0 + per)
+        piece = flat[b0 * block : b1 * block]
+        if piece.numel() < (b1 - b0) * block:
+            padded = torch.zeros((b1 - b0) * block, dtype=torch.float32, device=flat.device)
+            padded[: piece.numel()] = piece
+            piece = padded
+        yield b0, piece.to(torch.float32).view(b1 - b0, block)
+
+
+def _out_pieces(out: torch.Tensor, blocks: int, block: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """The fp32 vector ``out`` of ``blocks`` whole blocks as (first block, (blocks, block) view) pieces."""
+    if not blocks:
+        return
+    per = _per_piece(blocks, block, out.device)
+    for b0 in range(0, blocks, per):
+        b1 = min(blocks, b0 + per)
+        yield b0, out[b0 * block : b1 * block].view(b1 - b0, block)
+
+
+def _piece_scales(xb: torch.Tensor, work: torch.Tensor, s: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """Each row's max |x| into ``s`` (``one`` where that is 0 or NaN, so a division by it is harmless), as in
+    ``_scales``; ``work`` is scratch of xb's shape. Returns ``s`` as a column."""
+    torch.amax(torch.abs(xb, out=work), dim=1, out=s)
+    torch.where(s > 0, s, one, out=s)
+    return s.unsqueeze(1)
+
+
+def _scratch(buf: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    """A (buf, view of shape) pair: buf reused while it is big enough, else a new one."""
+    n = math.prod(shape)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=dtype, device=device)
+    return buf, buf[:n].view(shape)
+
+
+def _wire_blocks(e: Encoded, values_per_q: int) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """(numel, blocks it takes, block, q, s) of an int8/int4 tensor, its block read off its parts: q holds
+    the codes of whole blocks, one scale each, and they cover the shape."""
+    q, s = e.parts["q"].reshape(-1), e.parts["s"].to(torch.float32).reshape(-1)
+    n, blocks, values = _numel(e.shape), s.numel(), q.numel() * values_per_q
+    block = values // blocks if blocks else 0
+    if blocks * block != values or n > values or (n and not block) or block % values_per_q:
+        raise ProtocolError(
+            RejectCode.WRONG_SHAPE,
+            f"{e.codec} parts q{list(e.parts['q'].shape)} s{list(e.parts['s'].shape)} do not fit "
+            f"shape {list(e.shape)}",
+        )
+    return n, (-(-n // block) if n else 0), block, q, s
+
+
 class Fp32:
     name = "fp32"
 
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
-        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.float32).reshape(-1).clone()})
+        # Always a copy, never x itself: callers go on changing their tensors after encoding them.
+        v = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x.detach())
+        return Encoded(self.name, tuple(x.shape), {"v": v.reshape(-1)})
 
     def decode(self, e: Encoded) -> torch.Tensor:
         return e.parts["v"].to(torch.float32).reshape(e.shape)
@@ -65,7 +183,8 @@ class Bf16(Fp32):
     name = "bf16"
 
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
-        return Encoded(self.name, tuple(x.shape), {"v": x.detach().to(torch.bfloat16).reshape(-1).clone()})
+        v = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device).copy_(x.detach())
+        return Encoded(self.name, tuple(x.shape), {"v": v.reshape(-1)})
 
     def error_bound(self, x: torch.Tensor, block: int) -> torch.Tensor:
         return x.detach().abs().to(torch.float32) * 2.0**-8
@@ -75,16 +194,26 @@ class Int8:
     name = "int8"
 
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
-        b, _ = _blocks(x, block)
-        s = _scales(b)
-        q = torch.round(b / s * 127.0).clamp(-127, 127).to(torch.int8)
-        return Encoded(self.name, tuple(x.shape), {"q": q.reshape(-1), "s": s.reshape(-1)})
+        blocks = math.ceil(x.numel() / block)
+        q = torch.empty(blocks * block, dtype=torch.int8, device=x.device)
+        s = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        work, one = None, torch.ones((), device=x.device)
+        for b0, xb in _in_pieces(x, block):
+            b1 = b0 + xb.shape[0]
+            work, w = _scratch(work, xb.shape, torch.float32, x.device)
+            sc = _piece_scales(xb, w, s[b0:b1], one)
+            # |x / s| <= 1 but in a block holding a NaN (s = 1 there), so the clamp is for those only.
+            torch.div(xb, sc, out=w).mul_(127.0).round_().clamp_(-127.0, 127.0)
+            q[b0 * block : b1 * block].view(w.shape).copy_(w)
+        return Encoded(self.name, tuple(x.shape), {"q": q, "s": s})
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        s = e.parts["s"].to(torch.float32).reshape(-1, 1)
-        q = e.parts["q"].to(torch.float32).reshape(s.shape[0], -1)
-        n = _numel(e.shape)
-        return (q * s / 127.0).reshape(-1)[:n].reshape(e.shape)
+        n, blocks, block, q, s = _wire_blocks(e, 1)
+        out = torch.empty(blocks * block, dtype=torch.float32, device=q.device)  # whole blocks, as q
+        for b0, o in _out_pieces(out, blocks, block):
+            b1 = b0 + o.shape[0]
+            o.copy_(q[b0 * block : b1 * block].view(o.shape)).mul_(s[b0:b1].unsqueeze(1)).div_(127.0)
+        return out[:n].view(e.shape)
 
     def error_bound(self, x: torch.Tensor, block: int) -> torch.Tensor:
         b, _ = _blocks(x, block)
@@ -98,25 +227,41 @@ class Int4:
     def encode(self, x: torch.Tensor, block: int) -> Encoded:
         if block % 2:
             raise ValueError(f"int4 needs an even block size, got {block}")
-        b, _ = _blocks(x, block)
-        s = _scales(b)
-        y = b / s
-        code = torch.bucketize(y.abs(), _INT4_MIDPOINTS).to(torch.uint8)  # 0..7
-        code = code | ((y < 0).to(torch.uint8) << 3)
-        code = code.reshape(-1)
-        packed = code[0::2] | (code[1::2] << 4)
-        return Encoded(self.name, tuple(x.shape), {"q": packed, "s": s.reshape(-1)})
+        blocks = math.ceil(x.numel() / block)
+        q = torch.empty(blocks * block // 2, dtype=torch.uint8, device=x.device)
+        s = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        table, _ = _int4_tables(x.device)
+        work = codes = None
+        one = torch.ones((), device=x.device)
+        for b0, xb in _in_pieces(x, block):
+            b1 = b0 + xb.shape[0]
+            work, w = _scratch(work, xb.shape, torch.float32, x.device)
+            codes, c = _scratch(codes, (xb.numel(),), torch.int16, x.device)
+            sc = _piece_scales(xb, w, s[b0:b1], one)
+            p = torch.div(xb, sc, out=w).view(-1).view(torch.int32)  # y = x / s, |y| <= 1
+            p.sub_(1).bitwise_right_shift_(22).bitwise_and_(0x3FF)  # see _int4_code_table
+            torch.index_select(table, 0, p, out=c)
+            packed = q[b0 * block // 2 : b1 * block // 2]
+            if _LITTLE_ENDIAN:
+                torch.bitwise_right_shift(c.view(torch.int32), 12, out=packed)
+            else:
+                torch.bitwise_or(c[0::2] & 0xF, (c[1::2] & 0xF) << 4, out=packed)
+        return Encoded(self.name, tuple(x.shape), {"q": q, "s": s})
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        packed = e.parts["q"]
-        if packed.dtype != torch.uint8:
-            raise ProtocolError(RejectCode.WRONG_SHAPE, f"int4 codes must be uint8, got {packed.dtype}")
-        codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).long()
-        s = e.parts["s"].to(torch.float32).reshape(-1, 1)
-        mag = _INT4_LEVELS[codes & 7]
-        val = torch.where((codes & 8) > 0, -mag, mag).reshape(s.shape[0], -1) * s
-        n = _numel(e.shape)
-        return val.reshape(-1)[:n].reshape(e.shape)
+        if e.parts["q"].dtype != torch.uint8:
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"int4 codes must be uint8, got {e.parts['q'].dtype}")
+        n, blocks, block, q, s = _wire_blocks(e, 2)
+        _, table = _int4_tables(q.device)
+        out = torch.empty(blocks * block, dtype=torch.float32, device=q.device)  # whole blocks, as q
+        idx = None
+        for b0, o in _out_pieces(out, blocks, block):
+            b1 = b0 + o.shape[0]
+            idx, i = _scratch(idx, (o.numel() // 2,), torch.int32, q.device)
+            i.copy_(q[b0 * block // 2 : b1 * block // 2])
+            torch.index_select(table, 0, i, out=o.view(-1).view(torch.int64))  # each byte's two values
+            o.mul_(s[b0:b1].unsqueeze(1))
+        return out[:n].view(e.shape)
 
     def error_bound(self, x: torch.Tensor, block: int) -> torch.Tensor:
         b, _ = _blocks(x, block)
