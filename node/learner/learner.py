@@ -167,8 +167,15 @@ class Learner:
         self.opt.load_state_dict(state)
 
     def _new_optimizer(self) -> None:
+        # fused: one pass over each tensor and no whole-model temporaries (the default foreach kernels make
+        # several); on a CPU its step took 0.2 s against 1.0 s for GPT-2 small's 124M parameters
+        fused = not self.sharded and all(p.device.type in ("cpu", "cuda") for p in self.model.parameters())
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.inner.lr, betas=(0.9, 0.95), weight_decay=self.inner.weight_decay
+            self.model.parameters(),
+            lr=self.inner.lr,
+            betas=(0.9, 0.95),
+            weight_decay=self.inner.weight_decay,
+            fused=fused or None,
         )
 
     def _fragment_fp32(self, p: int) -> dict[str, torch.Tensor]:

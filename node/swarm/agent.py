@@ -50,6 +50,7 @@ from node.swarm.catch_up import CatchUp
 from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.guard import Guard
 from node.swarm.history import History
+from node.swarm.memory import release_free_memory
 from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
@@ -396,6 +397,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
                 # the replicas' tensors as they are: a merge makes new ones and never writes to these
                 params = {n: t for r in self.replicas for n, t in r.theta.items()}
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
+                del params
+                await loop.run_in_executor(pool, release_free_memory)
                 await asyncio.sleep(self.settings.eval_every_s)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

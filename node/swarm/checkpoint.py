@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import struct
@@ -86,6 +85,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_READ_CHUNK = 8 << 20  # bytes read back at a time to hash a checkpoint
 _PLACEHOLDER = "0" * 64  # a SHA-256 in hex, before it is known: the header keeps its length
 
 
@@ -170,20 +170,23 @@ class PendingCheckpoint:
             self.written.add(name)
 
     def _hash(self) -> str:
-        """``tensors_hash`` of the tensors as written, read back from the file."""
+        """``tensors_hash`` of the tensors as written, read back from the file through one small buffer (a
+        map of the file would count the whole checkpoint in the process's resident memory)."""
         h = hashlib.sha256()
-        size = os.fstat(self.fd).st_size
-        with mmap.mmap(self.fd, size, prot=mmap.PROT_READ) if size else _Empty() as mm:
-            view = memoryview(mm)
-            try:
-                for name, e in self.entries.items():  # sorted by name when laid out
-                    a, b = e["data_offsets"]
-                    h.update(name.encode())
-                    h.update(str(self.dtypes[name]).encode())
-                    h.update(repr(tuple(e["shape"])).encode())
-                    h.update(view[self.data_start + a : self.data_start + b])
-            finally:
-                view.release()
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        for name, e in self.entries.items():  # sorted by name when laid out
+            a, b = e["data_offsets"]
+            h.update(name.encode())
+            h.update(str(self.dtypes[name]).encode())
+            h.update(repr(tuple(e["shape"])).encode())
+            at, end = self.data_start + a, self.data_start + b
+            while at < end:
+                n = os.preadv(self.fd, [view[: min(_READ_CHUNK, end - at)]], at)
+                if n <= 0:
+                    raise CheckpointError(f"checkpoint {self.final.name}: short read at byte {at}")
+                h.update(view[:n])
+                at += n
         return h.hexdigest()
 
     def finish(self) -> Path:
@@ -213,14 +216,6 @@ class PendingCheckpoint:
             os.close(self.fd)
             self.fd = -1
         self.tmp.unlink(missing_ok=True)
-
-
-class _Empty:
-    def __enter__(self):
-        return b""
-
-    def __exit__(self, *exc):
-        return False
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:

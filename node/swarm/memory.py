@@ -21,6 +21,8 @@ free lists) is ``other``: resident memory less the host-side parts.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -156,3 +158,14 @@ def breakdown(node: Any) -> dict:
     if any(t.device.values()):
         doc["device"] = dict(t.device)
     return doc
+
+
+def release_free_memory() -> bool:
+    """Hand the allocator's free pages back to the system (glibc's ``malloc_trim``): after a checkpoint or an
+    evaluation the large temporaries they freed stay in the process's heaps otherwise, and count in its
+    resident memory. False where the C library has no such call."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
+from node.swarm.memory import release_free_memory
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
@@ -132,6 +133,7 @@ class Persistence:
                 raise
 
         path = await asyncio.to_thread(finish)
+        await asyncio.to_thread(release_free_memory)
         self.counters["checkpoints"] += 1
         self.events.emit("checkpoint", t=time.time(), path=str(path), step=pending.step)
         return path
