@@ -172,9 +172,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         self.shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
         base = self.learner.base
         P = len(self.plan.fragments)
-        norms = NormBook()  # one robust-merge reference for all fragments
+        norms = NormBook()  # one robust-merge reference for all fragments; they start on the learner's bases
         self.replicas = [
-            # the learner's bases are fresh fp32 copies nothing writes to: the replicas start on them
             FragmentReplica(f.index, base[f.index], f.is_embedding, self.pcfg.history, norms, copy=False)
             for f in self.plan.fragments
         ]
@@ -382,19 +381,16 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
 
     # ---------------------------------------------------------------- background loops
     async def _eval_loop(self) -> None:
-        """Evaluate the global model now and every ``eval_every_s``, from a copy of the replicas taken on
-        this loop (records change them here), in a thread of its own, niced as the learner is
-        (``learner_nice``): the learner never pauses for it, and on a busy host the two share the CPU
-        evenly. (At the default priority an evaluation took the CPU from the niced learner and stretched
-        its steps 2-4x: 46 of 55 long steps in a parity run overlapped an evaluation, and a contribution
-        that a long step made late missed its round. At nice 19 the evaluation starved and the learners
-        made 7% fewer steps; a starved thread holding the GIL is the suspect, not confirmed.)"""
+        """Evaluate the global model now and every ``eval_every_s``, from the replicas' tensors as they
+        are when taken on this loop (a merge makes new ones, never writes to these), in a thread of its own
+        niced as the learner is (``learner_nice``): the learner never pauses for it. (At the default priority
+        an evaluation took the CPU from the niced learner and stretched its steps 2-4x in a parity run; at
+        nice 19 it starved and the learners made 7% fewer steps.)"""
         nice = self.settings.learner_nice
         pool = ThreadPoolExecutor(1, "eval", initializer=lower_own_thread_priority, initargs=(nice,))
         loop = asyncio.get_running_loop()
         try:
             while True:
-                # the replicas' tensors as they are: a merge makes new ones and never writes to these
                 params = {n: t for r in self.replicas for n, t in r.theta.items()}
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 del params
