@@ -79,6 +79,16 @@ class Tally:
             self.seen.add(key)
             (self.host if on_host else self.device)[part] += nbytes
 
+    def size(self, part: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors by their shape and dtype, not their storage (tensors another thread owns)."""
+        for t in tensors:
+            n, on_host = _nbytes(t)
+            (self.host if on_host else self.device)[part] += n
+
+
+def _nbytes(t: torch.Tensor) -> tuple[int, bool]:
+    return t.numel() * t.element_size(), t.device.type == "cpu"
+
 
 def resident_bytes() -> tuple[int, int]:
     """(resident memory now, its peak) of this process, in bytes; (0, 0) where /proc cannot say."""
@@ -105,10 +115,14 @@ def tally(node: Any) -> Tally:
     """Walk a running node's parts (``node.swarm.agent.Node``, or anything with the same attributes)."""
     t = Tally()
     lrn = node.learner
+    # The learner's own state is sized from its tensors' shapes, never by touching their storage: it is
+    # this thread reading tensors the learner's thread frees and makes (gradients every step), and a status
+    # read that did so crashed a node (SIGSEGV in libtorch_python). Its gradients are counted as its
+    # parameters' size: the step makes them, and they live until the next one.
     params = list(lrn.params.values())
-    t.add("learner_params", params)
-    t.add("learner_grads", (p.grad for p in params if p.grad is not None))
-    t.add("optimizer", _retry(lambda: list(_tensors(list(lrn.opt.state.values())))))
+    t.size("learner_params", params)
+    t.size("learner_grads", params)
+    t.size("optimizer", _retry(lambda: list(_tensors(list(lrn.opt.state.values())))))
     for r in node.replicas:
         t.add("replica", _tensors(r.theta))
     for r in node.replicas:
@@ -118,8 +132,8 @@ def tally(node: Any) -> Tally:
         t.add("history", _retry(lambda r=r: list(r.history_tensors())))
     for log in getattr(node, "logs", []):
         t.add("history", _retry(lambda log=log: [x for sr in list(log.values()) for x in _record(sr)]))
-    t.add("snapshots", _retry(lambda: [x for s in list(lrn.snaps.pending) for x in _tensors(s.host)]))
-    t.add("carry", _retry(lambda: list(_tensors(list(lrn.sent.values())))))
+    t.size("snapshots", _retry(lambda: [x for s in list(lrn.snaps.pending) for x in _tensors(s.host)]))
+    t.size("carry", _retry(lambda: list(_tensors(list(lrn.sent.values())))))
     ll = getattr(node, "learner_loop", None)
     if ll is not None:
         t.add("eval", _tensors(ll.eval_tensors()))
