@@ -4,9 +4,10 @@ For each size this starts one real node (``python -m node node``, its own state 
 lets it train for ``--seconds`` after its first step, reads its status document every ``--poll-s`` seconds
 and its event records at the end, and prints per size: parameters, the fp32 weights, resident memory now
 and at its peak with their ratio to the weights, the largest parts of the node's own account
-(``node.swarm.memory``), start-up seconds to the first step (and to ``join``), median seconds per step,
-and seconds per checkpoint write (the learner's hand-over to the file's rename). Then, once, the codecs'
-int4 GB/s against a memcpy of a 16M-value tensor in the same process (``bench/codecs.py``).
+(``node.swarm.memory``), start-up seconds to the first step (and to ``join``), and the median seconds per
+step beside a plain torch loop of the same model with the same threads (a child process; ``plain/node`` is
+its step time over the node's: 1.0 = the node trains as fast). Then, once, the codecs' int4 GB/s against a
+memcpy of a 16M-value tensor in the same process (``bench/codecs.py``).
 
     .venv/bin/python bench/scale.py                                  # tiny, small, 85M
     .venv/bin/python bench/scale.py --sizes tiny,gpt2-125m --seconds 90 --json
@@ -43,6 +44,55 @@ SIZES = {
     "gpt2-125m": ["--preset", "gpt2-125m", "--seq-len", "128", "--batch-size", "2"],
     "350m": ["--dim", "1024", "--layers", "24", "--heads", "16", "--seq-len", "128", "--batch-size", "2"],
 }
+
+
+# each size as the plain loop builds it: model settings, batch size
+PLAIN = {
+    "tiny": ({}, 16),
+    "small": ({"dim": 320, "layers": 8, "heads": 8, "seq_len": 256}, 16),
+    "85m": ({"dim": 768, "layers": 12, "heads": 12, "seq_len": 128}, 2),
+    "gpt2-125m": ({"name": "gpt2", "dim": 768, "layers": 12, "heads": 12, "seq_len": 128}, 2),
+    "350m": ({"dim": 1024, "layers": 24, "heads": 16, "seq_len": 128}, 2),
+}
+
+
+def plain_loop(name: str, steps: int, threads: int) -> dict:
+    """A plain torch loop of the size's model (this process): the task's batches and loss, AdamW as the
+    learner builds it, clipping; the median seconds per step after the first two."""
+    import torch
+
+    from node.learner.model import ModelConfig
+    from node.learner.task import TaskConfig, load_task
+
+    torch.set_num_threads(threads)
+    model_kw, batch = PLAIN[name]
+    task = load_task(None, TaskConfig(batch_size=batch, model=ModelConfig(**model_kw)))
+    model = task.new_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps + 2):
+        t = time.perf_counter()
+        loss = task.loss(model, task.batch(gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return {"size": name, "plain_step_s": statistics.median(times[2:]), "threads": threads}
+
+
+def run_plain(name: str, steps: int, threads: int) -> float:
+    """``plain_loop`` in a child process of its own (its memory and threads apart from this one's)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--plain", name, "--steps", str(steps), "--threads", str(threads)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    return json.loads(out.stdout)["plain_step_s"]
 
 
 def _status(url: str) -> dict | None:
@@ -122,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on one size's whole run")
     ap.add_argument("--no-codecs", action="store_true", help="skip the codec measurement")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--steps", type=int, default=10, help="steps of the plain torch loop per size")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain torch loop per size")
+    ap.add_argument("--plain", default="", help=argparse.SUPPRESS)  # the child that runs one plain loop
     a = ap.parse_args(argv)
+    if a.plain:
+        print(json.dumps(plain_loop(a.plain, a.steps, a.threads)))
+        return 0
     sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
     bad = [s for s in sizes if s not in SIZES]
     if bad:
@@ -130,20 +186,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for s in sizes:
         print(f"scale: {s} ...", file=sys.stderr, flush=True)
-        rows.append(run_size(s, a.seconds, a.poll_s, a.threads, a.timeout_s))
+        row = run_size(s, a.seconds, a.poll_s, a.threads, a.timeout_s)
+        if not a.no_plain:
+            row["plain_step_s"] = round(run_plain(s, a.steps, a.threads), 3)
+            row["plain_ratio"] = round(row["plain_step_s"] / row["step_s"], 3) if row["step_s"] else None
+        rows.append(row)
     codecs = None if a.no_codecs else _codecs()
     if a.json:
         print(json.dumps({"sizes": rows, "codecs": codecs}, indent=1))
         return 0
     print(
-        "size       params       weights   rss/w  peak/w  peak MB  join s  1st step s  s/step  largest parts"
+        "size       params       weights   rss/w  peak/w  peak MB  join s  1st step s  s/step  plain  "
+        "plain/node  largest parts"
     )
     for r in rows:
         top = ", ".join(f"{k} {v}x" for k, v in list(r["parts_x"].items())[:6])
         print(
             f"{r['size']:<10} {r['params']:>12,} {r['weights_mb']:>7.1f}MB {r['rss_x']:>6} {r['peak_x']:>7} "
-            f"{r['peak_mb']:>8.0f} {r['join_s']:>7} {r['first_step_s']!s:>11} {r['step_s']!s:>7}  {top}, "
-            f"other {r['other_x']}x"
+            f"{r['peak_mb']:>8.0f} {r['join_s']:>7} {r['first_step_s']!s:>11} {r['step_s']!s:>7} "
+            f"{r.get('plain_step_s', '-')!s:>6} {r.get('plain_ratio', '-')!s:>11}  {top}, other {r['other_x']}x"
         )
     if codecs:
         print(codecs)

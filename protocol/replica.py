@@ -246,7 +246,8 @@ class FragmentReplica:
         if round_ != self.round + 1:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
-        bases = [self.base(c.base_round) for c in contributions]
+        rebuilt = {r: self.base(r) for r in {c.base_round for c in contributions}}  # each old base once
+        bases = [rebuilt[c.base_round] for c in contributions]
         clipped = []
         ref = self.norm_reference() if cfg.clip_factor > 0 else None
         deltas = []
