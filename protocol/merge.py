@@ -31,6 +31,8 @@ def anchor(global_now: Tensors, base: Tensors, delta_base: Tensors) -> dict[str,
     The learner sent delta_base = base - theta_m, so theta_m = base - delta_base and
     Theta_now - theta_m = (Theta_now - base) + delta_base. Identity when base is Theta_now.
     """
+    if base is global_now:  # the usual case: nothing moved since the base, and no tensor is made for it
+        return {k: delta_base[k].float() for k in delta_base}
     return {k: (global_now[k].float() - base[k].float()) + delta_base[k].float() for k in delta_base}
 
 

@@ -205,7 +205,11 @@ class Learner:
         out = []
         for s in self.snaps.collect(wait):
             tag, c_steps, c_tokens, overwrites = s.tag
-            delta = {n: s.base[n] - s.host[n].to(torch.float32) for n in s.base}
+            # base - theta, written over the snapshot's own host copy where it is fp32 (no second tensor)
+            delta = {
+                n: torch.sub(s.base[n], h, out=h) if h.dtype == torch.float32 else s.base[n] - h.float()
+                for n, h in s.host.items()
+            }
             if overwrites == self.overwrites[s.fragment]:  # else what it measured is gone already
                 self._remember(s.fragment, delta, c_steps, c_tokens)
             out.append((tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
