@@ -164,3 +164,15 @@ def test_the_account_counts_a_shared_tensor_once():
     # a base that is a copy of its own is counted as one
     lrn.base[0] = {n: t.clone() for n, t in lrn.base[0].items()}
     assert breakdown(node)["host"]["bases"] == 4 * lrn.plan.fragments[0].numel
+
+
+def test_a_fragment_snapshot_larger_than_256_mib_fits_in_one_frame():
+    from node.swarm.transport import MAX_FRAME, max_frame_bytes
+
+    def plan(*numels):
+        return SimpleNamespace(fragments=[SimpleNamespace(numel=n) for n in numels])
+
+    assert max_frame_bytes(plan(1000, 2000)) == MAX_FRAME
+    # GPT-2's token embedding, 50257 x 768: its snapshot (parameters and momentum) is 309 MB
+    embedding = 50257 * 768
+    assert max_frame_bytes(plan(embedding, 7_000_000)) >= 8 * embedding > MAX_FRAME

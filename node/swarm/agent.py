@@ -6,8 +6,7 @@ Threads and loops:
     queue, merged fragments come back through an inbox it drains between steps;
   * everything else runs on one asyncio loop (uvloop): membership heartbeats, the transport's ops, the
     synchroniser state machines, record application, catch-up, checkpoints and the HTTP status endpoint;
-  * the periodic evaluation of the global model runs in a worker thread of that loop, on a copy of the
-    replicas, so the learner does not pause for it.
+  * the periodic evaluation runs in a worker thread of that loop, on the replicas' tensors as they are.
 
 Roles: every node keeps a replica of every global fragment. For fragment p the synchroniser of its open
 round is the first of ``protocol.election.candidates`` over the eligible live members (a member that holds a
@@ -15,10 +14,9 @@ lease for the round — published in its membership record once it has begun col
 sends its contribution there; if that peer is dead or refuses the role it marks it suspect and tries the
 next candidate, until ``failover_s``. The synchroniser merges with the pure state machine, applies its
 record, and pushes the signed record to every reachable member; each applies it and checks the new hash.
-Client-mode members are never pushed to or elected: like a node that missed a push, they notice from the
-membership heads that a peer is ahead and pull records (or, when no chain of records joins them, a snapshot).
-Two different heads are ordered by ``protocol.election.head_key``; the losing side re-syncs from a winner.
-"""
+Client-mode members are never pushed to or elected: they notice from the membership heads that a peer is
+ahead and pull records (or a snapshot), as a node that missed a push does.
+Two heads are ordered by ``protocol.election.head_key``; the losing side re-syncs from a winner."""
 
 from __future__ import annotations
 
@@ -56,7 +54,7 @@ from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.status_p2p import StatusProtocol
-from node.swarm.transport import Transport
+from node.swarm.transport import Transport, max_frame_bytes
 from node.swarm.view import SwarmView
 from node.swarm.wire import (
     SignedRecord,
@@ -274,8 +272,10 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
         )
         p2p = await self.dht.replicate_p2p()
-        budget = int(s.peer_inflight_mib * (1 << 20))
-        self.transport = Transport(p2p, timeout_s=s.rpc_timeout_s, admit=self._admit, peer_budget=budget)
+        budget, most = int(s.peer_inflight_mib * (1 << 20)), max_frame_bytes(self.plan)
+        self.transport = Transport(
+            p2p, most, timeout_s=s.rpc_timeout_s, admit=self._admit, peer_budget=budget
+        )
         if self.admission is not None:
             from node.swarm.sealed import SealedTransport
 

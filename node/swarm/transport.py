@@ -125,13 +125,27 @@ async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dic
     return header, await _read_body(reader, nbytes)
 
 
+MAX_FRAME = (
+    256 << 20
+)  # the largest body a peer may send in one frame, for models up to 32M parameters a fragment
+
+
+def max_frame_bytes(plan) -> int:
+    """The largest body a node accepts in one frame: 256 MiB, or more where one fragment's snapshot (fp32
+    parameters and outer momentum, 8 bytes a parameter, one fragment a request) is larger. GPT-2's token
+    embedding (38.6M parameters) is 309 MB; under a fixed 256 MiB no node could ever catch that fragment
+    up, and a swarm that forked on it never agreed again."""
+    largest = max((f.numel for f in plan.fragments), default=0)
+    return max(MAX_FRAME, 8 * largest + (4 << 20))
+
+
 class Transport:
     """Serves registered ops and calls other peers' ops over one P2P instance."""
 
     def __init__(
         self,
         p2p: P2P,
-        max_bytes: int = 256 << 20,
+        max_bytes: int = MAX_FRAME,
         timeout_s: float = 30.0,
         admit: Admit | None = None,
         peer_budget: int = 512 << 20,
