@@ -57,6 +57,14 @@ def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
     return src
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).clone()
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.dtype == torch.float32 else t.detach().to(torch.float32)
+
+
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
 
@@ -110,10 +118,7 @@ class FragmentReplica:
         """``copy=False``: take ``theta``'s fp32 tensors as they are (the caller never writes to them)."""
         self.index = index
         self.is_embedding = is_embedding
-        self.theta = {
-            k: (v.detach().to(torch.float32).clone() if copy or v.dtype != torch.float32 else v.detach())
-            for k, v in theta.items()
-        }
+        self.theta = {k: (_owned if copy else _as_fp32)(v) for k, v in theta.items()}
         self.momentum = {k: torch.zeros_like(v) for k, v in self.theta.items()}
         self.round = 0
         self._history_len = history
@@ -141,9 +146,11 @@ class FragmentReplica:
         theta: Mapping[str, torch.Tensor],
         momentum: Mapping[str, torch.Tensor],
         clock: RoundClock | None = None,
+        copy: bool = True,
     ) -> None:
         """Replace this replica's state by a verified snapshot (join or re-sync); history restarts there.
-        ``clock``: when the round after it is due, as the snapshot's donor holds it."""
+        ``clock``: when the round after it is due, as the snapshot's donor holds it. ``copy=False``: take
+        fp32 tensors as they are (freshly decoded ones nobody else holds)."""
         if set(theta) != set(self.theta) or set(momentum) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE, f"snapshot of fragment {self.index} names other tensors"
@@ -151,8 +158,9 @@ class FragmentReplica:
         for k, v in self.theta.items():
             if tuple(theta[k].shape) != tuple(v.shape) or tuple(momentum[k].shape) != tuple(v.shape):
                 raise ProtocolError(RejectCode.WRONG_SHAPE, f"snapshot tensor {k} has the wrong shape")
-        self.theta = {k: t.detach().to(torch.float32).clone() for k, t in theta.items()}
-        self.momentum = {k: t.detach().to(torch.float32).clone() for k, t in momentum.items()}
+        own = _owned if copy else _as_fp32
+        self.theta = {k: own(t) for k, t in theta.items()}
+        self.momentum = {k: own(t) for k, t in momentum.items()}
         self.round = round_
         self._hash = tensors_hash(self.theta)
         self._made = None

@@ -210,7 +210,10 @@ class CatchUp:
         ):
             return  # ours is as good or better by now
         rep = self.replicas[p]
-        rep.load_state(st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every))
+        # the snapshot's tensors were decoded for this alone: the replica takes them without a copy
+        rep.load_state(
+            st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every), copy=False
+        )
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
         self.logs[p].clear()
