@@ -42,8 +42,8 @@ class LearnerLoop(threading.Thread):
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
         self.inbox: deque = deque()  # (fragment, round, theta, force, merged)
-        # (kind, concurrent Future): kind "state" (the learner's state, copied), ("write", fn) (fn called with
-        # the live state, here, between two steps; its result answers)
+        # (fn, concurrent Future): fn is called here, between two steps, with the learner's live state
+        # (tensors, meta; valid until the next step), and its result answers (a checkpoint writer)
         self.requests: deque = deque()
         self.stop_flag = threading.Event()
         self.paused = threading.Event()
@@ -217,11 +217,11 @@ class LearnerLoop(threading.Thread):
             adopted.append(p)
         asks = []
         while self.requests:
-            kind, fut = self.requests.popleft()
+            fn, fut = self.requests.popleft()
             if (
                 fut.set_running_or_notify_cancel()
             ):  # else the asking side gave up (e.g. cancelled at shutdown)
-                asks.append((kind, fut))
+                asks.append((fn, fut))
         if not lrn.sharded:
             self._answer(asks)
             asks = []
@@ -229,18 +229,10 @@ class LearnerLoop(threading.Thread):
 
     def _answer(self, asks: list) -> None:
         """Answer state requests; a sharded unit gathered the whole state in the exchange just made."""
-        for kind, fut in asks:
+        for fn, fut in asks:
             try:
-                if isinstance(kind, tuple) and kind[0] == "write":
-                    # a checkpoint writer that takes the live state now, before the next step changes it
-                    full = self.node.unit.take_saved() if self.learner.sharded else None
-                    fut.set_result(kind[1](*self.learner.state(full, copy=False)))
-                elif kind != "state":
-                    fut.set_result(None)
-                elif self.learner.sharded:
-                    fut.set_result(self.learner.state(self.node.unit.take_saved()))
-                else:
-                    fut.set_result(self.learner.state())
+                full = self.node.unit.take_saved() if self.learner.sharded else None
+                fut.set_result(fn(*self.learner.state(full, copy=False)))
             except Exception as e:  # noqa: BLE001 - handed to the waiting side
                 fut.set_exception(e)
 

@@ -130,8 +130,6 @@ def tally(node: Any) -> Tally:
     t.add("bases", _retry(lambda: list(_tensors(list(lrn.base)))))
     for r in node.replicas:
         t.add("history", _retry(lambda r=r: list(r.history_tensors())))
-    for log in getattr(node, "logs", []):
-        t.add("history", _retry(lambda log=log: [x for sr in list(log.values()) for x in _record(sr)]))
     t.size("snapshots", _retry(lambda: [x for s in list(lrn.snaps.pending) for x in _tensors(s.host)]))
     t.size("carry", _retry(lambda: list(_tensors(list(lrn.sent.values())))))
     ll = getattr(node, "learner_loop", None)
@@ -140,20 +138,12 @@ def tally(node: Any) -> Tally:
     return t
 
 
-def _record(sr: Any) -> Iterator[torch.Tensor]:
-    rec = sr.record
-    yield from _tensors(dict(rec.grad))
-    if rec.wire is not None:
-        for e in rec.wire.values():
-            yield from _tensors(e.parts)
-
-
 def breakdown(node: Any) -> dict:
     """The status document's ``memory`` section: bytes by part on the host (and on the learner's device,
     when it has one), the fp32 weights, resident memory now and at its peak, and their ratios."""
     t = tally(node)
     rss, peak = resident_bytes()
-    # a storage also held by a record's raw bytes is not a tensor; count the signed bytes kept per record
+    # the record log keeps signed bytes only (node.swarm.replication), not tensors
     raw = sum(len(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw

@@ -113,7 +113,7 @@ class Persistence:
 
         if self.learner_loop.is_alive():
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self.learner_loop.requests.append((("write", lay_out), fut))
+            self.learner_loop.requests.append((lay_out, fut))
             try:
                 pending, rest = await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
             except TimeoutError:
