@@ -1,4 +1,4 @@
-"""Progress of long CLI work (``node.cli.progress``) and the dashboard's history (``node.swarm.history``):
+"""Progress of long CLI work (``node.common.progress``) and the dashboard's history (``node.swarm.history``):
 a line per 10% without a terminal, a redrawn rich bar in one (a real pseudo-terminal); a curve that covers
 the whole run in bounded memory."""
 
@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from node.cli.progress import Bar
+from node.common.progress import Bar
 from node.swarm.history import History
 
 ROOT = Path(__file__).resolve().parent.parent

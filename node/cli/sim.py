@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from node.cli.progress import Bar
+from node.common.progress import Bar
 from protocol.errors import ConfigError
 from sim.model import DAY_S, HOUR_S, SYSTEMS, YEAR_S, SimConfig
 

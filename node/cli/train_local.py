@@ -8,7 +8,7 @@ import sys
 import time
 
 from node.cli.config import add_config_args
-from node.cli.progress import Bar
+from node.common.progress import Bar
 
 
 def add_parser(sub) -> None:

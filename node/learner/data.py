@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node.common.cache import cache_dir
 from protocol.errors import ConfigError, DataError
 
 
@@ -46,15 +47,6 @@ def generated_text(n_bytes: int = 2_000_000, seed: int = 1234) -> bytes:
 
 
 GENERATOR_VERSION = 1  # bump when generated_text changes what it makes
-
-
-def cache_dir() -> Path:
-    """Where generated text is kept between runs: $DDILOCO_CACHE, else ~/.cache/ddiloco."""
-    env = os.environ.get("DDILOCO_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ddiloco"
 
 
 def cached_generated_text(n_bytes: int = 2_000_000, seed: int = 1234) -> bytes:

@@ -43,6 +43,13 @@ class TaskConfig:
             "help": "a local tokenizer.json, read with the tokenizers library; empty: bytes (256 tokens)"
         },
     )
+    token_cache: str = field(
+        default="",
+        metadata={
+            "help": "the folder of tokenised corpora (--data is tokenised once and kept there; see "
+            "docs/data.md); empty: $DDILOCO_CACHE/tokens, else ~/.cache/ddiloco/tokens"
+        },
+    )
     data_part: str = field(
         default="",
         metadata={
@@ -131,14 +138,28 @@ class TextLMTask:
             self.data = TextData.from_source(None, m.seq_len)  # generated text, random windows
             self._eval = self.data.eval_batches(cfg.batch_size, cfg.eval_batches)
         else:
-            from node.learner.corpus import Corpus, read_tokens
-
-            if cfg.data is None:
-                tokens = self.tok.encode_document(cached_generated_text().decode())
-            else:
-                tokens = read_tokens(cfg.data, self.tok, cfg.text_field, cfg.text_column)
-            self.corpus = Corpus(tokens, m.seq_len, cfg.data or "generated text")
+            self.corpus = self._corpus(cfg, m.seq_len)
             self._eval = self.corpus.eval_batches(cfg.batch_size, cfg.eval_batches)
+
+    def _corpus(self, cfg: TaskConfig, seq_len: int):
+        """The user's data through its token cache (built on first use), or generated text in memory."""
+        from node.learner.corpus import ArrayStream, Corpus, ShardStream
+
+        if cfg.data is None:
+            stream = ArrayStream(self.tok.encode_document(cached_generated_text().decode()))
+            return Corpus(stream, seq_len, "generated text")
+        from pathlib import Path
+
+        from node.common.progress import Bar
+        from node.learner.token_cache import CacheSpec, open_cache
+
+        bar = Bar("tokenise")
+        try:
+            spec = CacheSpec(cfg.data, cfg.tokenizer or None, cfg.text_field, cfg.text_column)
+            cache = open_cache(spec, Path(cfg.token_cache) if cfg.token_cache else None, progress=bar)
+        finally:
+            bar.close()
+        return Corpus(ShardStream(cache), seq_len, cfg.data)
 
     def new_model(self) -> nn.Module:
         if self.hf is not None:

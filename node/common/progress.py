@@ -1,4 +1,4 @@
-"""Progress of long CLI work (train-local, sim) on stderr: a rich progress bar in a terminal, a plain line
+"""Progress of long work (train-local, sim, tokenising a corpus) on stderr: a rich progress bar in a terminal, a plain line
 per 10% otherwise (logs and pipes get ten lines, not a stream of carriage returns)."""
 
 from __future__ import annotations
