@@ -105,6 +105,10 @@ def _line_number(path: str, offset: int) -> int:
         return fh.read(offset).count(b"\n") + 1
 
 
+def _where(unit: Unit, at: int) -> str:
+    return f"{unit.path}:{_line_number(unit.path, unit.start + at)}"
+
+
 def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
     data = _read_range(unit.path, unit.start, unit.end)
     pos = 0
@@ -112,21 +116,22 @@ def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
         at, pos = pos, pos + len(line) + 1
         if not line.strip():
             continue
-        where = lambda: f"{unit.path}:{_line_number(unit.path, unit.start + at)}"  # noqa: E731
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{where()}: not a JSON object ({e.msg})") from e
+            raise ConfigError(f"{_where(unit, at)}: not a JSON object ({e.msg})") from e
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{where()}: not UTF-8 text ({e.reason})") from e
+            raise ConfigError(f"{_where(unit, at)}: not UTF-8 text ({e.reason})") from e
         if not isinstance(obj, dict) or field not in obj:
             raise ConfigError(
-                f"{where()}: no text field {field!r} (keys: "
+                f"{_where(unit, at)}: no text field {field!r} (keys: "
                 f"{', '.join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__}); "
                 "name the field with --text-field"
             )
         if not isinstance(obj[field], str):
-            raise ConfigError(f"{where()}: field {field!r} is a {type(obj[field]).__name__}, not text")
+            raise ConfigError(
+                f"{_where(unit, at)}: field {field!r} is a {type(obj[field]).__name__}, not text"
+            )
         yield obj[field]
 
 
