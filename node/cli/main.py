@@ -4,6 +4,7 @@
   ddiloco node           one node of a real swarm (DHT discovery, elected synchronisers)
   ddiloco up             a local swarm of N node processes with a live status table
   ddiloco status         a node's view of the swarm (peers, roles, rounds, loss, bandwidth, goodput)
+  ddiloco data prepare   tokenise a corpus once into the token cache its nodes read
   ddiloco doctor         why a node is not contributing (or will not start): checks with evidence and fixes
   ddiloco keygen         create a node identity and print its peer id
 
@@ -16,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from node.cli import chaos, doctor, keygen, node_cmd, sim, status, swarm, train_local, up
+from node.cli import chaos, data, doctor, keygen, node_cmd, sim, status, swarm, train_local, up
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ COMMANDS = {
     "node": node_cmd,
     "up": up,
     "swarm": swarm,
+    "data": data,
     "status": status,
     "doctor": doctor,
     "keygen": keygen,

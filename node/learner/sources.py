@@ -69,8 +69,10 @@ def _unreadable(path: Path | str, e: OSError) -> ConfigError:
     return ConfigError(f"{path}: cannot be read ({e.strerror or e})")
 
 
-def plan_units(path: Path, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
-    """``path`` cut into units of about ``unit_bytes``, each ending just after a newline (or the file's end)."""
+def plan_units(path: Path, unit_bytes: int | None = None) -> list[Unit]:
+    """``path`` cut into units of about ``unit_bytes`` (default ``UNIT_BYTES``), each ending just after a
+    newline (or the file's end)."""
+    unit_bytes = unit_bytes or UNIT_BYTES
     try:
         if path.suffix.lower() == ".parquet":
             n = _parquet_file(path).num_row_groups

@@ -67,6 +67,7 @@ class TokenCache:
     dtype: str
     shards: tuple[tuple[str, int], ...]
     manifest: dict
+    built: bool = False  # this call built it (or finished or rebuilt it)
 
     @property
     def tokens(self) -> int:
@@ -156,9 +157,9 @@ def _mismatch(folder: Path, spec: CacheSpec, sources: list[Path], rehash: bool) 
     return None
 
 
-def _opened(folder: Path) -> TokenCache:
+def _opened(folder: Path, built: bool = False) -> TokenCache:
     m = json.loads((folder / "manifest.json").read_text())
-    return TokenCache(folder, m["dtype"], tuple((s["file"], s["tokens"]) for s in m["shards"]), m)
+    return TokenCache(folder, m["dtype"], tuple((s["file"], s["tokens"]) for s in m["shards"]), m, built)
 
 
 @contextlib.contextmanager
@@ -218,7 +219,7 @@ def open_cache(
             logger.warning("token cache %s is built again: %s", folder, why)
             (folder / "manifest.json").unlink(missing_ok=True)
         _build(folder, spec, sources, workers or os.cpu_count() or 1, progress)
-    return _opened(folder)
+    return _opened(folder, built=True)
 
 
 def _shard_names(i: int) -> tuple[str, str]:
