@@ -43,7 +43,7 @@ from node.learner.learner import InnerConfig, plan_for
 from node.learner.task import TaskConfig, load_task
 from node.local.launcher import Child, poll, start_node, stop_all, wait_ready
 from node.swarm.settings import NodeSettings
-from protocol.config import ProtocolConfig
+from protocol.config import DEFAULT_FRAGMENTS, ProtocolConfig
 
 
 def log(msg: str) -> None:
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]
-    pcfg = ProtocolConfig()
+    pcfg = ProtocolConfig(fragments=DEFAULT_FRAGMENTS)  # the default a model of 24+ tensors gets
     tcfg = TaskConfig(batch_size=a.batch_size)
     task = load_task(None, tcfg)
     model = task.new_model()

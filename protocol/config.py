@@ -5,6 +5,7 @@ Defaults are the paper's at scale (P = H = 24, tau = 2, K = 1, gamma = 0.5, oute
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from protocol.errors import ConfigError
@@ -12,11 +13,20 @@ from protocol.errors import ConfigError
 MERGE_METHODS = ("rda", "mean")
 
 
+DEFAULT_FRAGMENTS = 24
+
+
 @dataclass(frozen=True)
 class ProtocolConfig:
     """How fragments are cut, scheduled, collected and merged."""
 
-    fragments: int = field(default=24, metadata={"help": "P: number of parameter fragments"})
+    fragments: int = field(
+        default=0,
+        metadata={
+            "help": f"P: number of parameter fragments; 0: {DEFAULT_FRAGMENTS}, or one per parameter tensor "
+            "when the model has fewer (the start-up log says so)"
+        },
+    )
     sync_every: int = field(default=24, metadata={"help": "H: inner steps between two syncs of a fragment"})
     overlap: int = field(
         default=2, metadata={"help": "tau: steps a merged fragment is expected to take back"}
@@ -83,8 +93,10 @@ class ProtocolConfig:
         def bad(name: str, value: object, want: str) -> ConfigError:
             return ConfigError(f"{name}={value!r} is invalid: {want}")
 
-        if self.fragments < 1:
-            raise bad("fragments", self.fragments, "need at least 1 fragment")
+        if self.fragments < 0:
+            raise bad(
+                "fragments", self.fragments, f"need at least 1 fragment (0: {DEFAULT_FRAGMENTS} or fewer)"
+            )
         if self.sync_every < 1:
             raise bad("sync_every", self.sync_every, "H must be >= 1")
         if not 0 <= self.overlap < self.sync_every:
@@ -118,14 +130,25 @@ class ProtocolConfig:
         if self.history < 2:
             raise bad("history", self.history, "keep at least 2 rounds")
 
+    def fragments_for(self, tensors: int) -> int:
+        """P for a model of ``tensors`` parameter tensors: as set, or (0) the default, at most one a tensor."""
+        return self.fragments or min(DEFAULT_FRAGMENTS, tensors)
+
     def check_swarm(self, learners: int, tensors: int) -> None:
         """Validate against the run: M learners and a model with ``tensors`` parameter tensors."""
         if learners < 1:
             raise ConfigError(f"learners={learners} is invalid: need at least 1")
         if self.quorum > learners:
             raise ConfigError(f"quorum={self.quorum} is invalid: K cannot exceed the {learners} learners (M)")
-        if self.fragments > tensors:
+        if self.fragments > tensors:  # set by the user; the default (0) takes what the model allows
             raise ConfigError(
                 f"fragments={self.fragments} is invalid: the model has only {tensors} parameter tensors and a "
                 f"fragment holds whole tensors; use --fragments {tensors} or fewer"
+            )
+        if not self.fragments and tensors < DEFAULT_FRAGMENTS:
+            logging.getLogger(__name__).warning(
+                "fragments: %d, one per parameter tensor (the model has fewer than the default %d); "
+                "--fragments sets it",
+                tensors,
+                DEFAULT_FRAGMENTS,
             )

@@ -112,6 +112,25 @@ def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):
     same_logits(hf_task(inputs), params, state / "model-hf")
 
 
+def test_the_default_fragments_fit_a_model_with_fewer_tensors(inputs, capsys, caplog):
+    from node.learner.learner import Learner
+
+    task = hf_task(inputs)
+    tensors = len(list(task.new_model().parameters()))
+    assert tensors < 24  # the tiny Llama: the default of 24 fragments does not fit it
+    lrn = Learner("a", task, ProtocolConfig(sync_every=4), InnerConfig(), 100, seed=1)
+    assert len(lrn.plan.fragments) == tensors
+    flags = ["--model", inputs["model"], "--tokenizer", inputs["tokenizer"], "--data", inputs["data"]]
+    flags += ["--seq-len", str(SEQ), "--batch-size", "4"]
+    with caplog.at_level("WARNING", logger="protocol.config"):
+        assert main(["train-local", *flags, "--tokens", "4000", "--learners", "2", "--json"]) == 0
+    assert f"fragments: {tensors}, one per parameter tensor" in caplog.text
+    capsys.readouterr()
+    # set by the user, a count the model cannot hold is still refused
+    assert main(["train-local", *flags, "--tokens", "4000", "--fragments", "24"]) == 2
+    assert f"only {tensors} parameter tensors" in capsys.readouterr().err
+
+
 def write_config(path, **doc):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc))

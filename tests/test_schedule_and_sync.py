@@ -190,8 +190,12 @@ def test_k_larger_than_m_and_p_larger_than_tensors():
     cfg = ProtocolConfig(quorum=5)
     with pytest.raises(ConfigError, match="quorum=5"):
         cfg.check_swarm(learners=4, tensors=100)
-    with pytest.raises(ConfigError, match="fragments=24"):
-        ProtocolConfig().check_swarm(learners=4, tensors=10)
+    with pytest.raises(ConfigError, match="fragments=24"):  # P set by the user is refused
+        ProtocolConfig(fragments=24).check_swarm(learners=4, tensors=10)
+    # the default takes one fragment a tensor when the model has fewer than 24, and says so
+    auto = ProtocolConfig()
+    auto.check_swarm(learners=4, tensors=10)
+    assert auto.fragments_for(10) == 10 and auto.fragments_for(100) == 24
 
 
 def test_a_departed_learners_contribution_does_not_fill_a_live_quorum_slot():

@@ -26,7 +26,7 @@ SENT_KEPT = 4  # carry: contributions per fragment remembered until a round merg
 
 def plan_for(task: Task, model: torch.nn.Module, pcfg: ProtocolConfig) -> FragmentPlan:
     shapes = {n: p.numel() for n, p in model.named_parameters()}
-    return plan_fragments(shapes, pcfg.fragments, pcfg.sync_every, embedding=task.embedding)
+    return plan_fragments(shapes, pcfg.fragments_for(len(shapes)), pcfg.sync_every, embedding=task.embedding)
 
 
 def default_device() -> torch.device:
