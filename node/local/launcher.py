@@ -123,6 +123,7 @@ def table(children: list[Child]) -> str:
             rows.append([str(c.index), c.peer_id[-8:], "starting"] + [""] * 8)
             continue
         lr = s["learner"]
+        ev = lr.get("eval_history") or []
         rows.append(
             [
                 str(c.index),
@@ -130,7 +131,7 @@ def table(children: list[Child]) -> str:
                 str(lr["steps"]),
                 f"{lr['tokens_per_s']:.0f}",
                 f"{lr['loss']:.3f}" if lr["loss"] is not None else "-",
-                f"{lr['eval_loss']:.3f}" if lr["eval_loss"] is not None else "-",
+                f"{ev[-1][2]:.3f} {_age(ev[-1][0])}" if ev else "-",
                 str(s["rounds_merged"]),
                 f"{s['bytes_sent'] / 1e6:.1f}",
                 f"{s['bytes_received'] / 1e6:.1f}",
@@ -139,6 +140,23 @@ def table(children: list[Child]) -> str:
             ]
         )
     return columns(rows)
+
+
+def _age(at: float) -> str:
+    return f"{max(0.0, time.time() - at):.0f}s ago"
+
+
+def global_eval(children: list[Child]) -> str:
+    """The newest evaluation of the global model any node has made: loss, which node, how long ago."""
+    newest = None
+    for c in children:
+        hist = (c.last or {}).get("learner", {}).get("eval_history") or []
+        if hist and (newest is None or hist[-1][0] > newest[1][0]):
+            newest = (c.index, hist[-1])
+    if newest is None:
+        return "global model: eval loss -"
+    i, (at, _steps, loss) = newest
+    return f"global model: eval loss {loss:.4f} (node {i}, {_age(at)})"
 
 
 def columns(rows: list[list[str]]) -> str:
@@ -199,6 +217,38 @@ def kill_group(c: Child) -> None:
         shutil.rmtree(c.tmp, ignore_errors=True)
 
 
+def prepare_data(flags: list[str], quiet: bool) -> None:
+    """Builds the token cache of the nodes' ``--data`` before they start (they then only read it): a node that
+    tokenised a large corpus itself would not be ready within the start timeout."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    for flag, default in (
+        ("--data", None),
+        ("--tokenizer", ""),
+        ("--text-field", "text"),
+        ("--text-column", "text"),
+        ("--token-cache", ""),
+    ):
+        p.add_argument(flag, default=default)
+    a, _ = p.parse_known_args(flags)
+    if a.data is None:
+        return
+    from node.common.progress import Bar
+    from node.learner.token_cache import CacheSpec, open_cache
+
+    bar = Bar("tokenise", enabled=not quiet)
+    try:
+        cache = open_cache(
+            CacheSpec(a.data, a.tokenizer or None, a.text_field, a.text_column),
+            Path(a.token_cache) if a.token_cache else None,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    _log(f"data: {cache.tokens:,} tokens in {cache.folder}", quiet)
+
+
 def _part(i: int, nodes: int, flags: list[str]) -> list[str]:
     """Node i of n reads part i/n of the user's data (--data), unless the flags name a part themselves."""
     given = any(f == "--data-part" or f.startswith("--data-part=") for f in flags)
@@ -228,6 +278,7 @@ def up(
     t_start = time.monotonic()
     interrupted = False
     try:
+        prepare_data(flags, quiet)
         _log(f"starting {nodes} nodes in {run_dir} (logs: node-*/node.log)", quiet)
         children.append(start_node(0, run_dir, flags + _part(0, nodes, flags), []))
         wait_ready(children[:1], start_timeout_s)
@@ -248,6 +299,7 @@ def up(
                 text = table(children)
                 elapsed = time.monotonic() - t_train
                 head = f"t={elapsed:5.0f}s" + (f"/{duration:g}s" if duration > 0 else " (Ctrl+C to stop)")
+                head += "   " + global_eval(children)
                 if is_tty:
                     print("\x1b[2J\x1b[H" + head + "\n" + text, file=sys.stderr, flush=True)
                 else:
