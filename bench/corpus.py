@@ -1,0 +1,372 @@
+"""Corpora bigger than memory (issue 33): the token cache against today's reader, the cache's format against
+the alternatives, and nodes reading a large cache against nodes on a 2 MB corpus.
+
+Steps (each printed as it finishes; ``--json`` prints everything at the end as one object):
+
+  make      a generated JSONL corpus of ``--mb`` MB (a 50,000-word invented language with Zipf frequencies,
+            documents of about 2,000 characters) and a byte-level BPE ``tokenizer.json`` of 8,000 tokens
+            trained on it, in ``--work`` (kept between runs);
+  reader    the single-thread rate of the reader the cache replaces (each document through ``tokenizers``'
+            ``encode``, joined into int64), on the corpus's first ``--sample-mb`` MB;
+  prepare   ``ddiloco data prepare`` on the whole corpus, interrupted (SIGINT) once ``--stop-at`` of its
+            shards are written, then run again to the end: its rate over both runs' wall time, against the
+            reader's, and how many shards the second run found whole;
+  formats   windows of 129 tokens read at random from the cache as it is (pread of flat uint16 files), through
+            a numpy memory map of the same files, and from an Arrow IPC file of the same tokens memory-mapped
+            (what ``datasets`` keeps): windows per second, and the reader's RSS growth after reading every
+            window of the first 512 MB once (after the random reads);
+  nodes     ``ddiloco up --nodes 3`` for ``--seconds`` on the cache, then on a 2 MB corpus of the same
+            language: each node's peak RSS and seconds from process start to first step.
+
+    .venv/bin/python bench/corpus.py --mb 2000                  # the issue's 2 GB corpus (about 12 minutes)
+    .venv/bin/python bench/corpus.py --mb 200 --steps reader,prepare,formats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_corpus(work: Path, mb: int) -> tuple[Path, Path]:
+    corpus, tok_path = work / f"corpus-{mb}mb.jsonl", work / "tokenizer.json"
+    words = None
+    if not corpus.exists():
+        rng = np.random.default_rng(0)
+        letters = np.array(list("etaoinshrdlucmfwypvbgkqjxz"))
+        lp = 1 / np.arange(1, 27) ** 0.9
+        lens = rng.integers(2, 11, size=50_000)
+        chars = rng.choice(letters, size=int(lens.sum()), p=lp / lp.sum())
+        ends = np.cumsum(lens)
+        words = np.array(["".join(chars[e - n : e]) for e, n in zip(ends, lens, strict=True)])
+        p = 1 / np.arange(1, len(words) + 1) ** 1.05
+        p /= p.sum()
+        tmp = corpus.with_suffix(".tmp")
+        size, target, t0 = 0, mb * 1_000_000, time.monotonic()
+        with open(tmp, "w") as fh:
+            while size < target:
+                text = " ".join(words[rng.choice(len(words), size=400_000, p=p)])
+                lines = "".join(
+                    json.dumps({"text": text[k : k + 2000]}) + "\n" for k in range(0, len(text), 2000)
+                )
+                fh.write(lines)
+                size += len(lines)
+                if size // 100_000_000 != (size - len(lines)) // 100_000_000:
+                    say(
+                        f"make      {size / 1e6:7.0f} of {target / 1e6:.0f} MB  {time.monotonic() - t0:5.0f}s"
+                    )
+        os.replace(tmp, corpus)
+    if not tok_path.exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        with open(corpus) as fh:
+            sample = [json.loads(next(fh))["text"] for _ in range(5000)]
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=8000,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(sample, trainer)
+        tok.save(str(tok_path))
+    return corpus, tok_path
+
+
+def reader_rate(corpus: Path, tok_path: Path, sample_mb: float) -> dict:
+    """Today's reader, one document at a time through the library, on the first ``sample_mb`` MB."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+    eos = tok.token_to_id("<|endoftext|>")
+    t0, size, parts = time.perf_counter(), 0, []
+    with open(corpus, encoding="utf-8") as fh:
+        for line in fh:
+            size += len(line.encode())
+            ids = np.asarray(
+                tok.encode(json.loads(line)["text"], add_special_tokens=False).ids, dtype=np.int64
+            )
+            parts.append(np.append(ids, eos))
+            if size >= sample_mb * 1e6:
+                break
+    tokens = np.concatenate(parts)
+    dt = time.perf_counter() - t0
+    return {"sample_mb": size / 1e6, "seconds": dt, "mb_per_s": size / 1e6 / dt, "tokens": len(tokens)}
+
+
+def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
+    shutil.rmtree(cache, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "data",
+        "prepare",
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        str(tok_path),
+    ]
+    cmd += ["--token-cache", str(cache)]
+    walls, outs = [], []
+    t0 = time.monotonic()
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = None
+    while first.poll() is None:
+        time.sleep(0.5)
+        journal = journal or next(iter(cache.glob("*/build.json")), None)
+        try:
+            doc = json.loads(journal.read_text()) if journal else None
+        except (OSError, ValueError):
+            doc = None
+        if doc and len(doc["done"]) >= stop_at * len(doc["units"]):
+            first.send_signal(signal.SIGINT)
+            break
+    out1, err1 = first.communicate(timeout=120)
+    walls.append(time.monotonic() - t0)
+    interrupted_at = len(json.loads(journal.read_text())["done"]) if journal and journal.exists() else None
+    say(
+        f"prepare   interrupted after {walls[0]:.1f} s with {interrupted_at} shards whole (exit {first.returncode})"
+    )
+    t1 = time.monotonic()
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+    walls.append(time.monotonic() - t1)
+    outs.append(second.stdout)
+    if second.returncode != 0:
+        raise RuntimeError(f"data prepare failed: {second.stderr[-2000:]}")
+    resumed = next((ln for ln in second.stderr.splitlines() if "resuming a build" in ln), "")
+    folder = next(cache.iterdir())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    disk = sum(p.stat().st_size for p in folder.iterdir())
+    mb = corpus.stat().st_size / 1e6
+    return {
+        "source_mb": mb,
+        "walls_s": [round(w, 1) for w in walls],
+        "mb_per_s": mb / sum(walls),
+        "interrupted_exit": first.returncode,
+        "resumed": resumed.split("token cache ")[-1] if resumed else "",
+        "tokens": manifest["tokens"],
+        "shards": len(manifest["shards"]),
+        "disk_mb": disk / 1e6,
+        "folder": str(folder),
+    }
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def formats(folder: Path, n_reads: int = 20_000, sweep_mb: int = 512) -> list[dict]:
+    """Random 129-token windows from the cache three ways, each in a fresh process (its RSS its own)."""
+    import pyarrow as pa
+
+    from node.learner.token_cache import _opened
+
+    cache = _opened(folder)
+    arrow = folder.parent / (folder.name + ".arrow")
+    if not arrow.exists():  # the same tokens as one Arrow IPC file of 1M-token record batches
+        schema = pa.schema([("tokens", pa.uint16())])
+        with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            for name, _count in cache.shards:
+                arr = np.fromfile(folder / name, dtype=np.uint16)
+                for k in range(0, len(arr), 1 << 20):
+                    w.write_batch(pa.record_batch([pa.array(arr[k : k + (1 << 20)])], schema=schema))
+    out = []
+    for name in FORMATS:
+        code = (
+            f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from bench.corpus import _one_format; "
+            f"print(json.dumps(_one_format({str(folder)!r}, {name!r}, {n_reads}, {sweep_mb})))"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900
+        )
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr[-2000:])
+        out.append(json.loads(r.stdout))
+    return out
+
+
+FORMATS = ("flat uint16, pread (the cache)", "flat uint16, np.memmap", "Arrow IPC, memory-mapped")
+
+
+def _one_format(folder: str, name: str, n_reads: int, sweep_mb: int) -> dict:
+    """One format in a fresh process (so the RSS it reports is its own): random reads, then a sweep."""
+    import pyarrow as pa
+
+    from node.learner.corpus import ShardStream
+    from node.learner.token_cache import _opened
+
+    cache = _opened(Path(folder))
+    span = 129
+    rng = random.Random(0)
+    starts = [rng.randrange(0, cache.tokens - span) for _ in range(n_reads)]
+    sweep = min(cache.tokens - span, sweep_mb * 1_000_000 // 2)
+    if name.startswith("flat uint16, pread"):
+        s = ShardStream(cache)
+        read = lambda a: s.read(a, a + span)  # noqa: E731
+    elif name.startswith("flat uint16, np.memmap"):
+        maps = [np.memmap(Path(folder) / n, dtype=np.uint16, mode="r") for n, _ in cache.shards]
+        bounds = np.cumsum([0] + [c for _, c in cache.shards])
+
+        def read(a):
+            k = int(np.searchsorted(bounds, a, side="right")) - 1
+            off = a - int(bounds[k])
+            if off + span <= len(maps[k]):
+                return np.asarray(maps[k][off : off + span], dtype=np.int64)
+            return np.concatenate([maps[k][off:], maps[k + 1][: span - (len(maps[k]) - off)]]).astype(
+                np.int64
+            )
+    else:
+        col = pa.ipc.open_file(pa.memory_map(folder + ".arrow")).read_all().column(0)
+        read = lambda a: col.slice(a, span).to_numpy().astype(np.int64)  # noqa: E731
+    rss0 = _rss()
+    t0 = time.perf_counter()
+    for a in starts:
+        read(a)
+    dt = time.perf_counter() - t0
+    for a in range(0, sweep, span - 1):
+        read(a)
+    return {
+        "format": name,
+        "windows_per_s": len(starts) / dt,
+        "rss_growth_mb": (_rss() - rss0) / 1e6,  # after the random reads and the sweep
+        "sweep_mb": sweep * 2 / 1e6,
+    }
+
+
+def _status(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url + "/status", timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def nodes(flags: str, seconds: float, label: str) -> list[dict]:
+    """``ddiloco up --nodes 3`` with ``flags``; per node the peak RSS seen and seconds to the first step."""
+    run = Path(tempfile.mkdtemp(prefix="ddiloco-corpus-up-"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "up",
+        "--nodes",
+        "3",
+        "--duration",
+        str(seconds),
+        "--json",
+        "--quiet",
+    ]
+    cmd += ["--run-dir", str(run), "--node-flags", flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak: dict[int, int] = {}
+    while proc.poll() is None:
+        for i in range(3):
+            ready = run / f"node-{i}" / "ready.json"
+            try:
+                doc = _status(json.loads(ready.read_text())["status_url"]) if ready.exists() else None
+            except (OSError, ValueError, KeyError):
+                doc = None
+            if doc:
+                peak[i] = max(peak.get(i, 0), doc["memory"]["rss"] or 0)
+        time.sleep(1.0)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: ddiloco up exited {proc.returncode}: {err[-2000:]}")
+    rows = []
+    for i in range(3):
+        events = [json.loads(x) for x in (run / f"node-{i}" / "events.jsonl").read_text().splitlines() if x]
+        join = next(e for e in events if e["kind"] == "join")
+        step = next(e for e in events if e["kind"] == "step")
+        started = join["t"] - join["startup"]["state"]
+        rows.append(
+            {"corpus": label, "node": i, "rss_mb": peak.get(i, 0) / 1e6, "first_step_s": step["t1"] - started}
+        )
+    shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=int, default=2000, help="corpus size in MB (default 2000)")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "ddiloco-corpus-bench"))
+    p.add_argument("--sample-mb", type=float, default=50.0, help="what the single-thread reader reads")
+    p.add_argument(
+        "--stop-at", type=float, default=0.4, help="share of shards after which prepare is stopped"
+    )
+    p.add_argument("--seconds", type=float, default=40.0, help="training seconds of each 'up' run")
+    p.add_argument("--steps", default="reader,prepare,formats,nodes")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    steps = set(a.steps.split(","))
+    corpus, tok = make_corpus(work, a.mb)
+    out: dict = {"corpus_mb": corpus.stat().st_size / 1e6, "cpus": os.cpu_count()}
+    say(f"corpus    {corpus} ({out['corpus_mb']:.0f} MB), tokenizer {tok}")
+    if "reader" in steps:
+        r = out["reader"] = reader_rate(corpus, tok, a.sample_mb)
+        say(
+            f"reader    {r['mb_per_s']:.2f} MB/s, one thread, one document at a time ({r['sample_mb']:.0f} MB)"
+        )
+    cache_root = work / f"cache-{a.mb}"
+    if "prepare" in steps:
+        r = out["prepare"] = prepare(corpus, tok, cache_root, a.stop_at)
+        ratio = r["mb_per_s"] / out["reader"]["mb_per_s"] if "reader" in out else float("nan")
+        r["x_reader"] = ratio
+        say(
+            f"prepare   {r['mb_per_s']:.2f} MB/s over both runs ({ratio:.2f}x the reader), {r['tokens']:,} tokens "
+            f"in {r['shards']} shards, {r['disk_mb']:.0f} MB on disk; second run: {r['resumed'] or 'no resume'}"
+        )
+    folder = next(cache_root.iterdir(), None) if cache_root.exists() else None
+    if "formats" in steps and folder is not None:
+        out["formats"] = formats(folder)
+        for r in out["formats"]:
+            say(
+                f"format    {r['format']:<34} {r['windows_per_s']:9.0f} windows/s, RSS +{r['rss_growth_mb']:.0f} MB "
+                f"after a {r['sweep_mb']:.0f} MB sweep"
+            )
+    if "nodes" in steps:
+        small = work / "small.jsonl"
+        with open(corpus) as src, open(small, "w") as dst:
+            while dst.tell() < 2_000_000:
+                dst.write(src.readline())
+        base = f"--tokenizer {tok} --token-cache {cache_root} --fragments 8 --sync-every 8"
+        rows = nodes(f"--data {corpus} {base}", a.seconds, f"{a.mb} MB") + nodes(
+            f"--data {small} {base}", a.seconds, "2 MB"
+        )
+        out["nodes"] = rows
+        for r in rows:
+            say(
+                f"node      {r['corpus']:>8} node {r['node']}: RSS {r['rss_mb']:.0f} MB, first step {r['first_step_s']:.1f} s"
+            )
+    if a.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
