@@ -130,7 +130,16 @@ def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
     cmd += ["--token-cache", str(cache)]
     walls, outs = [], []
     t0 = time.monotonic()
-    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's Ctrl+C sends it; restored to its default, since a shell starts a background job
+    # with SIGINT ignored and the child would inherit that and never see the interruption
+    first = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     journal = None
     while first.poll() is None:
         time.sleep(0.5)
@@ -347,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in out["formats"]:
             say(
                 f"format    {r['format']:<34} {r['windows_per_s']:9.0f} windows/s, RSS +{r['rss_growth_mb']:.0f} MB "
-                f"after a {r['sweep_mb']:.0f} MB sweep"
+                f"after those and a {r['sweep_mb']:.0f} MB sweep"
             )
     if "nodes" in steps:
         small = work / "small.jsonl"

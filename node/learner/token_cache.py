@@ -424,6 +424,9 @@ def _run_workers(
 def _worker(init: str) -> int:
     """A tokenising worker: reads ``[i, path, start, end, last]`` lines, writes shard ``i``, answers a JSON
     line (``{"tokens", "docs"}`` or ``{"error"}``); ends at the end of its input."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's to handle: it closes our input
     cfg = json.loads(init)
     spec, folder = CacheSpec(**cfg["spec"]), Path(cfg["folder"])
     tok = load_tokenizer(spec.tokenizer)

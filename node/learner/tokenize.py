@@ -27,7 +27,7 @@ HF_EXTRA = "pip install 'ddiloco[hf]'"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
 # The split of tokenizers' ByteLevel pre-tokeniser (use_regex=true), the GPT-2 pattern.
 BYTE_LEVEL_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-MEMO_LIMIT = 1 << 20  # pre-tokens remembered before the memo starts again
+MEMO_LIMIT = 1 << 18  # pre-tokens remembered (about 50 MB) before the memo starts again
 CHECK_CHARS = 50_000  # the sample each batch checks against the library
 
 
