@@ -15,6 +15,8 @@ Steps (each printed as it finishes; ``--json`` prints everything at the end as o
             a numpy memory map of the same files, and from an Arrow IPC file of the same tokens memory-mapped
             (what ``datasets`` keeps): windows per second, and the reader's RSS growth after reading every
             window of the first 512 MB once (after the random reads);
+  cold      batches of 16 windows read after dropping the page cache (root only), in the block order and in
+            one random order over the whole corpus: a corpus larger than RAM is always read cold;
   nodes     ``ddiloco up --nodes 3`` for ``--seconds`` on the cache, then on a 2 MB corpus of the same
             language: each node's peak RSS and seconds from process start to first step.
 
@@ -164,7 +166,7 @@ def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
     if second.returncode != 0:
         raise RuntimeError(f"data prepare failed: {second.stderr[-2000:]}")
     resumed = next((ln for ln in second.stderr.splitlines() if "resuming a build" in ln), "")
-    folder = next(cache.iterdir())
+    folder = next(p for p in cache.iterdir() if p.is_dir())
     manifest = json.loads((folder / "manifest.json").read_text())
     disk = sum(p.stat().st_size for p in folder.iterdir())
     mb = corpus.stat().st_size / 1e6
@@ -266,6 +268,32 @@ def _one_format(folder: str, name: str, n_reads: int, sweep_mb: int) -> dict:
     }
 
 
+def cold_reads(folder: Path, batches: int = 300, batch: int = 16, seq_len: int = 128) -> list[dict]:
+    """Batches read from a cold page cache (``/proc/sys/vm/drop_caches``, as root), as a corpus larger than
+    RAM is read: in the block order learners use, and in one random order over the whole corpus."""
+    import node.learner.corpus as corpus_mod
+    from node.learner.corpus import Corpus, Reader, ShardStream
+    from node.learner.token_cache import _opened
+
+    out = []
+    for label, block in (
+        ("blocks of 16M tokens (the order)", corpus_mod.BLOCK_TOKENS),
+        ("one random order", 1 << 62),
+    ):
+        corpus_mod.BLOCK_TOKENS = block
+        reader = Reader(Corpus(ShardStream(_opened(folder)), seq_len, "bench"), batch, 0, 1, seed=1)
+        reader.window_ids(0)  # the order's permutations, made before the clock starts
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            reader.next()
+        dt = time.perf_counter() - t0
+        out.append({"order": label, "batches_per_s": batches / dt, "windows_per_s": batches * batch / dt})
+    corpus_mod.BLOCK_TOKENS = 1 << 24
+    return out
+
+
 def _status(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(url + "/status", timeout=5) as r:
@@ -327,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "--stop-at", type=float, default=0.4, help="share of shards after which prepare is stopped"
     )
     p.add_argument("--seconds", type=float, default=40.0, help="training seconds of each 'up' run")
-    p.add_argument("--steps", default="reader,prepare,formats,nodes")
+    p.add_argument("--steps", default="reader,prepare,formats,cold,nodes")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     work = Path(a.work)
@@ -350,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             f"prepare   {r['mb_per_s']:.2f} MB/s over both runs ({ratio:.2f}x the reader), {r['tokens']:,} tokens "
             f"in {r['shards']} shards, {r['disk_mb']:.0f} MB on disk; second run: {r['resumed'] or 'no resume'}"
         )
-    folder = next(cache_root.iterdir(), None) if cache_root.exists() else None
+    folder = next((p for p in cache_root.iterdir() if p.is_dir()), None) if cache_root.exists() else None
     if "formats" in steps and folder is not None:
         out["formats"] = formats(folder)
         for r in out["formats"]:
@@ -358,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"format    {r['format']:<34} {r['windows_per_s']:9.0f} windows/s, RSS +{r['rss_growth_mb']:.0f} MB "
                 f"after those and a {r['sweep_mb']:.0f} MB sweep"
             )
+    if "cold" in steps and folder is not None:
+        if os.geteuid() != 0:
+            say("cold      skipped: dropping the page cache needs root")
+        else:
+            out["cold"] = cold_reads(folder)
+            for r in out["cold"]:
+                say(
+                    f"cold      {r['order']:<34} {r['batches_per_s']:8.1f} batches/s of 16 x 129 tokens, cold cache"
+                )
     if "nodes" in steps:
         small = work / "small.jsonl"
         with open(corpus) as src, open(small, "w") as dst:
