@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,6 +30,12 @@ from dht.records import Member, RecordError, live_view, sign_member
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
+# hivemind hands each call to its DHT process over a pipe that the process reads without blocking: a message
+# larger than the pipe can hold at once (64 KiB) is read in part, the read raises BlockingIOError, and the
+# process is lost from then on. Relinking 2,000 members in one call (106 KB of peer ids) did that.
+RELINK_CHUNK = 64  # peer ids a call carries (about 3.5 KB)
+RELINK_MAX = 256  # peers one relink tries: the initial peers, then a random sample of the others
+RELINK_AT_ONCE = 16  # pings in flight at once in the DHT process
 WARN_EVERY_S = 60.0  # a read that keeps failing is logged as a warning this often, and at debug level between
 
 
@@ -126,22 +133,31 @@ class Membership:
         members, bad = live_view(self.swarm, raws, now, self.admission)
         return members, {**dropped, **bad}
 
-    def relink(self, peer_ids: Sequence[str]) -> list[str]:
-        """Ping every peer of ``peer_ids`` that the DHT's routing table has lost; return those that answered.
+    def relink(self, peer_ids: Sequence[str], first: Sequence[str] = ()) -> list[str]:
+        """Ping the peers of ``peer_ids`` that the DHT's routing table has lost; return those that answered.
 
         hivemind drops a peer from its routing table when one request to it times out, and the peer drops
         us the same way. Under a saturated link both sides can lose each other for good: nothing is left
         that would make either side call the other again, and a bootstrap node, which has no initial peers
         to fall back on, then sees only its own record. A ping that is answered puts the peer back in our
         table, and puts us back in the peer's (hivemind adds the caller of every ping it answers).
+
+        At most ``RELINK_MAX`` peers a call (``first`` always, e.g. the initial peers, then a random sample of
+        the rest), sent to the DHT process ``RELINK_CHUNK`` at a time: a swarm of thousands is relinked a
+        sample a heartbeat, and no message to the DHT process grows with the swarm.
         """
-        wanted = sorted({p for p in peer_ids if p})
-        if not wanted:
-            return []
-        tried = f"relinking the DHT of swarm {self.swarm!r} to {len(wanted)} known peers"
-        return list(
-            self._result(tried, lambda: self.dht.run_coroutine(_RelinkInDHT(wanted), return_future=True))
-        )
+        first_set = {p for p in first if p}
+        rest = sorted({p for p in peer_ids if p} - first_set)
+        wanted = sorted(first_set)[:RELINK_MAX]
+        wanted += random.sample(rest, min(len(rest), RELINK_MAX - len(wanted)))
+        back: list[str] = []
+        for k in range(0, len(wanted), RELINK_CHUNK):
+            chunk = wanted[k : k + RELINK_CHUNK]
+            tried = f"relinking the DHT of swarm {self.swarm!r} to {len(chunk)} known peers"
+            back += self._result(
+                tried, lambda c=chunk: self.dht.run_coroutine(_RelinkInDHT(c), return_future=True)
+            )
+        return back
 
 
 class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
@@ -179,13 +195,15 @@ class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to 
 
 
 class _RelinkInDHT:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
-    """Runs in the DHT process: ping the listed peers missing from the routing table, all at once."""
+    """Runs in the DHT process: ping the listed peers missing from the routing table, RELINK_AT_ONCE at a time."""
 
     def __init__(self, peer_ids: list[str]) -> None:
         self.peer_ids = peer_ids
 
     async def __call__(self, _dht, node) -> list[str]:
         table = node.protocol.routing_table
+
+        at_once = asyncio.Semaphore(RELINK_AT_ONCE)
 
         async def one(raw: str) -> str | None:
             try:
@@ -194,8 +212,9 @@ class _RelinkInDHT:  # a class, not a closure: DHT.run_coroutine pickles it to t
                 return None
             if pid == node.peer_id or table.get(peer_id=pid) is not None:
                 return None
-            if await node.protocol.call_ping(pid) is None:
-                return None
+            async with at_once:
+                if await node.protocol.call_ping(pid) is None:
+                    return None
             node.blacklist.register_success(pid)  # answered: lift any back-off ban at once
             return raw
 

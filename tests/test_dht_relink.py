@@ -112,6 +112,19 @@ def test_relink_skips_bad_ids_and_refuses_through_a_stopped_dht(swarm3, tmp_path
         ms.relink([i1.peer_id])
 
 
+@pytest.mark.timeout(120)
+def test_relinking_2000_members_keeps_the_dht_process_answering(swarm3):
+    (i0, d0), (i1, _), _ = swarm3
+    ms = Membership(d0, f"test-{uuid.uuid4().hex[:8]}", i0, timeout_s=30)
+    ids = [Identity.generate().peer_id for _ in range(2000)]
+    # 2,000 peer ids in one message to the DHT process broke its command pipe (BlockingIOError, then no
+    # later call answered); now at most RELINK_MAX are tried, RELINK_CHUNK to a message, the first always
+    assert ms.relink(ids, first=[i1.peer_id]) == []  # i1 is linked already; the others run no DHT
+    assert d0.is_alive()
+    _publish(ms, i0, ttl=60)  # the process still answers: a write and a read
+    assert _seen(ms) == {i0.peer_id}
+
+
 def test_peer_ids_of_initial_peers():
     from dht.launch import peer_ids_of
     from protocol.errors import ConfigError

@@ -70,6 +70,39 @@ def test_a_failing_membership_read_holds_the_last_good_view_for_a_bounded_time()
     assert horizon(99.0) == 99.0  # never later than now
 
 
+def test_a_record_counts_a_bounded_time_whatever_expiry_it_claims():
+    """A member signing ``expires_at`` = now + 1e6 stayed in every view long after its ttl (issue 31): a record
+    counts at most LIFETIME_TTLS x ttl_s after its issue time, and one issued in the future is not counted."""
+    from types import SimpleNamespace
+
+    from dht.records import Member
+    from dht.swarm import get_dht_time
+    from node.swarm.view import LIFETIME_TTLS, SwarmView
+
+    ttl, now = 3.0, get_dht_time()
+
+    def member(pid: str, issued: float, expires: float) -> Member:
+        return Member(pid, (), "0", issued, expires)
+
+    members = {
+        "honest": member("honest", now - 1.0, now - 1.0 + ttl),
+        "forever": member("forever", now - 1.0, now + 1e6),  # fresh: counts, for now
+        "stale-forever": member("stale-forever", now - LIFETIME_TTLS * ttl - 1.0, now + 1e6),
+        "from-the-future": member("from-the-future", now + 1e6, now + 2e6),
+    }
+    node = SimpleNamespace(
+        settings=SimpleNamespace(ttl_s=ttl),
+        _read_failing=False,
+        members=members,
+        blocked=set(),
+        guard=SimpleNamespace(banned_until={}),
+        peer_id="me",
+        self_member=lambda t: member("me", t, t + ttl),
+    )
+    node._view_horizon = lambda t: SwarmView._view_horizon(node, t)
+    assert set(SwarmView.live_members(node)) == {"honest", "forever", "me"}
+
+
 def test_a_heartbeat_whose_write_fails_still_reads_the_view():
     """A DHT peer that refuses our record (one holding junk over the members key) fails the write while
     reads work. The view must still be re-read each beat: left unread for a ttl, every record in it expires

@@ -6,7 +6,7 @@ Hugging Face model folder has one too, and a folder is taken to mean its ``token
 A GPT-2 style byte-level BPE (no normaliser, the ``ByteLevel`` pre-tokeniser with its regex, a BPE model; the
 GPT-2 tokenizer itself is one) is encoded through a memo of pre-token -> ids in front of the library: a
 document is split with the same regex, and only pre-tokens not seen before go through the BPE model.
-Measured (``bench/corpus.py --steps memo``): 3.0-3.25x the library's own ``encode`` per core; the library's
+Measured (``bench/corpus.py --steps memo``): 1.9-3.25x the library's own ``encode`` per core; the library's
 cost is building each token's offsets and strings, not the merges. Every batch checks a sample against the
 library and falls back to it for good on the first difference; a document holding one of the tokenizer's
 added tokens goes through the library.

@@ -69,14 +69,7 @@ class CatchUp:
     # ---------------------------------------------------------------- join, catch-up, re-sync
     async def _join_if_behind(self) -> None:
         """A node with no state: when the swarm is past round 0, download it (several donors) before training."""
-        deadline = self.loop.time() + 3 * self.settings.heartbeat_s
-        while (
-            not self.members
-            and NodeSettings.split(self.settings.initial_peers)
-            and self.loop.time() < deadline
-        ):
-            await asyncio.sleep(self.settings.heartbeat_s / 2)
-            await self._heartbeat_once()
+        await self._await_members()
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}
         for p in range(len(self.replicas)):
@@ -122,6 +115,19 @@ class CatchUp:
             seconds=time.time() - t0,
         )
 
+    async def _await_members(self) -> None:
+        """A node given initial peers that sees no other member yet reads the view again, for up to three
+        heartbeats: on a loaded machine its first read can come back empty (its DHT not yet linked), and a
+        restarted node that saw nobody trained a first stretch on its checkpoint's stale fragments."""
+        deadline = self.loop.time() + 3 * self.settings.heartbeat_s
+        while (
+            not self.members
+            and NodeSettings.split(self.settings.initial_peers)
+            and self.loop.time() < deadline
+        ):
+            await asyncio.sleep(self.settings.heartbeat_s / 2)
+            await self._heartbeat_once()
+
     async def _catch_up_restored(self) -> None:
         """A node restored from its checkpoint (a restart) is behind by the rounds merged since it was saved.
         Fetch every fragment the swarm is ahead on at once, each from one of its holders, before the learner
@@ -131,6 +137,7 @@ class CatchUp:
         4-5 s of steps in a chaos run. A fragment whose fetch failed is tried again (the per-peer backoff
         spaces the tries) until two tries in a row move nothing, or the RPC deadline; what is still behind
         then, the heartbeat's reconcile finishes while the learner trains."""
+        await self._await_members()
         before = [r.round for r in self.replicas]
         t0, behind, idle = time.time(), None, 0
         deadline = self.loop.time() + self.settings.rpc_timeout_s

@@ -11,8 +11,10 @@ import os
 import time
 from collections.abc import Collection
 
+from dht.launch import peer_ids_of
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
+from node.swarm.settings import NodeSettings
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
 from protocol.synchroniser import on_membership
@@ -23,6 +25,7 @@ HEAD_SLACK = 2  # rounds a published head may be ahead of ours without other mem
 RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 
 
+LIFETIME_TTLS = 2.0  # a record counts at most this many ttl_s after it was issued, whatever its expires_at
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
@@ -60,10 +63,16 @@ class SwarmView:
         now = get_dht_time()
         horizon = self._view_horizon(now)
         banned = self.guard.banned_until
+        ttl = self.settings.ttl_s
         view = {
             pid: m
             for pid, m in self.members.items()
-            if m.expires_at > horizon and pid not in self.blocked and pid not in banned
+            # a record lives ttl_s as published; one that claims more (or an issue time ahead of the clock by
+            # over a ttl_s) counts only up to its issue time plus LIFETIME_TTLS x ttl_s
+            if min(m.expires_at, m.issued_at + LIFETIME_TTLS * ttl) > horizon
+            and m.issued_at <= now + ttl
+            and pid not in self.blocked
+            and pid not in banned
         }
         view[self.peer_id] = self.self_member(now)
         return view
@@ -226,7 +235,8 @@ class SwarmView:
         now = self.loop.time()
         self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
         try:
-            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book))
+            first = peer_ids_of(NodeSettings.split(self.settings.initial_peers))
+            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book), first)
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("relinking the DHT failed: %s", e)
             return
