@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.corpus_reads import cold_reads, formats  # noqa: E402
+from bench.scale import _status  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -201,14 +201,6 @@ def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
         "disk_mb": disk / 1e6,
         "folder": str(folder),
     }
-
-
-def _status(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url + "/status", timeout=5) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
 
 
 def nodes(flags: str, seconds: float, label: str) -> list[dict]:
