@@ -151,7 +151,13 @@ def _opened(folder: Path, built: bool = False) -> TokenCache:
 @contextlib.contextmanager
 def _locked(folder: Path):
     """Holds ``folder/.lock`` exclusively; waits for another holder while its build shows progress."""
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(
+            f"token cache {folder}: cannot be locked to build or check it ({e.strerror or e}); a read-only "
+            "copy is used only while it matches its sources exactly (docs/data.md)"
+        ) from e
     try:
         waited_since = None
         while True:
