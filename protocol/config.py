@@ -1,6 +1,7 @@
 """Algorithm parameters (DESIGN §1) as a frozen dataclass, validated before anything runs.
 
-Defaults are the paper's at scale (P = H = 24, tau = 2, K = 1, gamma = 0.5, outer SGD lr 0.7 Nesterov 0.9).
+Defaults are the paper's at scale (P = H = 24, tau = 2, K = 1, gamma = 0.5, outer SGD lr 0.7 Nesterov 0.9); P is
+one a parameter tensor for a model of fewer than 24 tensors.
 """
 
 from __future__ import annotations
