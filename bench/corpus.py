@@ -18,6 +18,8 @@ Steps (each printed as it finishes; ``--json`` prints everything at the end as o
             window of the first 512 MB once (after the random reads);
   cold      batches of 16 windows read after dropping the page cache (root only), in the block order and in
             one random order over the whole corpus: a corpus larger than RAM is always read cold;
+  node85    one node at GPT-2 small's shape (--dim 768 --layers 12 --heads 12 --seq-len 128 --batch-size 2,
+            the tokenizer's 8,000-token vocabulary: 97M parameters) on the cache, then on the 2 MB corpus;
   nodes     ``ddiloco up --nodes 3`` for ``--seconds`` on the cache, then on a 2 MB corpus of the same
             language: each node's peak RSS and seconds from process start to first step.
 
@@ -32,6 +34,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -247,6 +250,61 @@ def nodes(flags: str, seconds: float, label: str) -> list[dict]:
     return rows
 
 
+SHAPE_85M = ["--dim", "768", "--layers", "12", "--heads", "12", "--seq-len", "128", "--batch-size", "2"]
+
+
+def one_node(flags: list[str], seconds: float, label: str) -> dict:
+    """One node at GPT-2 small's shape (``SHAPE_85M``, ``--threads 2``) with ``flags``, ``seconds`` after its
+    first step: the largest RSS seen at 2 s polls, seconds to the first step, the median step."""
+    state = Path(tempfile.mkdtemp(prefix="ddiloco-corpus-node-"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "node",
+        "--state-dir",
+        str(state),
+        "--threads",
+        "2",
+        *SHAPE_85M,
+        *flags,
+    ]
+    log = open(state / "node.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0, peak, first, last = time.time(), 0, None, None
+    try:
+        while time.time() - t0 < seconds + 300 and proc.poll() is None:
+            time.sleep(2.0)
+            ready = state / "ready.json"
+            doc = _status(json.loads(ready.read_text())["status_url"]) if ready.exists() else None
+            if doc:
+                peak, last = max(peak, doc["memory"]["rss"] or 0), doc
+                first = first or (time.time() if doc["learner"]["steps"] > 0 else None)
+                if first and time.time() - first >= seconds:
+                    break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+    if last is None:
+        raise RuntimeError(f"{label}: the node never answered; see {state / 'node.log'}")
+    events = [json.loads(x) for x in (state / "events.jsonl").read_text().splitlines() if x]
+    shutil.rmtree(state, ignore_errors=True)
+    join = next(e for e in events if e["kind"] == "join")
+    steps = [e for e in events if e["kind"] == "step"]
+    w = last["memory"]["weights_bytes"]
+    return {
+        "corpus": label,
+        "params": w // 4,
+        "rss_mb": peak / 1e6,
+        "rss_x_weights": peak / w,
+        "first_step_s": steps[0]["t1"] - (join["t"] - join["startup"]["state"]),
+        "step_s": statistics.median(e["t1"] - e["t0"] for e in steps[1:]),
+        "steps": len(steps),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=2000, help="corpus size in MB (default 2000)")
@@ -299,11 +357,12 @@ def main(argv: list[str] | None = None) -> int:
                 say(
                     f"cold      {r['order']:<34} {r['batches_per_s']:8.1f} batches/s of 16 x 129 tokens, cold cache"
                 )
-    if "nodes" in steps:
-        small = work / "small.jsonl"
+    small = work / "small.jsonl"  # the 2 MB corpus the node steps compare with: the big one's first lines
+    if steps & {"nodes", "node85"}:
         with open(corpus) as src, open(small, "w") as dst:
             while dst.tell() < 2_000_000:
                 dst.write(src.readline())
+    if "nodes" in steps:
         base = f"--tokenizer {tok} --token-cache {cache_root} --fragments 8 --sync-every 8"
         rows = nodes(f"--data {corpus} {base}", a.seconds, f"{a.mb} MB") + nodes(
             f"--data {small} {base}", a.seconds, "2 MB"
@@ -312,6 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             say(
                 f"node      {r['corpus']:>8} node {r['node']}: RSS {r['rss_mb']:.0f} MB, first step {r['first_step_s']:.1f} s"
+            )
+    if "node85" in steps:
+        flags = ["--tokenizer", str(tok), "--token-cache", str(cache_root), "--checkpoint-every-s", "600"]
+        rows = [
+            one_node(["--data", str(corpus), *flags], a.seconds, f"{a.mb} MB"),
+            one_node(["--data", str(small), *flags], a.seconds, "2 MB"),
+        ]
+        out["node85"] = rows
+        for r in rows:
+            say(
+                f"node85    {r['corpus']:>8}: {r['params']:,} params, RSS {r['rss_mb']:.0f} MB "
+                f"({r['rss_x_weights']:.2f}x), first step {r['first_step_s']:.1f} s, step {r['step_s']:.3f} s "
+                f"(median of {r['steps']})"
             )
     if a.json:
         print(json.dumps(out, indent=1))
