@@ -173,7 +173,7 @@ def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
             doc = json.loads(journal.read_text()) if journal else None
         except (OSError, ValueError):
             doc = None
-        if doc and len(doc["done"]) >= stop_at * len(doc["units"]):
+        if doc and len(doc["done"]) >= stop_at * doc["units"]:
             first.send_signal(signal.SIGINT)
             break
     out1, err1 = first.communicate(timeout=120)

@@ -225,14 +225,15 @@ def _build(
         if size == 0:
             raise ConfigError(f"{p}: the shard is empty (no text in it)")
     units = [u for p in sources for u in plan_units(p)]
-    build_id = hashlib.sha256(json.dumps([asdict(spec), stats, dtype, FORMAT]).encode()).hexdigest()
+    plan = [list(asdict(u).values()) for u in units]
+    # the journal names the build (spec, sources' stats, the units) by a digest: rewritten after every shard,
+    # it stays a few bytes per shard however many units a corpus has
+    build_id = hashlib.sha256(json.dumps([asdict(spec), stats, dtype, FORMAT, plan]).encode()).hexdigest()
     journal_path = folder / "build.json"
     done: dict[int, dict] = {}
     try:
         journal = json.loads(journal_path.read_text())
-        if journal.get("id") == build_id and journal.get("units") == [
-            list(asdict(u).values()) for u in units
-        ]:
+        if journal.get("id") == build_id:
             done = {int(k): v for k, v in journal["done"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -259,9 +260,7 @@ def _build(
         nonlocal done_bytes
         done[i] = result
         done_bytes += units[i].end - units[i].start if units[i].kind != "parquet" else 1
-        _write_json(
-            journal_path, {"id": build_id, "units": [list(asdict(u).values()) for u in units], "done": done}
-        )
+        _write_json(journal_path, {"id": build_id, "units": len(units), "done": done})
         if progress:
             progress(done_bytes / total, f"{len(done)}/{len(units)} shards")
 
