@@ -92,7 +92,10 @@ class Swarm:
                 return last
             time.sleep(1.0)
         raise AssertionError(
-            "hashes did not converge: " + json.dumps({i: s["model_hash"][:12] for i, s in last.items()})
+            "hashes did not converge (hash, learner idle, merges or sends in flight): "
+            + json.dumps(
+                {i: [s["model_hash"][:12], s["learner"]["idle"], s.get("in_flight")] for i, s in last.items()}
+            )
         )
 
     def stop(self) -> None:
