@@ -206,6 +206,23 @@ def prepare(corpus: Path, tok_path: Path, cache: Path, stop_at: float) -> dict:
     }
 
 
+def _node_status(state: Path) -> dict | None:
+    """The status document of the node in state folder ``state``, or None while it is not up."""
+    ready = state / "ready.json"
+    try:
+        return _status(json.loads(ready.read_text())["status_url"]) if ready.exists() else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _events(state: Path) -> tuple[list[dict], float]:
+    """A node's event records and the seconds from its process start to its first step."""
+    events = [json.loads(x) for x in (state / "events.jsonl").read_text().splitlines() if x]
+    join = next(e for e in events if e["kind"] == "join")
+    step = next(e for e in events if e["kind"] == "step")
+    return events, step["t1"] - (join["t"] - join["startup"]["state"])
+
+
 def nodes(flags: str, seconds: float, label: str) -> list[dict]:
     """``ddiloco up --nodes 3`` with ``flags``; per node the peak RSS seen and seconds to the first step."""
     run = Path(tempfile.mkdtemp(prefix="ddiloco-corpus-up-"))
@@ -226,11 +243,7 @@ def nodes(flags: str, seconds: float, label: str) -> list[dict]:
     peak: dict[int, int] = {}
     while proc.poll() is None:
         for i in range(3):
-            ready = run / f"node-{i}" / "ready.json"
-            try:
-                doc = _status(json.loads(ready.read_text())["status_url"]) if ready.exists() else None
-            except (OSError, ValueError, KeyError):
-                doc = None
+            doc = _node_status(run / f"node-{i}")
             if doc:
                 peak[i] = max(peak.get(i, 0), doc["memory"]["rss"] or 0)
         time.sleep(1.0)
@@ -239,12 +252,9 @@ def nodes(flags: str, seconds: float, label: str) -> list[dict]:
         raise RuntimeError(f"{label}: ddiloco up exited {proc.returncode}: {err[-2000:]}")
     rows = []
     for i in range(3):
-        events = [json.loads(x) for x in (run / f"node-{i}" / "events.jsonl").read_text().splitlines() if x]
-        join = next(e for e in events if e["kind"] == "join")
-        step = next(e for e in events if e["kind"] == "step")
-        started = join["t"] - join["startup"]["state"]
+        first_step_s = _events(run / f"node-{i}")[1]
         rows.append(
-            {"corpus": label, "node": i, "rss_mb": peak.get(i, 0) / 1e6, "first_step_s": step["t1"] - started}
+            {"corpus": label, "node": i, "rss_mb": peak.get(i, 0) / 1e6, "first_step_s": first_step_s}
         )
     shutil.rmtree(run, ignore_errors=True)
     return rows
@@ -275,8 +285,7 @@ def one_node(flags: list[str], seconds: float, label: str) -> dict:
     try:
         while time.time() - t0 < seconds + 300 and proc.poll() is None:
             time.sleep(2.0)
-            ready = state / "ready.json"
-            doc = _status(json.loads(ready.read_text())["status_url"]) if ready.exists() else None
+            doc = _node_status(state)
             if doc:
                 peak, last = max(peak, doc["memory"]["rss"] or 0), doc
                 first = first or (time.time() if doc["learner"]["steps"] > 0 else None)
@@ -289,9 +298,8 @@ def one_node(flags: list[str], seconds: float, label: str) -> dict:
         log.close()
     if last is None:
         raise RuntimeError(f"{label}: the node never answered; see {state / 'node.log'}")
-    events = [json.loads(x) for x in (state / "events.jsonl").read_text().splitlines() if x]
+    events, first_step_s = _events(state)
     shutil.rmtree(state, ignore_errors=True)
-    join = next(e for e in events if e["kind"] == "join")
     steps = [e for e in events if e["kind"] == "step"]
     w = last["memory"]["weights_bytes"]
     return {
@@ -299,7 +307,7 @@ def one_node(flags: list[str], seconds: float, label: str) -> dict:
         "params": w // 4,
         "rss_mb": peak / 1e6,
         "rss_x_weights": peak / w,
-        "first_step_s": steps[0]["t1"] - (join["t"] - join["startup"]["state"]),
+        "first_step_s": first_step_s,
         "step_s": statistics.median(e["t1"] - e["t0"] for e in steps[1:]),
         "steps": len(steps),
     }
