@@ -237,6 +237,64 @@ def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_p
             bad.close()
 
 
+def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rounds(tmp_path):
+    """Issue 31: three honest nodes and a member whose published head stays one round ahead of theirs (inside
+    the slack a claim needs no backing for), so that it is the only member at the newest round and wins every
+    election, while it serves no op at all. Each sender fails over from it on ``unknown_op``, names it dead to
+    the next candidate, and the round is taken by an honest node: merging goes on, and the swarm agrees."""
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    stop = threading.Event()
+    try:
+        swarm.start_many(3)
+        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
+        wait_until(merged, 120, "rounds merging")
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        spec = _spec()
+        zero_hash = {
+            p: tensors_hash({n: torch.zeros(s) for n, s in shapes.items()}) for p, shapes in spec.items()
+        }
+
+        def ahead() -> None:  # one round past the honest nodes' newest head, every second
+            members = Membership(bad.dht, SWARM, bad.ident)
+            while not stop.wait(1.0):
+                honest = [m for m in members.live()[0] if m.peer_id != bad.ident.peer_id]
+                heads = {
+                    str(p): [max((m.head_round(p) for m in honest), default=0) + 1, zero_hash[p], 3, 1e9]
+                    for p in spec
+                }
+                bad.publish(heads)
+
+        bad.run(bad.tr.start())
+        liar = threading.Thread(target=ahead, daemon=True)
+        liar.start()
+        wait_until(
+            lambda: all(s["counters"]["failovers"] >= 1 for s in swarm.status().values()), 120, "failovers"
+        )
+        r0 = min(s["fragments"][0]["round"] for s in swarm.status().values())
+        wait_until(
+            lambda: all(s["fragments"][0]["round"] >= r0 + 4 for s in swarm.status().values()),
+            120,
+            "rounds merging beside the liar",
+        )
+        for i in range(3):
+            failed_over = [
+                e for e in swarm.events(i) if e["kind"] == "failover" and e["dead"] == bad.ident.peer_id
+            ]
+            assert failed_over, f"node {i} never elected the liar: the test did not test anything"
+            merges = [e for e in swarm.events(i) if e["kind"] == "merge" and e["t"] > failed_over[0]["t"]]
+            assert merges, f"node {i} merged nothing after it failed over from the liar"
+        stop.set()
+        liar.join(10)
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+    finally:
+        stop.set()
+        swarm.stop()
+        if bad is not None:
+            bad.close()
+
+
 def _post(url: str, body: bytes, token: str | None) -> int:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)

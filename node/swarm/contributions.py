@@ -116,7 +116,8 @@ class Contributions:
         raw = encode_contribution(header, enc)
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
         deadline = self.loop.time() + self.settings.failover_s
-        dead: set[str] = set()
+        mono = time.monotonic()
+        dead: set[str] = {q for q, until in self.suspect.items() if until > mono}  # named to the next one
         refused: set[str] = set()
         hint: str | None = None
         last = ""
@@ -127,7 +128,7 @@ class Contributions:
                 # baselines found it merged. Sending it again would only be refused as a replay.
                 self.counters["contributions_sent"] += 1
                 return
-            order = [x for x in self.candidates(p) if x not in dead and x not in refused]
+            order = [x for x in self.candidates(p, dead) if x not in dead and x not in refused]
             if hint is not None and hint not in dead and hint not in refused:
                 order.insert(0, hint)
             hint = None
@@ -164,6 +165,14 @@ class Contributions:
                 self.counters["contributions_sent"] += 1
                 return
             last = f"{target}: {reply.code} {reply.message}"
+            if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
+                # A member elected for the round that does not take contributions at all (or fails on
+                # every one): as good as dead for this round; the next candidate is told so.
+                dead.add(target)
+                self.suspect[target] = time.monotonic() + self.settings.ttl_s
+                self.counters["failovers"] += 1
+                self.events.emit("failover", t=time.time(), fragment=p, dead=target, cid=header.cid, why=last)
+                continue
             if reply.code == RejectCode.NOT_SYNCHRONISER.value:
                 refused.add(target)
                 with contextlib.suppress(ProtocolError):

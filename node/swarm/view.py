@@ -149,7 +149,11 @@ class SwarmView:
                 holders.append(q)
         return best, holders
 
-    def candidates(self, p: int) -> list[str]:
+    def candidates(self, p: int, dead: Collection[str] = ()) -> list[str]:
+        """Fragment p's synchroniser and its failovers, in order. Eligibility (the newest head) is judged
+        without the peers found dead (``dead``, from a sender) or suspected here: a member that claims the
+        newest head but takes no contribution (a hung process, or one that answers ``unknown_op``) would
+        otherwise stay the only candidate, and the fragment would merge nothing until its record expired."""
         members = self.live_members()
         open_round = self.replicas[p].round + 1
         # Eligibility from what every peer can read: this node's own record as published, not its fresh
@@ -159,16 +163,23 @@ class SwarmView:
         own = self.published_self
         if own is not None and own.expires_at > get_dht_time():
             seen[self.peer_id] = own
+        now = time.monotonic()
         seen = {
-            q: m for q, m in seen.items() if q == self.peer_id or self.credible(p, q, m.head_round(p), seen)
+            q: m
+            for q, m in seen.items()
+            if q == self.peer_id
+            or (
+                q not in dead
+                and self.suspect.get(q, 0.0) <= now
+                and self.credible(p, q, m.head_round(p), seen)
+            )
         }
         elig = eligible(list(seen.values()), p)
         order = candidates(self.settings.swarm, p, open_round, elig)
         holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
         if holders:
             order = [holders[0]] + [x for x in order if x != holders[0]]
-        now = time.monotonic()
-        return [x for x in order if self.suspect.get(x, 0.0) <= now]
+        return order
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
@@ -182,7 +193,7 @@ class SwarmView:
 
     def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
         """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
-        order = [x for x in self.candidates(p) if x not in dead]
+        order = [x for x in self.candidates(p, dead) if x not in dead]
         return order[0] if order else None
 
     async def _heartbeat_once(self) -> None:
