@@ -3,21 +3,19 @@ the alternatives, and nodes reading a large cache against nodes on a 2 MB corpus
 
 Steps (each printed as it finishes; ``--json`` prints everything at the end as one object):
 
-  make      a generated JSONL corpus of ``--mb`` MB (a 50,000-word invented language with Zipf frequencies,
-            documents of about 2,000 characters) and a byte-level BPE ``tokenizer.json`` of 8,000 tokens
-            trained on it, in ``--work`` (kept between runs);
+  make      a generated JSONL corpus of ``--mb`` MB (an invented language of 50,000 Zipf-distributed words,
+            2,000-character documents) and an 8,000-token byte-level BPE trained on it, in ``--work``;
   reader    the single-thread rate of the reader the cache replaces (each document through ``tokenizers``'
             ``encode``, joined into int64), on the corpus's first ``--sample-mb`` MB;
   memo      the tokenizer's pre-token memo against the library's ``encode``, one thread, 4,000 documents;
   prepare   ``ddiloco data prepare`` on the whole corpus, interrupted (SIGINT) once ``--stop-at`` of its
             shards are written, then run again to the end: its rate over both runs' wall time, against the
             reader's, and how many shards the second run found whole;
-  formats   windows of 129 tokens read at random from the cache as it is (pread of flat uint16 files), through
-            a numpy memory map of the same files, and from an Arrow IPC file of the same tokens memory-mapped
-            (what ``datasets`` keeps): windows per second, and the reader's RSS growth after reading every
-            window of the first 512 MB once (after the random reads);
-  cold      batches of 16 windows read after dropping the page cache (root only), in the block order and in
-            one random order over the whole corpus: a corpus larger than RAM is always read cold;
+  formats   random windows of 129 tokens by pread of the cache's uint16 files, by a numpy memory map of them,
+            and from a memory-mapped Arrow IPC file (as ``datasets`` keeps): windows a second, and RSS growth
+            after reading every window of the first 512 MB once;
+  cold      batches of 16 windows read with the page cache dropped (root only), in block order and in one
+            random order over the whole corpus (a corpus larger than RAM is always read cold);
   node85    one node at GPT-2 small's shape (--dim 768 --layers 12 --heads 12 --seq-len 128 --batch-size 2,
             the tokenizer's 8,000-token vocabulary: 97M parameters) on the cache, then on the 2 MB corpus;
   nodes     ``ddiloco up --nodes 3`` for ``--seconds`` on the cache, then on a 2 MB corpus of the same
