@@ -56,8 +56,8 @@ class _Sender(Contributions):
         self.accepted.append(caller)
         return Reply(True)
 
-    def candidates(self, p: int) -> list[str]:
-        return list(self.order)
+    def candidates(self, p: int, dead=()) -> list[str]:
+        return [x for x in self.order if x not in dead]
 
     def rounds_behind(self, p: int) -> int:
         return 0
