@@ -128,7 +128,7 @@ class Contributions:
                 # baselines found it merged. Sending it again would only be refused as a replay.
                 self.counters["contributions_sent"] += 1
                 return
-            order = [x for x in self.candidates(p, dead) if x not in dead and x not in refused]
+            order = [x for x in self.candidates(p, dead) if x not in refused]
             if hint is not None and hint not in dead and hint not in refused:
                 order.insert(0, hint)
             hint = None
@@ -151,12 +151,7 @@ class Contributions:
                         target, "contribute", payload, timeout_s=min(wait, self.settings.rpc_timeout_s)
                     )
                 except TransportError as e:
-                    dead.add(target)
-                    self.suspect[target] = time.monotonic() + self.settings.ttl_s
-                    self.counters["failovers"] += 1
-                    self.events.emit(
-                        "failover", t=time.time(), fragment=p, dead=target, cid=header.cid, why=str(e)[:200]
-                    )
+                    self._fail_over(target, header, str(e)[:200], dead)
                     logger.warning(
                         "synchroniser %s of fragment %d unreachable; trying the next candidate", target, p
                     )
@@ -168,10 +163,7 @@ class Contributions:
             if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
                 # A member elected for the round that does not take contributions at all (or fails on
                 # every one): as good as dead for this round; the next candidate is told so.
-                dead.add(target)
-                self.suspect[target] = time.monotonic() + self.settings.ttl_s
-                self.counters["failovers"] += 1
-                self.events.emit("failover", t=time.time(), fragment=p, dead=target, cid=header.cid, why=last)
+                self._fail_over(target, header, last, dead)
                 continue
             if reply.code == RejectCode.NOT_SYNCHRONISER.value:
                 refused.add(target)
@@ -189,6 +181,16 @@ class Contributions:
         self.counters["contributions_dropped"] += 1
         self.events.emit(
             "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
+        )
+
+    def _fail_over(self, target: str, header: ContributionHeader, why: str, dead: set[str]) -> None:
+        """``target`` took no contribution: left out of this send (and named dead to the next candidate),
+        suspected for ``ttl_s``."""
+        dead.add(target)
+        self.suspect[target] = time.monotonic() + self.settings.ttl_s
+        self.counters["failovers"] += 1
+        self.events.emit(
+            "failover", t=time.time(), fragment=header.fragment, dead=target, cid=header.cid, why=why
         )
 
     # ---------------------------------------------------------------- ops (server side)
