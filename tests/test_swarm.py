@@ -185,8 +185,12 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
     cmd = [sys.executable, "-m", "node", "up", "--nodes", "3", "--duration", "15", "--json"]
     cmd += ["--run-dir", str(tmp_path / "up"), "--node-flags", flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
+    assert out.returncode == 0, (
+        out.stderr[-2000:],
+        summary["quiet_period"],
+        [n.get("error") for n in summary["nodes"]],
+    )
     assert summary["equal_hashes"] and summary["rounds_merged"] > 0
     assert len(summary["nodes"]) == 3
     for n in summary["nodes"]:

@@ -165,14 +165,24 @@ def columns(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows)
 
 
-def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> bool:
+def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> tuple[bool, dict]:
     """Learners are paused; wait until every node is idle with no merge under way and all hold one model hash,
-    the same on two polls in a row (a hash that still changes means merges are still landing)."""
+    the same on two polls in a row (a hash that still changes means merges are still landing). Returns
+    whether that happened, and per node what the last poll saw (hash, learner idle, work in flight)."""
     deadline = time.monotonic() + timeout_s
     streak, last = 0, None
-    while time.monotonic() < deadline:
+    while True:
         poll(children)
         alive = [c for c in children if c.proc.poll() is None and c.last]
+        seen = {
+            str(c.index): {
+                "model_hash": c.last["model_hash"],
+                "idle": c.last["learner"]["idle"],
+                "in_flight": c.last.get("in_flight"),
+                "fragments": [f"{f['round']}:{f['hash'][:8]}" for f in c.last.get("fragments", [])],
+            }
+            for c in alive
+        }
         hashes = {c.last["model_hash"] for c in alive}
         idle = all(c.last["learner"]["idle"] and not c.last.get("in_flight") for c in alive)
         agreed = alive and idle and len(hashes) == 1
@@ -180,10 +190,12 @@ def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> bool:
         streak = streak + 1 if agreed and hashes == last else (1 if agreed else 0)
         last = hashes if agreed else None
         if streak >= 2:
-            return True
+            return True, seen
+        if time.monotonic() >= deadline:
+            break
         time.sleep(1.0)
-    _log(f"quiet period: hashes still differ after {timeout_s:g} s", quiet)
-    return False
+    _log(f"quiet period: no agreement after {timeout_s:g} s: {json.dumps(seen)}", quiet)
+    return False, seen
 
 
 def stop_all(children: list[Child], timeout_s: float = 60.0) -> None:
@@ -274,6 +286,7 @@ def up(
     threads = max(1, (os.cpu_count() or 1) // nodes)
     flags = ["--threads", str(threads), *node_flags]
     children: list[Child] = []
+    quiet_seen: dict = {}
     quiet = quiet or as_json
     t_start = time.monotonic()
     interrupted = False
@@ -316,7 +329,7 @@ def up(
                             send_control(c.url, "pause", token=read_control_token(c.state_dir))
                         except StatusError:
                             pass
-                settled = _quiet_period(children, 10.0 if interrupted else 45.0, quiet)
+                settled, quiet_seen = _quiet_period(children, 10.0 if interrupted else 45.0, quiet)
             else:
                 settled = False
         except KeyboardInterrupt:
@@ -333,6 +346,7 @@ def up(
         "nodes": finals,
         "equal_hashes": len(hashes) == 1 and None not in hashes,
         "settled": settled,
+        "quiet_period": quiet_seen,
         "model_hash": next(iter(hashes)) if len(hashes) == 1 else None,
         "rounds_merged": min((d.get("rounds_merged", 0) for d in finals), default=0),
         "tokens_merged": min((d.get("tokens_merged", 0) for d in finals), default=0),
