@@ -6,6 +6,7 @@ contribution changes the model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -17,7 +18,9 @@ from dht.identity import Identity
 from dht.launch import start_dht
 from dht.records import Member
 from dht.swarm import Membership
+from node.local.launcher import wait_ready
 from node.swarm.transport import Transport
+from node.swarm.wire import pack_list, unpack_signed_contribution
 from tests.swarm_util import Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
@@ -82,6 +85,72 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
         for code in ("replayed", "too_large", "not_finite", "banned"):
             assert st["refused"].get(code, 0) >= 1, (code, st["refused"])
         assert any(e["kind"] == "ban" and e["peer"] == bad.peer_id for e in swarm.events(0))
+    finally:
+        swarm.stop()
+        if dht is not None:
+            dht.shutdown()
+
+
+def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_it_merged(tmp_path):
+    """Issue 31, replay memory after a re-sync: a node that joined by downloading fragment 0 never applied
+    the record that merged a contribution; the attacker sends that contribution to it again, naming the
+    node that merged it dead so that the newcomer takes the round. The snapshot named the merged id: the
+    first copy is answered as landed (what an honest sender whose reply was lost sends), later copies are
+    refused as replays, and the newcomer's fragment 0 does not move."""
+    swarm = Swarm(tmp_path / "swarm")
+    dht = None
+    try:
+        swarm.start_many(1, extra={0: ["--ban-after", "100"]})
+        a = swarm.children[0]
+        wait_until(lambda: swarm.status()[0]["fragments"][0]["round"] >= 2, 90, "fragment 0 merging")
+        swarm.control(0, "pause")
+        wait_until(lambda: swarm.status()[0]["learner"]["idle"], 30, "the learner to pause")
+        time.sleep(1.5)
+        spec = _spec()
+        bad = Identity.generate()
+        dht = start_dht(bad.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], a.maddrs, timeout_s=30)
+        now = get_dht_time()
+        Membership(dht, "ddiloco-local", bad).publish(Member(bad.peer_id, (), "test", now, now + 300))
+
+        async def call(peer: str, payload: bytes):
+            tr = Transport(await dht.replicate_p2p(), timeout_s=20)
+            try:
+                return await tr.call(peer, "contribute", payload)
+            finally:
+                await tr.p2p.shutdown()
+
+        r0 = swarm.status()[0]["fragments"][0]["round"]
+        honest = _contribution(bad, spec, base=r0)
+        assert asyncio.run(call(a.peer_id, honest)).ok
+        wait_until(
+            lambda: swarm.status()[0]["fragments"][0]["round"] == r0 + 1, 30, "the contribution merged"
+        )
+        # The attacker's membership backs the node's heads (a round below them), or the newcomer would not
+        # believe the one node it sees: a lone member far ahead (issue 19).
+        heads = {
+            str(f["fragment"]): [f["round"] - 1, "0" * 64, 1, 1.0] for f in swarm.status()[0]["fragments"]
+        }
+        now = get_dht_time()
+        Membership(dht, "ddiloco-local", bad).publish(
+            Member(bad.peer_id, (), "test", now, now + 300, heads=heads)
+        )
+        # the newcomer's learner is slowed so that it sends nothing before it is paused
+        b = swarm.start(1, ["--step-delay-s", "5"])
+        wait_ready([b], 120)
+        swarm.control(1, "pause")
+        frag = swarm.status()[1]["fragments"][0]
+        assert frag["round"] == r0 + 1 and frag["hash"] == swarm.status()[0]["fragments"][0]["hash"]
+        assert not any(e["kind"] == "merge" for e in swarm.events(1)), "it took the round by a record"
+        _, raw, sig = unpack_signed_contribution(honest)
+        to_b = pack_list([json.dumps({"dead": [a.peer_id]}).encode(), raw, sig])
+        replies = [asyncio.run(call(b.peer_id, to_b)) for _ in range(3)]
+        assert [(r.ok, r.code) for r in replies] == [
+            (True, "replayed"),
+            (False, "replayed"),
+            (False, "replayed"),
+        ]
+        time.sleep(2.0)
+        assert swarm.status()[1]["fragments"][0] == frag
     finally:
         swarm.stop()
         if dht is not None:

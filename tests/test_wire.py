@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -141,6 +143,27 @@ def test_snapshot_round_trip_and_hash_check():
     lying = FragmentState(1, 4, "f" * 64, 2, 3.0, s.theta, s.momentum)
     with pytest.raises(ProtocolError, match="lands on"):
         decode_snapshot(encode_snapshot([lying]), SPEC)
+
+
+def test_snapshot_carries_its_merged_ids_and_refuses_malformed_ones():
+    from dataclasses import replace
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    s = replace(_state(), merged=("a:1:7", "b:1:9"))
+    (got,) = decode_snapshot(encode_snapshot([s]), SPEC)
+    assert got.merged == ("a:1:7", "b:1:9")
+    raw = encode_snapshot([s])
+    meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    tensors = st_load(raw)
+    # a snapshot from a node that sends no ids: none, not an error
+    old = {k: v for k, v in meta.items() if k != "merged"}
+    assert decode_snapshot(st_save(tensors, metadata=old), SPEC)[0].merged == ()
+    for bad in ('{"1": "a:1:7"}', '{"1": [7]}', '{"1": [""]}', json.dumps({"1": ["x"] * 10_000})):
+        with pytest.raises(ProtocolError) as e:
+            decode_snapshot(st_save(tensors, metadata={**meta, "merged": bad}), SPEC)
+        assert e.value.code is RejectCode.MALFORMED, bad
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,6 +14,7 @@ from node.swarm.limits import Backoff, TokenBucket
 from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
+    SNAPSHOT_IDS_MAX,
     FragmentState,
     decode_record,
     decode_snapshot,
@@ -210,6 +211,19 @@ class CatchUp:
             round_,
         )
 
+    def _inherited_ids(self) -> dict[int, tuple[str, ...]]:
+        """Per fragment, the merged ids the last snapshot installed here named (``FragmentState.merged``)."""
+        return self.__dict__.setdefault("_inherited", {})
+
+    def _merged_ids(self, p: int) -> tuple[str, ...]:
+        """The ids of the contributions merged into fragment p's last ``history`` rounds (a contribution on an
+        older base is refused as stale, so older ids cannot be replayed): from the records the log holds,
+        and while the log holds fewer rounds than that, from the snapshot this node took."""
+        ids = [c[1] for sr in self.logs[p].values() for c in sr.record.contributors]
+        if len(self.logs[p]) < self.pcfg.history:
+            ids = list(self._inherited_ids().get(p, ())) + ids
+        return tuple(dict.fromkeys(ids))[-SNAPSHOT_IDS_MAX:]
+
     def _install_snapshot(self, st: FragmentState, pid: str, replace_ours: bool = False) -> None:
         p = st.fragment
         if not replace_ours and self._head_key(self.heads[p]) <= self._head_key(
@@ -224,9 +238,13 @@ class CatchUp:
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
         self.logs[p].clear()
+        # The records of the rounds this state skips are never applied here: their contribution ids come
+        # with it, so a copy of one is refused as a replay and a queued one is not merged a second time.
+        self.guard.merged(st.merged)
+        self._inherited_ids()[p] = st.merged
         self.counters["resyncs"] += 1
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
-        self._reset_sync(p)
+        self._reset_sync(p, merged=set(st.merged))
         self._schedule_unclocked()
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, st.round, rep.theta, True)
@@ -328,8 +346,7 @@ class CatchUp:
         for p in frags:
             rep = self.replicas[p]
             r, h, n, w = self.heads[p]
-            states.append(
-                FragmentState(p, r, h, n, w, rep.theta, rep.momentum, self.merged_tokens[p], rep.clock)
-            )
+            tok, ids = self.merged_tokens[p], self._merged_ids(p)
+            states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, tok, rep.clock, ids))
         body = await asyncio.to_thread(encode_snapshot, states)
         return Reply(True, body=body)

@@ -1,16 +1,14 @@
 """Signed merge records and fragment snapshots on the wire (DESIGN §4, "Replicated global state").
 
-A merge record travels as one safetensors blob: the merged outer gradient as the record codec's tensors
-(int4 by default, ``NAME::PART`` as in contributions), and in the metadata the record's fields as JSON, the signer's peer id and an Ed25519 signature over
-``domain | swarm | record JSON | sha256 of the tensors``. The signature binds the record to the swarm, the
-fragment, the round and the parent hash, so a record cannot be replayed into another swarm or altered in
-flight; ``decode_record`` verifies it and checks the gradient against the fragment's tensor names and
-shapes, and that it is finite. The gradient a replica steps with is the decoded one; the synchroniser
-stepped with the same decoded values, so every replica lands on the same hash.
+A merge record travels as one safetensors blob: the merged outer gradient in the record codec (int4 by
+default, ``NAME::PART`` as in contributions) and, as metadata, the record's fields as JSON, the signer's peer
+id and an Ed25519 signature over ``domain | swarm | record JSON | sha256 of the tensors``, which binds it to
+the swarm, fragment, round and parent hash. ``decode_record`` verifies it and checks the gradient's names,
+shapes and finiteness; every replica steps with the same decoded values, so all land on one hash.
 
-A snapshot carries, per fragment, the global tensors and the outer momentum at a round, plus the head
-(round, hash, contributors, weight); ``decode_snapshot`` recomputes every fragment's hash and refuses a
-snapshot whose tensors do not land on it.
+A snapshot carries, per fragment, the global tensors and outer momentum at a round, the head (round, hash,
+contributors, weight) and the ids of the contributions its last rounds merged; ``decode_snapshot``
+recomputes every fragment's hash and refuses a snapshot whose tensors do not land on it.
 """
 
 from __future__ import annotations
@@ -302,10 +300,14 @@ class FragmentState:
     momentum: dict[str, torch.Tensor]
     tokens: int = 0  # tokens merged into this fragment so far (for status)
     clock: RoundClock | None = None  # when the round after it is due (protocol.schedule), if known
+    merged: tuple[str, ...] = ()  # ids its last rounds merged: replay memory of the records it skips
+
+
+SNAPSHOT_IDS_MAX = 8192  # merged ids one fragment's snapshot may name
 
 
 def encode_snapshot(states: list[FragmentState]) -> bytes:
-    tensors, heads, clocks = {}, {}, {}
+    tensors, heads, clocks, merged = {}, {}, {}, {}
     for s in states:
         for k, v in s.theta.items():
             tensors[f"{s.fragment}/theta/{k}"] = v.contiguous()
@@ -314,7 +316,21 @@ def encode_snapshot(states: list[FragmentState]) -> bytes:
         heads[str(s.fragment)] = [s.round, s.hash, s.n, s.weight, s.tokens]
         if s.clock is not None:
             clocks[str(s.fragment)] = [s.clock.first, s.clock.every]
-    return st_save(tensors, metadata={"heads": json.dumps(heads), "clocks": json.dumps(clocks)})
+        if s.merged:
+            merged[str(s.fragment)] = list(s.merged)
+    meta = {"heads": json.dumps(heads), "clocks": json.dumps(clocks), "merged": json.dumps(merged)}
+    return st_save(tensors, metadata=meta)
+
+
+def _snapshot_ids(merged: dict, p: int) -> tuple[str, ...]:
+    """The merged contribution ids a snapshot names for fragment p: a list of short strings, or none."""
+    ids = merged.get(str(p), [])
+    ok = isinstance(ids, list) and len(ids) <= SNAPSHOT_IDS_MAX
+    if not (ok and all(isinstance(c, str) and 0 < len(c) <= 256 for c in ids)):
+        raise ValueError(
+            f"merged ids of fragment {p} are not a list of at most {SNAPSHOT_IDS_MAX} short strings"
+        )
+    return tuple(ids)
 
 
 def _snapshot_clock(clocks: dict, p: int, round_: int) -> RoundClock | None:
@@ -350,6 +366,8 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
         clocks = json.loads(meta.get("clocks", "{}"))
         if not isinstance(clocks, dict):
             clocks = {}
+        merged = json.loads(meta.get("merged", "{}"))  # absent in a snapshot from an older node
+        ids = {p: _snapshot_ids(merged if isinstance(merged, dict) else {}, p) for p, *_ in items}
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
             RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {str(e)[:200]}"
@@ -378,5 +396,5 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
             raise ProtocolError(
                 RejectCode.MALFORMED, f"snapshot of fragment {p} lands on {got[:12]}, it claims {h[:12]}"
             )
-        out.append(FragmentState(p, r, h, n, w, theta, mom, tok, _snapshot_clock(clocks, p, r)))
+        out.append(FragmentState(p, r, h, n, w, theta, mom, tok, _snapshot_clock(clocks, p, r), ids[p]))
     return out
