@@ -29,13 +29,20 @@ from dht.launch import start_dht
 from dht.records import Member
 from dht.swarm import Membership
 from node.swarm.transport import Reply, Transport
-from node.swarm.wire import FragmentState, decode_snapshot, encode_record, encode_snapshot
+from node.swarm.wire import (
+    FragmentState,
+    decode_snapshot,
+    encode_record,
+    encode_snapshot,
+    pack_list,
+    unpack_signed_contribution,
+)
 from protocol.config import ProtocolConfig
 from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight, outer_step
 from protocol.replica import MergeRecord
 from tests.swarm_util import Swarm, wait_until
-from tests.test_wire_refusals import _spec
+from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(400)
 SWARM = "ddiloco-local"
@@ -290,6 +297,47 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
         assert len({s["model_hash"] for s in final.values()}) == 1
     finally:
         stop.set()
+        swarm.stop()
+        if bad is not None:
+            bad.close()
+
+
+def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(tmp_path):
+    """Issue 31, the dead-peer list: one contribution sent to each of three nodes, each copy naming the other
+    two dead. Each node the list would make the synchroniser pings the peers it names that stand before it
+    in its own view; they answer, so it refuses the role, and only the node every view elects takes it: no
+    node opens a round of its own, and no fork follows."""
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    try:
+        swarm.start_many(3)
+        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
+        wait_until(merged, 120, "rounds merging")
+        at_rest = _paused_at_rest(swarm, 3)
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        bad.publish()
+        time.sleep(2.0)  # the nodes' views take in its record
+        peers = {i: swarm.children[i].peer_id for i in range(3)}
+        t0 = time.time()
+        _, raw, sig = unpack_signed_contribution(
+            _contribution(bad.ident, _spec(), base=at_rest[0]["fragments"][0]["round"])
+        )
+        replies = {}
+        for i, pid in peers.items():
+            dead = sorted(q for j, q in peers.items() if j != i)
+            replies[i] = bad.call(
+                pid, "contribute", pack_list([json.dumps({"dead": dead}).encode(), raw, sig])
+            )
+        codes = sorted((r.ok, r.code) for r in replies.values())
+        assert codes == [(False, "not_synchroniser"), (False, "not_synchroniser"), (True, "ok")], replies
+        elected = {s["fragments"][0]["synchroniser"] for s in swarm.status().values()}
+        taker = [i for i, r in replies.items() if r.ok]
+        assert elected == {peers[taker[0]]}, (elected, taker)
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+        forks = [e for i in range(3) for e in swarm.events(i) if e["kind"] == "fork" and e["t"] > t0]
+        assert not forks, forks
+    finally:
         swarm.stop()
         if bad is not None:
             bad.close()

@@ -280,12 +280,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        for op, h in (
-            ("contribute", self._h_contribute),
-            ("record", self._h_record),
-            ("records", self._h_records),
-            ("snapshot", self._h_snapshot),
-        ):
+        ops = ("contribute", self._h_contribute), ("record", self._h_record), ("records", self._h_records)
+        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping)):
             self.transport.register(op, h)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

@@ -29,6 +29,7 @@ from protocol.synchroniser import Contribution, on_contribution
 
 logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
+PING_AT_MOST = 4  # peers a synchroniser asks whether they are up before it believes a sender's dead list
 
 
 class OwnCids:
@@ -216,6 +217,8 @@ class Contributions:
                 )
             verify_contribution(self.settings.swarm, h.learner, raw, sig)
             who = None if self.settings.client_mode else self.synchroniser_of(p, dead)
+            if who == self.peer_id and dead:  # the sender's dead list made us the one: check it first
+                who = self.synchroniser_of(p, await self._checked_dead(p, dead))
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
             if self.guard.first_resend(h.cid):
@@ -237,6 +240,50 @@ class Contributions:
         self.counters["contributions_accepted"] += 1
         self._decide(p, d)
         return Reply(True)
+
+    async def _h_ping(self, caller: str, raw: bytes) -> Reply:
+        """Whether this node is up and takes contributions, asked by a member that was told it is dead."""
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        return Reply(True)
+
+    async def _checked_dead(self, p: int, dead: set[str]) -> set[str]:
+        """A sender's dead list is advice (issue 31): a peer that stands before this node in fragment p's
+        order in our own view is dead only if it does not answer a ping either (or is suspected here).
+        Otherwise one contribution sent to every node, each copy naming the others dead, made every node
+        the synchroniser of its own round: forks. At most ``PING_AT_MOST`` peers are asked, concurrently."""
+        order = self.candidates(p)
+        ahead = order[: order.index(self.peer_id)] if self.peer_id in order else order
+        named = [q for q in ahead if q in dead][:PING_AT_MOST]
+        answers = await asyncio.gather(*(self._answers(q) for q in named))
+        return dead - {q for q, up in zip(named, answers) if up}
+
+    async def _answers(self, q: str) -> bool:
+        """Whether ``q`` answers a ping (one call per peer at a time, a yes remembered for a heartbeat);
+        a peer that does not is suspected for ``ttl_s``, as one that failed a contribution is."""
+        mono = time.monotonic()
+        if self.suspect.get(q, 0.0) > mono:
+            return False
+        book = self.__dict__.setdefault("_pings", {})  # peer -> (when it answered, or the call under way)
+        seen = book.get(q)
+        if isinstance(seen, float) and mono - seen < self.settings.heartbeat_s:
+            return True
+        if not isinstance(seen, asyncio.Future):
+            seen = book[q] = asyncio.ensure_future(self._ping(q))
+        up = await asyncio.shield(seen)
+        if book.get(q) is seen:
+            book[q] = time.monotonic() if up else None
+        return up
+
+    async def _ping(self, q: str) -> bool:
+        try:
+            reply = await self.transport.call(q, "ping", b"", timeout_s=min(2.0, self.settings.rpc_timeout_s))
+            up = reply.ok
+        except TransportError:
+            up = False
+        if not up:
+            self.suspect[q] = time.monotonic() + self.settings.ttl_s
+        return up
 
     def penalise(self, peer: str, code: RejectCode) -> None:
         if self.guard.penalise(peer, code, time.monotonic()):
