@@ -343,6 +343,64 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
             bad.close()
 
 
+def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_path):
+    """Issue 31, a round that never merges: a member that copies the honest nodes' newest heads into its own
+    record (so it wins its share of elections), answers ``ok`` to every contribution and to pings, and never
+    merges. Each sender watches the rounds it gave a contribution to; one not merged two due periods after
+    its due moment makes the sender suspect the member (out of its elections) and send again, so the round
+    goes to the next candidate, which knows the member stalled from its own watch. Every fragment keeps
+    merging and the swarm ends on one hash."""
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    stop = threading.Event()
+    try:
+        swarm.start_many(3)
+        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
+        wait_until(merged, 120, "rounds merging")
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+
+        async def ok(caller: str, raw: bytes) -> Reply:
+            return Reply(True)
+
+        for op in ("contribute", "ping"):
+            bad.serve(op, ok)
+        bad.run(bad.tr.start())
+
+        def copy_heads() -> None:  # the newest honest head of each fragment, refreshed twice a heartbeat
+            members = Membership(bad.dht, SWARM, bad.ident)
+            while not stop.wait(0.25):
+                honest = [m for m in members.live()[0] if m.peer_id != bad.ident.peer_id]
+                heads = {}
+                for m in honest:
+                    for p, h in m.heads.items():
+                        if p not in heads or int(h[0]) > int(heads[p][0]):
+                            heads[p] = h
+                bad.publish(heads)
+
+        liar = threading.Thread(target=copy_heads, daemon=True)
+        liar.start()
+        wait_until(lambda: bad.calls.get("contribute", 0) >= 3, 120, "the member to be elected")
+        r0 = {p: min(s["fragments"][p]["round"] for s in swarm.status().values()) for p in range(4)}
+        wait_until(
+            lambda: all(
+                s["fragments"][p]["round"] >= r0[p] + 6 for s in swarm.status().values() for p in range(4)
+            ),
+            90,  # unchecked, the fragments it won froze for 45 to 65 s in a run
+            "every fragment merging beside the member",
+        )
+        stalls = [e for i in range(3) for e in swarm.events(i) if e["kind"] == "stall"]
+        assert stalls and {e["peer"] for e in stalls} == {bad.ident.peer_id}, stalls
+        stop.set()
+        liar.join(10)
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+    finally:
+        stop.set()
+        swarm.stop()
+        if bad is not None:
+            bad.close()
+
+
 def _post(url: str, body: bytes, token: str | None) -> int:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)

@@ -30,6 +30,8 @@ from protocol.synchroniser import Contribution, on_contribution
 logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 PING_AT_MOST = 4  # peers a synchroniser asks whether they are up before it believes a sender's dead list
+STALL_PERIODS = 2  # due periods a synchroniser that took a contribution has to merge the round
+STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never merged it stays suspected
 
 
 class OwnCids:
@@ -159,6 +161,8 @@ class Contributions:
                     continue
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 self.counters["contributions_sent"] += 1
+                if target != self.peer_id and reply.code != RejectCode.REPLAYED.value:
+                    self._watch_merge(target, header, enc)
                 return
             last = f"{target}: {reply.code} {reply.message}"
             if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
@@ -183,6 +187,40 @@ class Contributions:
         self.events.emit(
             "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
         )
+
+    def _watch_merge(self, target: str, header: ContributionHeader, enc) -> None:
+        """``target`` took our contribution to fragment p's open round: it must merge that round by its due
+        moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
+        never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
+        its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
+        p = header.fragment
+        now = self.loop.time()
+        due, every = self._schedule_of(p) or (now, 0.0)
+        wait = max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
+        self.loop.call_later(wait, self._check_merged, target, header, enc, self.replicas[p].round + 1)
+
+    def _check_merged(self, target: str, header: ContributionHeader, enc, open_round: int) -> None:
+        """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or
+        ``target`` is suspected for ``STALL_TTLS`` x ``ttl_s`` (left out of elections, so the round goes to
+        the next candidate, and named dead to it) and this contribution, if still our latest to the
+        fragment, goes again."""
+        p = header.fragment
+        if self.guard.was_merged(header.cid) or self.replicas[p].round >= open_round:
+            return
+        if any(m.head_round(p) >= open_round for q, m in self.live_members().items() if q != target):
+            return  # merged elsewhere; our replica is catching up
+        self.suspect[target] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
+        self.counters["stalls"] = self.counters.get("stalls", 0) + 1
+        self.events.emit("stall", t=time.time(), fragment=p, round=open_round, peer=target, cid=header.cid)
+        logger.warning(
+            "synchroniser %s took fragment %d's round %d and did not merge it; electing the next",
+            target,
+            p,
+            open_round,
+        )
+        latest = self.last_contribution.get(p)
+        if latest is not None and latest[0] is header:  # the watch of an older one leaves it to this one's
+            self.outbox.put_nowait(latest)
 
     def _fail_over(self, target: str, header: ContributionHeader, why: str, dead: set[str]) -> None:
         """``target`` took no contribution: left out of this send (and named dead to the next candidate),
