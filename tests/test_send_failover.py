@@ -41,7 +41,13 @@ class _Transport:
 class _Sender(Contributions):
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         self.pcfg = ProtocolConfig()
-        self.settings = SimpleNamespace(failover_s=failover_s, rpc_timeout_s=10.0, ttl_s=6.0, swarm="s")
+        self.settings = SimpleNamespace(
+            failover_s=failover_s, rpc_timeout_s=10.0, ttl_s=6.0, heartbeat_s=1.0, swarm="s"
+        )
+        self.replicas = {3: SimpleNamespace(round=0)}
+        self.members: dict = {}
+        self.last_contribution: dict = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.peer_id, self.identity = "me", None
         self.order = order
@@ -61,6 +67,12 @@ class _Sender(Contributions):
 
     def rounds_behind(self, p: int) -> int:
         return 0
+
+    def _schedule_of(self, p: int):
+        return None
+
+    def live_members(self) -> dict:
+        return self.members
 
 
 def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0, setup=None) -> _Sender:
@@ -119,3 +131,31 @@ def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
     s = _send(monkeypatch, ["A", "B"], hung=set(), setup=setup)
     assert [t for t, _ in s.transport.calls] == ["A"]
     assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")
+
+
+def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_and_sends_again():
+    """``_check_merged`` at the deadline of a round A took: merged (our replica, or a head another member
+    publishes, reached the round) changes nothing; not merged suspects A for ``STALL_TTLS`` x ``ttl_s`` and
+    puts our latest contribution to the fragment back in the outbox (an older one's watch does not)."""
+
+    async def go() -> None:
+        s = _Sender(["A", "B"], set(), 1.0)
+        old, latest = SimpleNamespace(fragment=3, cid="me:3:1"), SimpleNamespace(fragment=3, cid="me:3:2")
+        s.last_contribution[3] = (latest, "enc")
+        s.replicas[3].round = 5
+        s._check_merged("A", latest, "enc", open_round=5)  # our replica holds the round: merged
+        s.replicas[3].round = 4
+        s.members = {"B": SimpleNamespace(head_round=lambda p: 5)}
+        s._check_merged("A", latest, "enc", open_round=5)  # B publishes the round: merged, we catch up
+        s.guard.merged(["me:3:2"])
+        s.members = {"B": SimpleNamespace(head_round=lambda p: 4)}
+        s._check_merged("A", latest, "enc", open_round=5)  # a record named our contribution
+        assert not s.suspect and s.outbox.empty() and not s.counters["stalls"]
+        s.guard = Guard()
+        s._check_merged("A", old, "enc", open_round=5)  # an older one: A suspected, the latest not resent
+        assert s.suspect["A"] > 0 and s.outbox.empty()
+        s._check_merged("A", latest, "enc", open_round=5)
+        assert s.outbox.get_nowait() == (latest, "enc") and s.counters["stalls"] == 2
+        assert [e["peer"] for e in s.events.of("stall")] == ["A", "A"]
+
+    asyncio.run(go())
