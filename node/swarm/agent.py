@@ -196,6 +196,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             "contributions_accepted": 0,
             "contributions_dropped": 0,
             "failovers": 0,
+            "stalls": 0,  # rounds a synchroniser took from us and did not merge in time
             "forks": 0,
             "resyncs": 0,
             "hash_mismatches": 0,

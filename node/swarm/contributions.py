@@ -210,7 +210,7 @@ class Contributions:
         if any(m.head_round(p) >= open_round for q, m in self.live_members().items() if q != target):
             return  # merged elsewhere; our replica is catching up
         self.suspect[target] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
-        self.counters["stalls"] = self.counters.get("stalls", 0) + 1
+        self.counters["stalls"] += 1
         self.events.emit("stall", t=time.time(), fragment=p, round=open_round, peer=target, cid=header.cid)
         logger.warning(
             "synchroniser %s took fragment %d's round %d and did not merge it; electing the next",
