@@ -6,7 +6,6 @@ contribution changes the model."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 
@@ -20,7 +19,8 @@ from dht.records import Member
 from dht.swarm import Membership
 from node.local.launcher import wait_ready
 from node.swarm.transport import Transport
-from node.swarm.wire import pack_list, unpack_signed_contribution
+from node.swarm.wire import unpack_signed_contribution
+from protocol.messages import decode_contribution
 from tests.swarm_util import Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
@@ -93,10 +93,10 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
 
 def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_it_merged(tmp_path):
     """Issue 31, replay memory after a re-sync: a node that joined by downloading fragment 0 never applied
-    the record that merged a contribution; the attacker sends that contribution to it again, naming the
-    node that merged it dead so that the newcomer takes the round. The snapshot named the merged id: the
-    first copy is answered as landed (what an honest sender whose reply was lost sends), later copies are
-    refused as replays, and the newcomer's fragment 0 does not move."""
+    the record that merged a contribution; once the node that merged it has left, the attacker sends that
+    contribution to the newcomer again. The snapshot named the merged id: the first copy is answered as
+    landed (what an honest sender whose reply was lost sends), later copies are refused as replays, and the
+    newcomer merges nothing of it."""
     swarm = Swarm(tmp_path / "swarm")
     dht = None
     try:
@@ -141,16 +141,21 @@ def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_i
         frag = swarm.status()[1]["fragments"][0]
         assert frag["round"] == r0 + 1 and frag["hash"] == swarm.status()[0]["fragments"][0]["hash"]
         assert not any(e["kind"] == "merge" for e in swarm.events(1)), "it took the round by a record"
-        _, raw, sig = unpack_signed_contribution(honest)
-        to_b = pack_list([json.dumps({"dead": [a.peer_id]}).encode(), raw, sig])
-        replies = [asyncio.run(call(b.peer_id, to_b)) for _ in range(3)]
+        # The node that merged it leaves (a dead-peer list naming it would not do: the newcomer pings it
+        # first), so the newcomer is the fragment's synchroniser.
+        swarm.control(0, "stop")
+        a.proc.wait(60)
+        wait_until(lambda: a.peer_id not in {p["peer_id"] for p in swarm.status()[1]["peers"]}, 30, "A gone")
+        replies = [asyncio.run(call(b.peer_id, honest)) for _ in range(3)]
         assert [(r.ok, r.code) for r in replies] == [
             (True, "replayed"),
             (False, "replayed"),
             (False, "replayed"),
         ]
         time.sleep(2.0)
-        assert swarm.status()[1]["fragments"][0] == frag
+        cid = decode_contribution(unpack_signed_contribution(honest)[1], spec[0])[0].cid
+        again = [e for e in swarm.events(1) if e["kind"] == "merge" and cid in e["cids"]]
+        assert not again, again
     finally:
         swarm.stop()
         if dht is not None:
