@@ -163,6 +163,9 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
         assert after[0]["refused"].get("record_too_large", 0) >= 1
         assert after[0]["refused"].get("forged_record", 0) >= 1
         assert after[1]["refused"].get("record_too_large", 0) >= 1
+        # each refusal cost the member that signed and pushed the record (issue 31)
+        assert after[0]["guard"]["scores"].get(bad.ident.peer_id, 0) <= -2, after[0]["guard"]
+        assert after[1]["guard"]["scores"].get(bad.ident.peer_id, 0) <= -1, after[1]["guard"]
         # the honest swarm trains on and agrees
         for i in range(2):
             swarm.control(i, "resume")

@@ -94,3 +94,13 @@ def test_a_learner_sending_1000x_updates_is_neutralised(tiny_task):
     undefended = _final_loss(tiny_task, 1000.0, clip_factor=0.0, refuse_factor=0.0, max_rms=0.0)
     assert attacked <= 1.02 * honest  # within 2% of the honest run (or better: its work is refused)
     assert undefended > 2 * honest  # and without the defence the same attack ruins the model
+
+
+def test_a_forged_or_oversized_record_costs_only_the_peer_that_signed_it():
+    g = Guard(ban_after=2)
+    for code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+        assert not g.penalise("relay", code, 0.0)  # fetched from a holder: not its fault
+    assert "relay" not in g.scores
+    assert not g.penalise("signer", RejectCode.FORGED_RECORD, 0.0, signed=True)
+    assert g.penalise("signer", RejectCode.RECORD_TOO_LARGE, 0.0, signed=True)  # banned at -2
+    assert not g.penalise("signer", RejectCode.WRONG_PARENT, 0.0, signed=True)  # honest peers meet this one

@@ -323,8 +323,8 @@ class Contributions:
             self.suspect[q] = time.monotonic() + self.settings.ttl_s
         return up
 
-    def penalise(self, peer: str, code: RejectCode) -> None:
-        if self.guard.penalise(peer, code, time.monotonic()):
+    def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
+        if self.guard.penalise(peer, code, time.monotonic(), signed):
             self.events.emit("ban", t=time.time(), peer=peer, seconds=self.guard.ban_s, last=code.value)
 
     def _refuse_role(self, caller: str, p: int, who: str | None) -> Reply:

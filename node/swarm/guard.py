@@ -4,7 +4,8 @@ Every refusal of a message that an honest peer would not send (malformed, wrong 
 bad signature, a replay, ...) lowers the sender's score by one; accepted work raises it back slowly (never
 above zero). A peer whose score reaches ``-ban_after`` is banned for ``ban_s`` seconds: everything it sends
 is refused with ``banned`` before it is decoded, and it leaves this node's view (never elected, never
-pushed to). Refusals that honest peers meet in normal operation (routing, a stale or future base, a record
+pushed to). A forged or oversized merge record counts only against the peer that signed and pushed it.
+Refusals that honest peers meet in normal operation (routing, a stale or future base, a record
 that does not follow ours yet) cost nothing.
 
 Replays: a contribution id that a merge record already merged is refused with ``replayed``; every node
@@ -38,6 +39,11 @@ HOSTILE = frozenset(
 )
 
 
+# Refusals only a liar earns, but only from the peer that signed the record: a record's signer pushes it
+# (``Replication._broadcast``), and one fetched by catch-up may come from an honest holder.
+SIGNED_LIES = frozenset({RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE})
+
+
 class Guard:
     def __init__(self, ban_after: float = 10.0, ban_s: float = 300.0, remember: int = 4096) -> None:
         self.ban_after, self.ban_s, self.remember = ban_after, ban_s, remember
@@ -64,9 +70,10 @@ class Guard:
                 RejectCode.BANNED, f"{peer} is banned for {self.banned_until[peer] - now:.0f} s more"
             )
 
-    def penalise(self, peer: str, code: RejectCode, now: float) -> bool:
-        """Count a refusal against ``peer``; True if this one got it banned."""
-        if code not in HOSTILE:
+    def penalise(self, peer: str, code: RejectCode, now: float, signed: bool = False) -> bool:
+        """Count a refusal against ``peer`` (``signed``: of a record ``peer`` signed); True if this one got
+        it banned."""
+        if code not in HOSTILE and not (signed and code in SIGNED_LIES):
             return False
         score = self.scores.get(peer, 0.0) - 1.0
         self.scores[peer] = score

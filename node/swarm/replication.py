@@ -232,6 +232,7 @@ class Replication:
             logger.info("record push to %s failed: %s", pid, e)
 
     async def _h_record(self, caller: str, raw: bytes) -> Reply:
+        sr = None
         try:
             if not await self._known(caller):
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
@@ -246,7 +247,8 @@ class Replication:
             return self._on_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            self.penalise(caller, e.code)
+            # a forged or oversized record costs the peer that signed and pushed it (issue 31)
+            self.penalise(caller, e.code, signed=sr is not None and sr.signer == caller)
             return Reply(False, e.code.value, str(e))
 
     def _on_record(self, sr: SignedRecord, caller: str) -> Reply:
