@@ -168,7 +168,7 @@ class _Receiver(Replication):
         self.settings = SimpleNamespace(swarm="s")
         self.spec = {0: {"w": (16, 16)}}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
-        self.penalise = lambda *a: None
+        self.penalise = lambda *a, **kw: None
 
     async def _known(self, caller: str) -> bool:
         return caller in self.members
@@ -213,7 +213,7 @@ class _Restarted(Replication):
     def __init__(self, me: str, rep: FragmentReplica) -> None:
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
-        self.logs = [{}]
+        self.logs, self.suspect = [{}], {}
         self.guard = SimpleNamespace(merged=lambda cids: None)
         self.own_cids = OwnCids(me)
         self.counters = {"records_applied": 0}

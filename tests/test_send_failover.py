@@ -159,3 +159,26 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
         assert [e["peer"] for e in s.events.of("stall")] == ["A", "A"]
 
     asyncio.run(go())
+
+
+def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_lease_means_stalled():
+    """The dead-list check (``_checked_dead``): a peer that answers a ping, even ``unknown_peer`` (it has not
+    seen us yet), is up; ``unknown_op`` (takes no contribution, or too old to ping) or no answer is down and
+    suspected. A peer that publishes the lease of fragment p's open round two repeats after its first slot
+    stalled it, in this node's own view, with no ping asked."""
+
+    async def go() -> None:
+        s = _Sender(["A", "B"], {"C"}, 1.0)
+        s.settings.rpc_timeout_s = 0.2
+        s.transport.replies = {"A": Reply(False, "unknown_peer", ""), "B": Reply(False, "unknown_op", "")}
+        assert await s._answers("A") and "A" not in s.suspect
+        assert not await s._answers("B") and "B" in s.suspect
+        assert not await s._answers("C") and "C" in s.suspect  # no answer in time
+        s.members = {"A": SimpleNamespace(leases={"3": 1}), "B": SimpleNamespace(leases={"3": 7})}
+        now = s.loop.time()
+        s._schedule_of = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
+        assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
+        s._schedule_of = lambda p: (now - 1.5, 1.0)
+        assert not s._stalled_here(3, "A")
+
+    asyncio.run(go())

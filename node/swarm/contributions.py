@@ -195,7 +195,8 @@ class Contributions:
         its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
         p = header.fragment
         now = self.loop.time()
-        due, every = self._schedule_of(p) or (now, 0.0)
+        sched = self._schedule_of(p)  # none yet (the first rounds): rounds merge on arrival
+        due, every = sched or (now, self.settings.failover_s / STALL_PERIODS)
         wait = max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
         self.loop.call_later(wait, self._check_merged, target, header, enc, self.replicas[p].round + 1)
 
@@ -292,9 +293,19 @@ class Contributions:
         the synchroniser of its own round: forks. At most ``PING_AT_MOST`` peers are asked, concurrently."""
         order = self.candidates(p)
         ahead = order[: order.index(self.peer_id)] if self.peer_id in order else order
-        named = [q for q in ahead if q in dead][:PING_AT_MOST]
+        named = [q for q in ahead if q in dead and not self._stalled_here(p, q)][:PING_AT_MOST]
         answers = await asyncio.gather(*(self._answers(q) for q in named))
         return dead - {q for q, up in zip(named, answers) if up}
+
+    def _stalled_here(self, p: int, q: str) -> bool:
+        """This node's own evidence that ``q`` took fragment p's open round and did not merge it: ``q``
+        publishes the lease of that round, and the round's first slot is ``STALL_PERIODS`` repeats past.
+        (A member that answers pings and never merges is passed over by a node whose learner sent it
+        nothing, as by one whose own watch fired.)"""
+        m, sched = self.members.get(q), self._schedule_of(p)
+        if m is None or sched is None or m.leases.get(str(p)) != self.replicas[p].round + 1:
+            return False
+        return self.loop.time() > sched[0] + STALL_PERIODS * sched[1]
 
     async def _answers(self, q: str) -> bool:
         """Whether ``q`` answers a ping (one call per peer at a time, a yes remembered for a heartbeat);
@@ -306,19 +317,20 @@ class Contributions:
         seen = book.get(q)
         if isinstance(seen, float) and mono - seen < self.settings.heartbeat_s:
             return True
-        if not isinstance(seen, asyncio.Future):
-            seen = book[q] = asyncio.ensure_future(self._ping(q))
-        up = await asyncio.shield(seen)
-        if book.get(q) is seen:
-            book[q] = time.monotonic() if up else None
-        return up
+        if not isinstance(seen, asyncio.Future) or seen.done():
+            seen = book[q] = asyncio.ensure_future(self._ping(q, book))
+        return await asyncio.shield(seen)
 
-    async def _ping(self, q: str) -> bool:
+    async def _ping(self, q: str, book: dict) -> bool:
+        """Any answer means up (a peer that does not know us yet answers ``unknown_peer``), except
+        ``unknown_op`` and ``internal_error``: what a sender fails over on, a member that takes no
+        contribution (or a node too old to answer pings, whose dead list was taken as it came)."""
         try:
             reply = await self.transport.call(q, "ping", b"", timeout_s=min(2.0, self.settings.rpc_timeout_s))
-            up = reply.ok
+            up = reply.code not in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value)
         except TransportError:
             up = False
+        book[q] = time.monotonic() if up else None
         if not up:
             self.suspect[q] = time.monotonic() + self.settings.ttl_s
         return up

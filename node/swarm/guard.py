@@ -45,7 +45,7 @@ SIGNED_LIES = frozenset({RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE})
 
 
 class Guard:
-    def __init__(self, ban_after: float = 10.0, ban_s: float = 300.0, remember: int = 4096) -> None:
+    def __init__(self, ban_after: float = 10.0, ban_s: float = 300.0, remember: int = 65536) -> None:
         self.ban_after, self.ban_s, self.remember = ban_after, ban_s, remember
         self.scores: dict[str, float] = {}
         self.banned_until: dict[str, float] = {}

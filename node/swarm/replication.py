@@ -70,6 +70,7 @@ class Replication:
                 )
             raise
         self.heads[p] = tuple(sr.head)
+        self.suspect.pop(sr.signer, None)  # it merges (a late round, or it came back): electable again
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
         log = self.logs[p]
@@ -110,16 +111,17 @@ class Replication:
         in the swarm, a contributor it has never seen, or a contribution of its own it never sent."""
         known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
         rec = sr.record
+
+        def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
+            e = ProtocolError(RejectCode.FORGED_RECORD, why)
+            e.unseen = True
+            return e
+
         if sr.signer not in known:
-            raise ProtocolError(
-                RejectCode.FORGED_RECORD, f"round {rec.round} signed by {sr.signer}, never a member"
-            )
+            raise unseen(f"round {rec.round} signed by {sr.signer}, never a member")
         for learner, cid, *_ in rec.contributors:
             if learner not in known:
-                raise ProtocolError(
-                    RejectCode.FORGED_RECORD,
-                    f"round {rec.round} names {learner}, never a member, as a contributor",
-                )
+                raise unseen(f"round {rec.round} names {learner}, never a member, as a contributor")
             if learner == self.peer_id and self.own_cids.refutes(cid):
                 raise ProtocolError(
                     RejectCode.FORGED_RECORD,
@@ -248,7 +250,8 @@ class Replication:
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             # a forged or oversized record costs the peer that signed and pushed it (issue 31)
-            self.penalise(caller, e.code, signed=sr is not None and sr.signer == caller)
+            proof = sr is not None and sr.signer == caller and not getattr(e, "unseen", False)
+            self.penalise(caller, e.code, signed=proof)
             return Reply(False, e.code.value, str(e))
 
     def _on_record(self, sr: SignedRecord, caller: str) -> Reply:

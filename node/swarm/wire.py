@@ -303,7 +303,7 @@ class FragmentState:
     merged: tuple[str, ...] = ()  # ids its last rounds merged: replay memory of the records it skips
 
 
-SNAPSHOT_IDS_MAX = 8192  # merged ids one fragment's snapshot may name
+SNAPSHOT_IDS_MAX = 2048  # merged ids one fragment's snapshot may name (the replay memory holds 65536)
 
 
 def encode_snapshot(states: list[FragmentState]) -> bytes:
