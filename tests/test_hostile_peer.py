@@ -27,21 +27,40 @@ from tests.test_wire_refusals import _contribution, _spec
 pytestmark = pytest.mark.timeout(300)
 
 
+def _one_paused_node_and_a_member(swarm: Swarm, tmp_path, ban_after: str):
+    """Node 0 alone, merging then paused, and a member of the swarm of our own (its Identity and DHT)."""
+    swarm.start_many(1, extra={0: ["--ban-after", ban_after, "--ban-s", "600"]})
+    node = swarm.children[0]
+    wait_until(lambda: swarm.status()[0]["fragments"][0]["round"] >= 2, 90, "fragment 0 merging")
+    swarm.control(0, "pause")
+    wait_until(lambda: swarm.status()[0]["learner"]["idle"], 30, "the learner to pause")
+    time.sleep(1.5)
+    bad = Identity.generate()
+    dht = start_dht(bad.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], node.maddrs, timeout_s=30)
+    now = get_dht_time()
+    Membership(dht, "ddiloco-local", bad).publish(Member(bad.peer_id, (), "test", now, now + 300))
+    return node, bad, dht
+
+
+def _contribute(dht, peer: str, payload: bytes):
+    """One ``contribute`` call from the member's DHT's p2p daemon."""
+
+    async def call():
+        tr = Transport(await dht.replicate_p2p(), timeout_s=20)
+        try:
+            return await tr.call(peer, "contribute", payload)
+        finally:
+            await tr.p2p.shutdown()
+
+    return asyncio.run(call())
+
+
 def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     dht = None
     try:
-        swarm.start_many(1, extra={0: ["--ban-after", "4", "--ban-s", "600"]})
-        node = swarm.children[0]
-        wait_until(lambda: swarm.status()[0]["fragments"][0]["round"] >= 2, 90, "fragment 0 merging")
-        swarm.control(0, "pause")
-        wait_until(lambda: swarm.status()[0]["learner"]["idle"], 30, "the learner to pause")
-        time.sleep(1.5)
+        node, bad, dht = _one_paused_node_and_a_member(swarm, tmp_path, "4")
         spec = _spec()
-        bad = Identity.generate()
-        dht = start_dht(bad.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], node.maddrs, timeout_s=30)
-        now = get_dht_time()
-        Membership(dht, "ddiloco-local", bad).publish(Member(bad.peer_id, (), "test", now, now + 300))
 
         def fragment0() -> dict:
             return swarm.status()[0]["fragments"][0]
@@ -50,33 +69,27 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
         honest = _contribution(bad, spec, base=r0)
         small = {n: torch.randn(s) * 1e-3 for n, s in spec[0].items()}
 
-        async def call(payload: bytes):
-            tr = Transport(await dht.replicate_p2p(), timeout_s=20)
-            try:
-                return await tr.call(node.peer_id, "contribute", payload)
-            finally:
-                await tr.p2p.shutdown()
+        def call(payload: bytes):
+            return _contribute(dht, node.peer_id, payload)
 
-        first = asyncio.run(call(honest))
+        first = call(honest)
         assert first.ok, first
         wait_until(lambda: fragment0()["round"] == r0 + 1, 30, "the honest contribution merged")
         h1 = swarm.status()[0]["model_hash"]
         # The same bytes again. The first copy is what an honest sender whose reply was lost sends: answered
         # as landed, not merged again, no strike. The second is a replay.
-        resend = asyncio.run(call(honest))
+        resend = call(honest)
         assert resend.ok and resend.code == "replayed", resend
         assert fragment0()["round"] == r0 + 1 and swarm.status()[0]["model_hash"] == h1
-        replies = [asyncio.run(call(honest))]
+        replies = [call(honest)]
         scaled = {n: t * 1000 * 1000 for n, t in small.items()}
-        replies.append(asyncio.run(call(_contribution(bad, spec, base=r0 + 1, tensors=scaled))))
+        replies.append(call(_contribution(bad, spec, base=r0 + 1, tensors=scaled)))
         nan = {n: torch.full(s, math.nan) for n, s in spec[0].items()}
         for _ in range(2):
-            replies.append(
-                asyncio.run(call(_contribution(bad, spec, base=r0 + 1, codec="fp32", tensors=nan)))
-            )
+            replies.append(call(_contribution(bad, spec, base=r0 + 1, codec="fp32", tensors=nan)))
         assert [r.code for r in replies] == ["replayed", "too_large", "not_finite", "not_finite"]
         # four strikes: banned; now even a valid contribution is refused before it is decoded
-        after_ban = asyncio.run(call(_contribution(bad, spec, base=r0 + 1, tensors=small)))
+        after_ban = call(_contribution(bad, spec, base=r0 + 1, tensors=small))
         assert not after_ban.ok and after_ban.code == "banned"
         st = swarm.status()[0]
         assert bad.peer_id in st["guard"]["banned"] and st["guard"]["bans"] == 1
@@ -100,28 +113,11 @@ def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_i
     swarm = Swarm(tmp_path / "swarm")
     dht = None
     try:
-        swarm.start_many(1, extra={0: ["--ban-after", "100"]})
-        a = swarm.children[0]
-        wait_until(lambda: swarm.status()[0]["fragments"][0]["round"] >= 2, 90, "fragment 0 merging")
-        swarm.control(0, "pause")
-        wait_until(lambda: swarm.status()[0]["learner"]["idle"], 30, "the learner to pause")
-        time.sleep(1.5)
+        a, bad, dht = _one_paused_node_and_a_member(swarm, tmp_path, "100")
         spec = _spec()
-        bad = Identity.generate()
-        dht = start_dht(bad.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], a.maddrs, timeout_s=30)
-        now = get_dht_time()
-        Membership(dht, "ddiloco-local", bad).publish(Member(bad.peer_id, (), "test", now, now + 300))
-
-        async def call(peer: str, payload: bytes):
-            tr = Transport(await dht.replicate_p2p(), timeout_s=20)
-            try:
-                return await tr.call(peer, "contribute", payload)
-            finally:
-                await tr.p2p.shutdown()
-
         r0 = swarm.status()[0]["fragments"][0]["round"]
         honest = _contribution(bad, spec, base=r0)
-        assert asyncio.run(call(a.peer_id, honest)).ok
+        assert _contribute(dht, a.peer_id, honest).ok
         wait_until(
             lambda: swarm.status()[0]["fragments"][0]["round"] == r0 + 1, 30, "the contribution merged"
         )
@@ -146,7 +142,7 @@ def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_i
         swarm.control(0, "stop")
         a.proc.wait(60)
         wait_until(lambda: a.peer_id not in {p["peer_id"] for p in swarm.status()[1]["peers"]}, 30, "A gone")
-        replies = [asyncio.run(call(b.peer_id, honest)) for _ in range(3)]
+        replies = [_contribute(dht, b.peer_id, honest) for _ in range(3)]
         assert [(r.ok, r.code) for r in replies] == [
             (True, "replayed"),
             (False, "replayed"),

@@ -109,8 +109,8 @@ class Attacker:
         assert not left, f"tasks still pending after the attacker's shutdown: {left}"
 
 
-def _two_nodes_merging(swarm: Swarm, rounds: int) -> None:
-    swarm.start_many(2)
+def _nodes_merging(swarm: Swarm, n: int, rounds: int) -> None:
+    swarm.start_many(n)
     merged = lambda: all(s["fragments"][0]["round"] >= rounds for s in swarm.status().values())  # noqa: E731
     wait_until(merged, 120, "rounds merging")
 
@@ -139,7 +139,7 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
-        _two_nodes_merging(swarm, 3)
+        _nodes_merging(swarm, 2, 3)
         before = _paused_at_rest(swarm, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         bad.publish()
@@ -185,7 +185,7 @@ def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_p
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
-        _two_nodes_merging(swarm, 2)
+        _nodes_merging(swarm, 2, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         spec = _spec()
         zero = {
@@ -247,6 +247,20 @@ def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_p
             bad.close()
 
 
+def _stop_the_liar_and_agree(swarm: Swarm, stop: threading.Event, liar: threading.Thread) -> None:
+    stop.set()
+    liar.join(10)
+    final = swarm.settle()
+    assert len({s["model_hash"] for s in final.values()}) == 1
+
+
+def _tear_down(swarm: Swarm, stop: threading.Event, bad: Attacker | None) -> None:
+    stop.set()
+    swarm.stop()
+    if bad is not None:
+        bad.close()
+
+
 def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rounds(tmp_path):
     """Issue 31: three honest nodes and a member whose published head stays one round ahead of theirs (inside
     the slack a claim needs no backing for), so that it is the only member at the newest round and wins every
@@ -256,9 +270,7 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
     bad = None
     stop = threading.Event()
     try:
-        swarm.start_many(3)
-        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
-        wait_until(merged, 120, "rounds merging")
+        _nodes_merging(swarm, 3, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         spec = _spec()
         zero_hash = {
@@ -294,15 +306,9 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
             assert failed_over, f"node {i} never elected the liar: the test did not test anything"
             merges = [e for e in swarm.events(i) if e["kind"] == "merge" and e["t"] > failed_over[0]["t"]]
             assert merges, f"node {i} merged nothing after it failed over from the liar"
-        stop.set()
-        liar.join(10)
-        final = swarm.settle()
-        assert len({s["model_hash"] for s in final.values()}) == 1
+        _stop_the_liar_and_agree(swarm, stop, liar)
     finally:
-        stop.set()
-        swarm.stop()
-        if bad is not None:
-            bad.close()
+        _tear_down(swarm, stop, bad)
 
 
 def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(tmp_path):
@@ -313,9 +319,7 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
-        swarm.start_many(3)
-        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
-        wait_until(merged, 120, "rounds merging")
+        _nodes_merging(swarm, 3, 2)
         at_rest = _paused_at_rest(swarm, 3)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
         bad.publish()
@@ -357,9 +361,7 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
     bad = None
     stop = threading.Event()
     try:
-        swarm.start_many(3)
-        merged = lambda: all(s["fragments"][0]["round"] >= 2 for s in swarm.status().values())  # noqa: E731
-        wait_until(merged, 120, "rounds merging")
+        _nodes_merging(swarm, 3, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
 
         async def ok(caller: str, raw: bytes) -> Reply:
@@ -393,15 +395,9 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
         )
         stalls = [e for i in range(3) for e in swarm.events(i) if e["kind"] == "stall"]
         assert stalls and {e["peer"] for e in stalls} == {bad.ident.peer_id}, stalls
-        stop.set()
-        liar.join(10)
-        final = swarm.settle()
-        assert len({s["model_hash"] for s in final.values()}) == 1
+        _stop_the_liar_and_agree(swarm, stop, liar)
     finally:
-        stop.set()
-        swarm.stop()
-        if bad is not None:
-            bad.close()
+        _tear_down(swarm, stop, bad)
 
 
 def _post(url: str, body: bytes, token: str | None) -> int:
