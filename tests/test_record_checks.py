@@ -22,7 +22,7 @@ from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
 from protocol.messages import contribution_id
 from protocol.replica import FragmentReplica
-from protocol.synchroniser import Contribution
+from protocol.synchroniser import Contribution, Merge
 
 CFG = ProtocolConfig(fragments=1, sync_every=4, overlap=0, record_codec="fp32")
 
@@ -240,3 +240,19 @@ def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_e
     node = _Restarted(me.peer_id, _replica())
     node._apply(sr, made_here=True)  # our synchroniser made it now: its state machine moves on by itself
     assert node.replicas[0].round == 1 and node.resets == []
+
+
+def test_a_stopping_node_merges_no_round():
+    """A round whose slot comes while the node stops is left unmerged: merged then, it would land after the
+    members stopping with it wrote their final state (two hashes at the end of a 124M `ddiloco up`)."""
+
+    class _Stopping(Replication):
+        def __init__(self) -> None:
+            self._stop = asyncio.Event()
+            self._stop.set()
+
+        @property
+        def replicas(self):  # a merge would start here
+            raise AssertionError("a stopping node began a merge")
+
+    assert _Stopping()._merge(0, Merge(3, ())) is None

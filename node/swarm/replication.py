@@ -190,6 +190,12 @@ class Replication:
         self._decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
 
     def _merge(self, p: int, a: Merge) -> None:
+        if self._stop is not None and self._stop.is_set():
+            # Stopping: a round merged now lands after the members that stop with us wrote their final
+            # state (`ddiloco up` ended on two hashes at 124M, whose slots come minutes apart). The
+            # senders' watches find the round unmerged and send their contributions again.
+            logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
+            return
         rep = self.replicas[p]
         t0 = self.loop.time()
         st = self.syncs[p]
