@@ -143,18 +143,18 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
         old, latest = SimpleNamespace(fragment=3, cid="me:3:1"), SimpleNamespace(fragment=3, cid="me:3:2")
         s.last_contribution[3] = (latest, "enc")
         s.replicas[3].round = 5
-        s._check_merged("A", latest, "enc", open_round=5)  # our replica holds the round: merged
+        s._check_merged("A", latest, open_round=5)  # our replica holds the round: merged
         s.replicas[3].round = 4
         s.members = {"B": SimpleNamespace(head_round=lambda p: 5)}
-        s._check_merged("A", latest, "enc", open_round=5)  # B publishes the round: merged, we catch up
+        s._check_merged("A", latest, open_round=5)  # B publishes the round: merged, we catch up
         s.guard.merged(["me:3:2"])
         s.members = {"B": SimpleNamespace(head_round=lambda p: 4)}
-        s._check_merged("A", latest, "enc", open_round=5)  # a record named our contribution
+        s._check_merged("A", latest, open_round=5)  # a record named our contribution
         assert not s.suspect and s.outbox.empty() and not s.counters["stalls"]
         s.guard = Guard()
-        s._check_merged("A", old, "enc", open_round=5)  # an older one: A suspected, the latest not resent
+        s._check_merged("A", old, open_round=5)  # an older one: A suspected, the latest not resent
         assert s.suspect["A"] > 0 and s.outbox.empty()
-        s._check_merged("A", latest, "enc", open_round=5)
+        s._check_merged("A", latest, open_round=5)
         assert s.outbox.get_nowait() == (latest, "enc") and s.counters["stalls"] == 2
         assert [e["peer"] for e in s.events.of("stall")] == ["A", "A"]
 

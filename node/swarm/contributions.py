@@ -162,7 +162,7 @@ class Contributions:
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 self.counters["contributions_sent"] += 1
                 if target != self.peer_id and reply.code != RejectCode.REPLAYED.value:
-                    self._watch_merge(target, header, enc)
+                    self._watch_merge(target, header)
                 return
             last = f"{target}: {reply.code} {reply.message}"
             if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
@@ -188,7 +188,7 @@ class Contributions:
             "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
         )
 
-    def _watch_merge(self, target: str, header: ContributionHeader, enc) -> None:
+    def _watch_merge(self, target: str, header: ContributionHeader) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
         moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
         never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
@@ -198,9 +198,9 @@ class Contributions:
         sched = self._schedule_of(p)  # none yet (the first rounds): rounds merge on arrival
         due, every = sched or (now, self.settings.failover_s / STALL_PERIODS)
         wait = max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
-        self.loop.call_later(wait, self._check_merged, target, header, enc, self.replicas[p].round + 1)
+        self.loop.call_later(wait, self._check_merged, target, header, self.replicas[p].round + 1)
 
-    def _check_merged(self, target: str, header: ContributionHeader, enc, open_round: int) -> None:
+    def _check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
         """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or
         ``target`` is suspected for ``STALL_TTLS`` x ``ttl_s`` (left out of elections, so the round goes to
         the next candidate, and named dead to it) and this contribution, if still our latest to the
