@@ -25,7 +25,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
-from dht.launch import start_dht
+from dht.launch import SwarmUnreachable, start_dht
 from dht.records import Member
 from dht.swarm import Membership
 from node.swarm.transport import Reply, Transport
@@ -71,7 +71,17 @@ class Attacker:
     def publish(self, heads: dict | None = None) -> None:
         now = get_dht_time()
         m = Member(self.ident.peer_id, (), "ddiloco/0.3", now, now + 300, heads=heads or {})
-        Membership(self.dht, SWARM, self.ident).publish(m)
+        # Right after this DHT starts, the peer it stores to may refuse (no routing yet): SwarmUnreachable. That
+        # is the set-up's weather, not the attack: try again for a while (one flaky full-suite run did).
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                Membership(self.dht, SWARM, self.ident).publish(m)
+                return
+            except SwarmUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
 
     def serve(self, op: str, handler) -> None:
         async def counted(caller: str, raw: bytes) -> Reply:
