@@ -128,6 +128,14 @@ def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
     assert credible("b", 51, behind) and credible("a", 50, behind)
     # one other member only: nobody else to ask, the claimant is believed
     assert credible("a", 500, {"a": _member("a", 500)})
+    # members that publish no head of the fragment hold nothing to vouch with: they do not outvote the one
+    # that does (two such records kept a node that fell behind from ever following the swarm again)
+    now = get_dht_time()
+    bare = {q: Member(q, (), "v", now, now + 5) for q in ("x", "y")}
+    assert credible("b", 51, {**behind, **bare}) and credible(
+        "a", 50, {"a": _member("a", 50), "c": _member("c", 49), **bare}
+    )
+    assert not credible("liar", 1010, {**liar, **bare})
 
 
 def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar():

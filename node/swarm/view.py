@@ -81,9 +81,16 @@ class SwarmView:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
     def backed(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
-        """Whether a majority of the other reachable members (not ``pid``, not this node) publish heads of
-        fragment p at most ``HEAD_SLACK`` rounds below ``round_``. With no other member to ask: True."""
-        others = [m for q, m in members.items() if q not in (pid, self.peer_id) and not m.client_mode]
+        """Whether a majority of the other reachable members (not ``pid``, not this node) that publish a head
+        of fragment p publish one at most ``HEAD_SLACK`` rounds below ``round_``. With no other member to
+        ask: True. A member that publishes no head of p holds no state of it to vouch with: counted, two
+        such records (a hostile member's, in a test) outvoted an honest node's word, and a node that fell
+        behind never followed the swarm again."""
+        others = [
+            m
+            for q, m in members.items()
+            if q not in (pid, self.peer_id) and not m.client_mode and m.heads.get(str(p))
+        ]
         backing = sum(1 for m in others if m.head_round(p) >= round_ - HEAD_SLACK)
         return backing >= (len(others) + 1) // 2
 
