@@ -30,3 +30,42 @@ def test_the_default_log_bridges_its_four_rounds():
     # four int4 records a fragment: 2.25 bytes a parameter kept, a quarter of what a snapshot weighs
     cfg = ProtocolConfig()
     assert [g for g in range(0, 40) if records_bridge(g, cfg)] == [1, 2, 3, 4]
+
+
+def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
+    """The pulls spread over the peers holding the winning head, and skip one backing off: always the first
+    holder by peer id spent that donor's snapshot allowance, and a node fell behind for good."""
+    import time
+    from types import SimpleNamespace
+
+    from node.swarm.catch_up import CatchUp
+    from node.swarm.limits import Backoff
+
+    picked = []
+    node = SimpleNamespace(
+        replicas=[object()],
+        lagging_since={0: time.monotonic() - 60},
+        settings=SimpleNamespace(heartbeat_s=0.5),
+        _syncing=set(),
+        live_members=lambda: {},
+        winning_heads=lambda p, ms: ([9, "h", 1, 1.0], ["a", "b", "c"]),
+        _spawn=lambda coro: coro.close(),
+    )
+    backoff = Backoff(base_s=60, cap_s=60)
+    backoff.failed("a", time.monotonic())
+    backoff.failed("b", time.monotonic())
+    node._catch_up_backoff = lambda: backoff
+    node._catch_up = lambda p, pid, head, yielding: picked.append(pid) or _noop()
+    for _ in range(20):
+        CatchUp._reconcile(node)
+    assert set(picked) == {"c"}  # a and b back off
+    backoff.succeeded("a")
+    backoff.succeeded("b")
+    picked.clear()
+    for _ in range(60):
+        CatchUp._reconcile(node)
+    assert set(picked) == {"a", "b", "c"}
+
+
+async def _noop() -> None:
+    return None

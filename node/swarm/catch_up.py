@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 
 from node.swarm.limits import Backoff, TokenBucket
@@ -266,7 +267,10 @@ class CatchUp:
             since = self.lagging_since.setdefault(p, now)
             # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
-                self._spawn(self._catch_up(p, holders[0], head, yielding))
+                # any holder will do: spread the pulls over them, the ones not backing off first (always the
+                # first holder by peer id spent that donor's snapshot allowance, and a node fell behind)
+                ready = [q for q in holders if self._catch_up_backoff().ready(q, now)] or holders
+                self._spawn(self._catch_up(p, random.choice(ready), head, yielding))
 
     async def _catch_up(self, p: int, pid: str, head: list, yielding: bool = False) -> None:
         """Follow ``pid``'s head of fragment p: by records where they bridge the gap (each one checked), else
