@@ -45,7 +45,6 @@ class RejectCode(enum.Enum):
     RECORD_TOO_LARGE = "record_too_large"  # a merge record's merged outer gradient out of all proportion
     PEER_BUSY = "peer_busy"  # the sender already has its budget of request bytes being read; retry later
     RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
-    UNVOUCHED = "unvouched"  # a snapshot's state that too few of the other live members say they hold
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

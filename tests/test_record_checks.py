@@ -148,8 +148,6 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         _head_key=lambda h: (-int(h[0]), str(h[1])),
     )
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
-    node.outnumbered = lambda p, ms: SwarmView.outnumbered(node, p, ms)
-    node.hash_at = lambda p, r: {20: "mine20", 14: "mine14", 15: "mine15"}.get(r)
     outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
 
     def member(pid: str, r: int, h: str) -> Member:
@@ -166,59 +164,6 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
     assert outvoted({"a": member("a", 19, "x"), "liar": member("liar", 5, "zero")}) == (None, [])
     # one other member only: nobody to outvote this node
     assert outvoted({"a": member("a", 15, "theirs15")}) == (None, [])
-
-
-def test_a_node_outnumbered_at_its_own_round_yields_and_nobody_follows_it():
-    """A swarm split at one round: the larger side never installs the smaller side's state (the vouch
-    refuses it, whatever its head key), so a node on the smaller side yields to the larger one, and no node
-    chases a head that fewer members publish than a rival state at its round. A tie is left to the head
-    key, as before (a three-way split has no larger side)."""
-
-    def member(pid: str, r: int, h: str, n: int = 1) -> Member:
-        now = get_dht_time()
-        return Member(pid, (), "v", now, now + 5, heads={"0": [r, h, n, 1.0]})
-
-    def node_at(r: int, h: str, n: int = 1) -> SimpleNamespace:
-        node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=r)], heads=[(r, h, n, 1.0)])
-        node.logs = [{}]
-        node._head_key = lambda hd: (-int(hd[0]), -int(hd[2]), str(hd[1]))
-        node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
-        node.outnumbered = lambda p, ms: SwarmView.outnumbered(node, p, ms)
-        node.hash_at = lambda p, r: {r: h, **node.logs[p]}.get(r)
-        node.credible = lambda p, pid, r, ms: SwarmView.credible(node, p, pid, r, ms)
-        node.within_records = lambda p, r: True
-        return node
-
-    # this node has the better head key (3 contributors) but two others hold another state at round 20
-    lone = node_at(20, "mine", n=3)
-    two = {"a": member("a", 20, "theirs"), "b": member("b", 20, "theirs")}
-    head, holders = SwarmView.outvoted(lone, 0, two)
-    assert head[:2] == [20, "theirs"] and holders == ["a", "b"]
-    # one of the two shares this node's state: 2 against 1, nothing to yield
-    assert SwarmView.outvoted(lone, 0, {"a": member("a", 20, "theirs"), "b": member("b", 20, "mine")}) == (
-        None,
-        [],
-    )
-    # this node alone a round ahead on its own chain (its round 20 was "mine" too): the two others at 20
-    ahead = node_at(21, "mine21", n=3)
-    ahead.logs = [{20: "mine"}]
-    head, holders = SwarmView.outvoted(ahead, 0, two)
-    assert head[:2] == [20, "theirs"] and holders == ["a", "b"]
-    # ahead on the same chain as theirs: they follow by records, nothing to yield
-    ahead.logs = [{20: "theirs"}]
-    assert SwarmView.outvoted(ahead, 0, two) == (None, [])
-    # a three-way split: no larger side
-    assert SwarmView.outvoted(lone, 0, {"a": member("a", 20, "x"), "b": member("b", 20, "y")}) == (None, [])
-    # on the larger side: the lone better head key is not followed; a better head with the most holders is
-    big = node_at(20, "theirs")
-    view = {
-        "me": member("me", 20, "theirs"),
-        "a": member("a", 20, "theirs"),
-        "c": member("c", 20, "mine", n=3),
-    }
-    assert SwarmView.winning_heads(big, 0, view) == (None, [])
-    view["c"] = member("c", 21, "next", n=3)  # the round after: nobody else at it, no rival either
-    assert SwarmView.winning_heads(big, 0, view) == ([21, "next", 3, 1.0], ["c"])
 
 
 class _Receiver(Replication):

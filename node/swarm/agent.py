@@ -282,7 +282,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
         ops = ("contribute", self._h_contribute), ("record", self._h_record), ("records", self._h_records)
-        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping), ("vouch", self._h_vouch)):
+        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping)):
             self.transport.register(op, h)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

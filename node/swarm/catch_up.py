@@ -14,7 +14,6 @@ import time
 from node.swarm.limits import Backoff, TokenBucket
 from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
-from node.swarm.vouching import Vouching
 from node.swarm.wire import (
     SNAPSHOT_IDS_MAX,
     FragmentState,
@@ -47,7 +46,7 @@ def records_bridge(gap: int, pcfg) -> bool:
     return gap * record_bytes_per_param(pcfg.record_codec, pcfg.codec_block) < SNAPSHOT_BYTES_PER_PARAM
 
 
-class CatchUp(Vouching):
+class CatchUp:
     """Join and catch-up logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- per-peer limits (issue 19)
@@ -200,8 +199,6 @@ class CatchUp(Vouching):
             raise ProtocolError(
                 RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
             )
-        for st in states:
-            await self._vouch_for(st, pid)  # raises: nothing of this reply is installed
         for st in states:
             self._install_snapshot(st, pid, replace_ours)
 

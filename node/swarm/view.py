@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Collection
 
 from dht.launch import peer_ids_of
@@ -112,24 +111,14 @@ class SwarmView:
     ) -> tuple[list | None, list[str]]:
         """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats
         ours; else (None, []). A head must be ``credible``, or (unless ``strict``: a snapshot will be
-        fetched) close enough to follow by records. A head that fewer members publish than another state at
-        its round is passed over: its snapshot would not be vouched for (``node.swarm.vouching``)."""
+        fetched) close enough to follow by records."""
         best_key, best_head, holders = self._head_key(self.heads[p]), None, []
-        published = [
-            m.heads.get(str(p)) for q, m in members.items() if q != self.peer_id and not m.client_mode
-        ]
-        held = Counter((int(h[0]), str(h[1])) for h in [*published, self.heads[p]] if h and len(h) >= 4)
-        most = Counter()
-        for (r, _), n in held.items():
-            most[r] = max(most[r], n)
         for pid, m in sorted(members.items()):
             h = m.heads.get(str(p))
             if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
                 continue
             r = int(h[0])
             if not self.credible(p, pid, r, members) and (strict or not self.within_records(p, r)):
-                continue
-            if held[(r, str(h[1]))] < most[r]:
                 continue
             k = self._head_key(h)
             if k < best_key:
@@ -151,9 +140,6 @@ class SwarmView:
             for q, m in members.items()
             if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
         }
-        rival, holders = self.outnumbered(p, others)
-        if rival is not None:
-            return rival, holders
         if len(others) < 2 or self.backed(p, self.peer_id, r, members):
             return None, []
         best, holders = None, []
@@ -169,30 +155,6 @@ class SwarmView:
             elif list(h) == list(best):
                 holders.append(q)
         return best, holders
-
-    def outnumbered(self, p: int, others: dict[str, Member]) -> tuple[list | None, list[str]]:
-        """A rival state of fragment p, at a round this node holds (its head, or a record in its log), that
-        more members publish than this node's state at that round (this node counted): the swarm split, and
-        this node is on the smaller side, ahead of the rest or not. A snapshot is installed only with as
-        many holders as any rival (``node.swarm.vouching``), so the larger side never takes this node's
-        chain whatever its head key: it yields to theirs (the newest such round), or the split would stay.
-        (None, []) if none."""
-        ours = int(self.heads[p][0])
-        states: dict[int, dict[str, list[str]]] = {}
-        for q, m in sorted(others.items()):
-            head = m.heads.get(str(p))
-            if head and len(head) >= 4 and int(head[0]) <= ours:
-                states.setdefault(int(head[0]), {}).setdefault(str(head[1]), []).append(q)
-        for r in sorted(states, reverse=True):
-            mine = self.hash_at(p, r)
-            if mine is None:
-                continue  # that round left our log: nothing to compare
-            backing = 1 + len(states[r].get(mine, []))
-            rivals = [holders for h, holders in states[r].items() if h != mine and len(holders) > backing]
-            if rivals:
-                best = max(rivals, key=len)
-                return others[best[0]].heads[str(p)], best
-        return None, []
 
     def candidates(self, p: int, dead: Collection[str] = ()) -> list[str]:
         """Fragment p's synchroniser and its failovers, in order. Eligibility (the newest head) is judged

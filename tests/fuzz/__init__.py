@@ -15,7 +15,6 @@ from tests.fuzz.wire_targets import (
     REDIRECT,
     SNAPSHOT,
     SNAPSHOT_REQUEST,
-    VOUCH_REQUEST,
 )
 
 __all__ = ["TARGETS", "Outcome", "Target", "outcome", "refusal_label"]
@@ -24,6 +23,6 @@ TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         CONTRIBUTION, PEEK, PARTS, RECORD, SNAPSHOT, LIST, ENVELOPE, RECORDS_REQUEST, SNAPSHOT_REQUEST,
-        VOUCH_REQUEST, REDIRECT, MEMBER, LIVE, CERTIFICATE, SEALED, FRAME, CONTROL, CHECKPOINT, LATEST,
+        REDIRECT, MEMBER, LIVE, CERTIFICATE, SEALED, FRAME, CONTROL, CHECKPOINT, LATEST,
     )
 }  # fmt: skip

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load as st_load
 
 from node.swarm import transport, wire
-from node.swarm.vouching import parse_vouch_request
 from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError
 from protocol.hashing import tensors_hash
@@ -283,10 +282,6 @@ RECORDS_REQUEST = replace(
 )
 SNAPSHOT_REQUEST = replace(
     _json_target("snapshot_request", [{"fragments": [0, 1]}, {"fragments": []}], wire.parse_snapshot_request),
-    check=lambda v: _check_types(v, int),
-)
-VOUCH_REQUEST = replace(
-    _json_target("vouch_request", [{"fragment": 1, "round": 7}], lambda raw: parse_vouch_request(raw, 4)),
     check=lambda v: _check_types(v, int),
 )
 REDIRECT = replace(
