@@ -1,9 +1,12 @@
 """How a node catches up a fragment it is behind on: records while they bridge the gap cheaply, else one
 snapshot (``node.swarm.catch_up.records_bridge``)."""
 
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 
-from node.swarm.catch_up import SNAPSHOT_BYTES_PER_PARAM, record_bytes_per_param, records_bridge
+from node.swarm.catch_up import SNAPSHOT_BYTES_PER_PARAM, CatchUp, record_bytes_per_param, records_bridge
+from node.swarm.limits import Backoff
 from protocol.config import ProtocolConfig
 
 
@@ -35,12 +38,6 @@ def test_the_default_log_bridges_its_four_rounds():
 def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
     """The pulls spread over the peers holding the winning head, and skip one backing off: always the first
     holder by peer id spent that donor's snapshot allowance, and a node fell behind for good."""
-    import time
-    from types import SimpleNamespace
-
-    from node.swarm.catch_up import CatchUp
-    from node.swarm.limits import Backoff
-
     picked = []
     node = SimpleNamespace(
         replicas=[object()],

@@ -269,7 +269,8 @@ class CatchUp:
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
                 # any holder will do: spread the pulls over them, the ones not backing off first (always the
                 # first holder by peer id spent that donor's snapshot allowance, and a node fell behind)
-                ready = [q for q in holders if self._catch_up_backoff().ready(q, now)] or holders
+                backoff = self._catch_up_backoff()
+                ready = [q for q in holders if backoff.ready(q, now)] or holders
                 self._spawn(self._catch_up(p, random.choice(ready), head, yielding))
 
     async def _catch_up(self, p: int, pid: str, head: list, yielding: bool = False) -> None:
