@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 LEVELS = ("ok", "warn", "fail")
 LAST_CONTRIBUTIONS = 20  # how many of the newest contributions the quorum check reads
+CONFIG_CODES = {"wrong_shape", "wrong_fragment"}  # refusals that only other [model]/[protocol] settings earn
 MB = 1e6
 
 
@@ -209,6 +210,10 @@ def quorum(status: dict, events: list[dict], last: int = LAST_CONTRIBUTIONS) -> 
         "banned this node after repeated refusals, fix their first cause and the ban ends (ban_s)"
     )
     if n_merged == 0 and codes and pending < len(sent):
+        return Check("quorum", "fail", evidence, fix)
+    # A peer that finds this node's model of another shape refuses it for good (and soon bans it): its own
+    # merges, as the synchroniser of a fragment in its own view, are not the swarm's.
+    if codes and set(seen) & CONFIG_CODES:
         return Check("quorum", "fail", evidence, fix)
     if codes:
         return Check("quorum", "warn", evidence, fix)
