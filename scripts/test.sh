@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: installs into ./.venv if needed, then runs pytest. Extra arguments go to pytest.
+# The swarm tests mostly wait on rounds, timeouts and start-ups, so two pytest-xdist workers share the cores;
+# DDILOCO_TEST_WORKERS=0 runs everything in one process (e.g. with a debugger).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n "${DDILOCO_TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -44,24 +44,54 @@ def project_leftovers(tmp: str | None = None) -> set[str]:
     return found - {own}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def leaves_tmp_as_found():
-    """The suite leaves the machine as it found it: nothing of the project's is left in the temporary
-    folder (the test of this check is ``tests/test_tmp_hygiene.py``)."""
-    before = project_leftovers()
-    yield
-    import gc
+# Under pytest-xdist each worker is a session of its own while the others run, so the check belongs to the
+# process that started the run (the controller, or the only process without xdist): it looks before the first
+# test and after every worker has finished.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+_TMP_BEFORE: set[str] = set()
 
-    gc.collect()  # an in-process DHT's socket folder goes with its finaliser
-    left = project_leftovers() - before
-    assert not left, f"the test session left these in {tempfile.gettempdir()}: {sorted(left)}"
+
+def pytest_sessionstart(session):
+    if not _XDIST_WORKER:
+        _TMP_BEFORE.update(project_leftovers())
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves the machine as it found it: nothing of the project's is left in the temporary
+    folder (the test of this check is ``tests/test_tmp_hygiene.py``)."""
     if _OWN_CACHE is not None:
         import shutil
 
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    if _XDIST_WORKER:
+        return
+    import gc
+
+    gc.collect()  # an in-process DHT's socket folder goes with its finaliser
+    left = project_leftovers() - _TMP_BEFORE
+    if left:
+        msg = f"the test session left these in {tempfile.gettempdir()}: {sorted(left)}"
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line("FAILED leftover check: " + msg, red=True)
+        else:
+            print(msg)
+        if session.exitstatus == 0:
+            session.exitstatus = 1
+
+
+# The modules whose tests start node processes and run for tens of seconds (``--durations``): collected first,
+# so that the pytest-xdist workers of ``scripts/test.sh`` end on short tests and finish together.
+SLOW_FIRST = (
+    "test_doctor", "test_swarm", "test_hostile_state", "test_chaos", "test_private_swarm", "test_strangers",
+    "test_unit", "test_hostile_peer", "test_unit_fsdp", "test_node_systems", "test_hf", "test_remote_status",
+    "test_operating", "test_robust", "test_wire_refusals", "test_golden",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
 
 TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)
