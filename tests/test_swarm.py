@@ -4,9 +4,11 @@ with its own p2p daemon, DHT, learner thread and status endpoint."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +178,14 @@ def test_client_mode_node_trains_and_its_contributions_merge(swarm):
     assert client not in seen_synchronisers
     st = swarm.status()[2]
     assert st["client_mode"] and st["rounds_merged"] > 0
+    # the learner thread's own CPU clock, named for the OS, inside the process's
+    cpu = st["cpu"]
+    assert 0 < cpu["learner_s"] < cpu["process_s"], cpu
+    pid = swarm.children[2].proc.pid
+    names = {
+        (Path(f"/proc/{pid}/task") / t / "comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task")
+    }
+    assert "ddiloco-learn" in names, names
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
 

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from node.common.priority import lower_own_thread_priority
+from node.common.priority import lower_own_thread_priority, name_own_thread
 from node.learner.evaluation import ParamsModel, eval_model
 from node.learner.learner import Learner
 from node.learner.task import evaluate
@@ -31,6 +31,7 @@ from protocol.schedule import (
 
 logger = logging.getLogger(__name__)
 UNIT_CHECK_EVERY = 50  # steps between whole-model digest checks across a unit's ranks
+LEARNER_THREAD = "ddiloco-learn"  # its name as the OS shows it, to tell its CPU time from the node's
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
@@ -68,6 +69,16 @@ class LearnerLoop(threading.Thread):
         self._rate: deque = deque(maxlen=RATE_WINDOW)  # (time, tokens) for tokens/s
         self.slots = SlotBook()  # the schedule's slots this learner has contributed to
         self._jitter_rng = random.Random(node.learner.seed)
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds this thread has used (any thread may ask; None before it starts or where the OS
+        gives no per-thread clock)."""
+        if self.ident is None or not self.is_alive():
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.ident))
+        except (AttributeError, OSError):
+            return None
 
     def deliver(self, p: int, round_: int, theta, force: bool, merged: list | None = None) -> None:
         """The agent hands over merged (or, with ``force``, re-synced) global fragment p (any thread);
@@ -295,6 +306,7 @@ class LearnerLoop(threading.Thread):
         if s.threads > 0:
             torch.set_num_threads(s.threads)
         niced = lower_own_thread_priority(s.learner_nice) if s.learner_nice > 0 else 0
+        name_own_thread(LEARNER_THREAD)
         self.node.events.emit("learner", t=time.time(), learner=self.node.peer_id, niced=niced)
         lrn = self.learner
         first_step = self._first_step = lrn.steps

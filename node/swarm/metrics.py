@@ -37,6 +37,8 @@ GAUGES = [
     ("goodput", "share of the learner's time that ended in merged work", ("goodput",)),
     ("in_flight", "merges and sends pending without anything new arriving", ("in_flight",)),
     ("uptime_seconds", "seconds since the node started", ("uptime_s",)),
+    ("cpu_process_seconds", "CPU seconds of the node process, every thread", ("cpu", "process_s")),
+    ("cpu_learner_seconds", "CPU seconds of its learner thread", ("cpu", "learner_s")),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -114,6 +115,12 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
             "unit": node.unit.status() if node.unit is not None else None,
         },
         "fragments": frags,
+        # CPU seconds of this process (every thread, not its DHT process or p2pd) and of its learner thread:
+        # the rest is the node's own work beside the learner (agent, merges, checkpoints, status)
+        "cpu": {
+            "process_s": round(sum(os.times()[:2]), 2),
+            "learner_s": None if (c := ll.cpu_s()) is None else round(c, 2),
+        },
         # Merges this node will make without anything new arriving (rounds holding their quorum, in their
         # grace window or being merged) and contributions it has yet to send: a quiet swarm has none.
         "in_flight": sum(
