@@ -186,6 +186,9 @@ def test_client_mode_node_trains_and_its_contributions_merge(swarm):
         (Path(f"/proc/{pid}/task") / t / "comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task")
     }
     assert "ddiloco-learn" in names, names
+    # each checkpoint says what CPU it took: the next one's wait follows from it (checkpoint_cpu_share)
+    ck = [e for e in swarm.events(2) if e["kind"] == "checkpoint"]
+    assert ck and all(e["cpu_s"] > 0 for e in ck), ck
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
 

@@ -28,8 +28,17 @@ def _abandon_late(fut: concurrent.futures.Future) -> None:
         fut.result()[0].abandon()
 
 
+def checkpoint_wait(period_s: float, cpu_s: float, share: float) -> float:
+    """Seconds to the next periodic checkpoint: the period, or longer where the last checkpoint's CPU
+    seconds over the period exceed ``share`` of one core (a large model's checkpoint writes and hashes
+    gigabytes: at 85M parameters about 1.7 GB, seconds of a core that the learners on the host would lose)."""
+    return max(period_s, cpu_s / share) if share > 0 else period_s
+
+
 class Persistence:
     """Checkpoints and the files other tools read (``ddiloco up``, ``ddiloco status``, tests)."""
+
+    checkpoint_cpu_s = 0.0  # CPU seconds the last checkpoint took (laying out, writing, hashing)
 
     async def _final_files(self) -> None:
         """At exit, once the learner has stopped: its last adoptions, a final evaluation, checkpoint and
@@ -96,7 +105,16 @@ class Persistence:
         shared["merged_tokens"] = list(self.merged_tokens)
         folder, swarm = self.state_dir / "checkpoints", self.settings.swarm
 
+        cpu = [0.0, 0.0]  # CPU seconds of the thread that lays it out, and of the one that finishes it
+
         def lay_out(ltensors: dict, lmeta: dict) -> tuple[PendingCheckpoint, dict]:
+            t0 = time.thread_time()
+            try:
+                return _lay_out(ltensors, lmeta)
+            finally:
+                cpu[0] = time.thread_time() - t0
+
+        def _lay_out(ltensors: dict, lmeta: dict) -> tuple[PendingCheckpoint, dict]:
             # on the learner's thread (or with the learner stopped): its live tensors go to the file now
             meta = {**shared, "learner": lmeta, "tokens": self.learner_loop.tokens}
             pending = PendingCheckpoint(folder, int(lmeta["steps"]), {**ltensors, **fixed}, meta, swarm)
@@ -125,17 +143,27 @@ class Persistence:
             pending, rest = await asyncio.to_thread(lambda: lay_out(*self.learner.state(copy=False)))
 
         def finish() -> Path:
+            t0 = time.thread_time()
             try:
                 pending.write(rest)
                 return pending.finish()
             except BaseException:
                 pending.abandon()
                 raise
+            finally:
+                cpu[1] = time.thread_time() - t0
 
         path = await asyncio.to_thread(finish)
         await asyncio.to_thread(release_free_memory)
         self.counters["checkpoints"] += 1
-        self.events.emit("checkpoint", t=time.time(), path=str(path), step=pending.step)
+        self.checkpoint_cpu_s = sum(cpu)
+        self.events.emit(
+            "checkpoint",
+            t=time.time(),
+            path=str(path),
+            step=pending.step,
+            cpu_s=round(self.checkpoint_cpu_s, 3),
+        )
         return path
 
     def _write_ready(self, name: str = "ready.json") -> None:
@@ -170,8 +198,10 @@ class Persistence:
         wait = min(FIRST_CHECKPOINT_S, self.settings.checkpoint_every_s)
         while True:
             await asyncio.sleep(wait)
-            wait = self.settings.checkpoint_every_s
             try:
                 await self.checkpoint()
             except OSError as e:
                 logger.error("checkpoint failed: %s", e)
+            wait = checkpoint_wait(
+                self.settings.checkpoint_every_s, self.checkpoint_cpu_s, self.settings.checkpoint_cpu_share
+            )

@@ -48,6 +48,13 @@ class NodeSettings:
     checkpoint_every_s: float = field(
         default=60.0, metadata={"help": "checkpoint period, the first 10 s after joining (0: only at exit)"}
     )
+    checkpoint_cpu_share: float = field(
+        default=0.02,
+        metadata={
+            "help": "the most of one core that periodic checkpoints may take: after one that took C CPU "
+            "seconds (writing and hashing), the next waits at least C / this (0: the period alone)"
+        },
+    )
     eval_every_s: float = field(default=60.0, metadata={"help": "evaluate the global model this often"})
     steps: int = field(
         default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}
@@ -182,6 +189,10 @@ class NodeSettings:
             raise ConfigError(
                 f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "
                 "(data-parallel runs only in the in-process runner and bench/wan.py)"
+            )
+        if not 0 <= self.checkpoint_cpu_share < 1:
+            raise ConfigError(
+                f"checkpoint_cpu_share={self.checkpoint_cpu_share} is invalid: must be in [0, 1)"
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
