@@ -21,7 +21,8 @@ def tensors_hash(tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(repr(tuple(t.shape)).encode())
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
-        h.update(t.reshape(-1).numpy().tobytes())  # flat: numpy views at most 64 dimensions; same bytes
+        # flat: numpy views at most 64 dimensions; the same bytes, read in place (no copy of the tensor)
+        h.update(memoryview(t.reshape(-1).numpy()).cast("B"))
     return h.hexdigest()
 
 

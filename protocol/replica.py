@@ -65,8 +65,14 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.dtype == torch.float32 else t.detach().to(torch.float32)
 
 
+def _sq_norm(t: torch.Tensor) -> float:
+    """The sum of squares of t, accumulated in float64 (one pass, no float64 copy of t); inf or NaN when t
+    holds one (a float32 tensor's finite values cannot overflow it)."""
+    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
+
+
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+    return math.sqrt(sum(_sq_norm(t) for t in tensors.values()))
 
 
 def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
@@ -211,16 +217,19 @@ class FragmentReplica:
                 RejectCode.WRONG_SHAPE,
                 f"fragment {self.index} expects tensors {sorted(self.theta)}, got {sorted(delta)}",
             )
+        sq = 0.0
         for k, d in delta.items():
             if tuple(d.shape) != tuple(self.theta[k].shape):
                 raise ProtocolError(
                     RejectCode.WRONG_SHAPE, f"{k}: shape {tuple(d.shape)} != {tuple(self.theta[k].shape)}"
                 )
-            if not torch.isfinite(d).all():
+            part = _sq_norm(d)  # finite exactly when every value is
+            if not math.isfinite(part):
                 raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
+            sq += part
         if cfg is None:
             return
-        n = global_norm(delta)
+        n = math.sqrt(sq)
         rms = n / math.sqrt(max(1, self.numel))
         if cfg.max_rms > 0 and rms > cfg.max_rms:
             raise ProtocolError(
