@@ -178,9 +178,9 @@ def test_a_fragment_snapshot_larger_than_256_mib_fits_in_one_frame():
     assert max_frame_bytes(plan(embedding, 7_000_000)) >= 8 * embedding > MAX_FRAME
 
 
-def test_checkpoints_come_no_more_often_than_their_cpu_share_allows():
-    from node.swarm.persistence import checkpoint_wait
+def test_checkpoints_and_evaluations_come_no_more_often_than_their_cpu_share_allows():
+    from node.common.priority import paced_wait
 
-    assert checkpoint_wait(60.0, 0.05, 0.02) == 60.0  # a small model: the period
-    assert checkpoint_wait(60.0, 6.0, 0.02) == 300.0  # 6 CPU seconds at 2% of a core: 5 minutes apart
-    assert checkpoint_wait(60.0, 6.0, 0.0) == 60.0  # share 0: the period alone
+    assert paced_wait(60.0, 0.05, 0.02) == 60.0  # a small model: the period
+    assert paced_wait(60.0, 6.0, 0.02) == 300.0  # 6 CPU seconds at 2% of a core: 5 minutes apart
+    assert paced_wait(60.0, 6.0, 0.0) == 60.0  # share 0: the period alone

@@ -187,8 +187,8 @@ def test_client_mode_node_trains_and_its_contributions_merge(swarm):
     }
     assert "ddiloco-learn" in names, names
     # each checkpoint says what CPU it took: the next one's wait follows from it (checkpoint_cpu_share)
-    ck = [e for e in swarm.events(2) if e["kind"] == "checkpoint"]
-    assert ck and all(e["cpu_s"] > 0 for e in ck), ck
+    ck = [e for e in swarm.events(2) if e["kind"] in ("checkpoint", "eval")]
+    assert {e["kind"] for e in ck} == {"checkpoint", "eval"} and all(e["cpu_s"] > 0 for e in ck), ck
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
 

@@ -60,6 +60,7 @@ class LearnerLoop(threading.Thread):
         self._first_step = 0  # the learner's step count when this life of it started (``run``)
         self.loss_ema: float | None = None
         self.eval_loss: float | None = None
+        self.eval_cpu_s = 0.0  # CPU seconds of the last evaluation (its thread's): it paces the next
         self.eval_history: list[tuple[float, int, float]] = []
         self.error: BaseException | None = None
         # The agent's periodic evaluation and the final one share this model, which holds no weights of its
@@ -286,14 +287,18 @@ class LearnerLoop(threading.Thread):
         if params is None:
             params = {n: t for base in self.learner.base for n, t in base.items()}
         with self._eval_lock:
+            cpu0 = time.thread_time()
             if isinstance(self._eval_model, ParamsModel):
                 loss = self._eval_model.evaluate(params)
             else:
                 self._eval_model.load_state_dict(params, strict=False)
                 loss = evaluate(self.node.task, self._eval_model)
+            self.eval_cpu_s = time.thread_time() - cpu0
         self.eval_loss = loss
         self.eval_history.append((at, steps, loss))
-        self.node.events.emit("eval", t=at, tokens=tokens, loss=loss, step=steps)
+        self.node.events.emit(
+            "eval", t=at, tokens=tokens, loss=loss, step=steps, cpu_s=round(self.eval_cpu_s, 3)
+        )
         return loss
 
     def eval_tensors(self) -> list[torch.Tensor]:

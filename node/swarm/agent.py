@@ -38,7 +38,7 @@ from dht.identity import Identity
 from dht.launch import peer_ids_of
 from dht.records import Member
 from node.common.events import EventLog
-from node.common.priority import lower_network_priority, lower_own_thread_priority
+from node.common.priority import lower_network_priority, lower_own_thread_priority, paced_wait
 from node.common.status_client import write_control_token
 from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
@@ -383,7 +383,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         niced as the learner is (``learner_nice``): the learner never pauses for it. (At the default priority
         an evaluation took the CPU from the niced learner and stretched its steps 2-4x in a parity run; at
         nice 19 it starved and the learners made 7% fewer steps.)"""
-        nice = self.settings.learner_nice
+        s, nice = self.settings, self.settings.learner_nice
         pool = ThreadPoolExecutor(1, "eval", initializer=lower_own_thread_priority, initargs=(nice,))
         loop = asyncio.get_running_loop()
         try:
@@ -392,6 +392,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 del params
                 await loop.run_in_executor(pool, release_free_memory)
-                await asyncio.sleep(self.settings.eval_every_s)
+                await asyncio.sleep(
+                    paced_wait(s.eval_every_s, self.learner_loop.eval_cpu_s, s.eval_cpu_share)
+                )
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

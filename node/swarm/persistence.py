@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from node.common.priority import paced_wait
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
 from node.swarm.memory import release_free_memory
 from protocol.synchroniser import SyncState
@@ -26,13 +27,6 @@ def _abandon_late(fut: concurrent.futures.Future) -> None:
     """A checkpoint the learner laid out after its node stopped waiting: its file is removed."""
     if not fut.cancelled() and fut.exception() is None:
         fut.result()[0].abandon()
-
-
-def checkpoint_wait(period_s: float, cpu_s: float, share: float) -> float:
-    """Seconds to the next periodic checkpoint: the period, or longer where the last checkpoint's CPU
-    seconds over the period exceed ``share`` of one core (a large model's checkpoint writes and hashes
-    gigabytes: at 85M parameters about 1.7 GB, seconds of a core that the learners on the host would lose)."""
-    return max(period_s, cpu_s / share) if share > 0 else period_s
 
 
 class Persistence:
@@ -202,6 +196,6 @@ class Persistence:
                 await self.checkpoint()
             except OSError as e:
                 logger.error("checkpoint failed: %s", e)
-            wait = checkpoint_wait(
+            wait = paced_wait(
                 self.settings.checkpoint_every_s, self.checkpoint_cpu_s, self.settings.checkpoint_cpu_share
             )

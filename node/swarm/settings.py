@@ -56,6 +56,13 @@ class NodeSettings:
         },
     )
     eval_every_s: float = field(default=60.0, metadata={"help": "evaluate the global model this often"})
+    eval_cpu_share: float = field(
+        default=0.03,
+        metadata={
+            "help": "the most of one core that periodic evaluations may take: after one that took C CPU "
+            "seconds, the next waits at least C / this (0: eval_every_s alone)"
+        },
+    )
     steps: int = field(
         default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}
     )
@@ -190,10 +197,9 @@ class NodeSettings:
                 f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "
                 "(data-parallel runs only in the in-process runner and bench/wan.py)"
             )
-        if not 0 <= self.checkpoint_cpu_share < 1:
-            raise ConfigError(
-                f"checkpoint_cpu_share={self.checkpoint_cpu_share} is invalid: must be in [0, 1)"
-            )
+        for name in ("checkpoint_cpu_share", "eval_cpu_share"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be in [0, 1)")
         if self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc} is invalid: a learner unit needs at least 1 process")
         for name in (
