@@ -300,7 +300,7 @@ def test_grafana_provisions_the_dashboard_and_its_queries_name_exported_metrics(
     doc = {
         "peer_id": "p", "swarm": "s", "learner": {"steps": 1, "tokens": 1, "tokens_per_s": 1.0, "loss": 1.0,
         "eval_loss": 1.0, "paused": False}, "rounds_merged": 1, "tokens_merged": 1.0, "goodput": 0.5,
-        "in_flight": 0, "uptime_s": 1.0, "peers": [{"reachable": True}], "bytes_sent": 1, "bytes_received": 1,
+        "in_flight": 0, "uptime_s": 1.0, "cpu": {"process_s": 2.0, "learner_s": 1.0}, "peers": [{"reachable": True}], "bytes_sent": 1, "bytes_received": 1,
         "fragments": [{"fragment": 0, "round": 1, "synchroniser": "p"}],
         "counters": {"failovers": 0, "forks": 0}, "refused": {"malformed": 1},
     }  # fmt: skip
