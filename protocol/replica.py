@@ -209,9 +209,10 @@ class FragmentReplica:
                     mom[k] = (mom[k] - g) / mu
         return theta
 
-    def check_delta(self, delta: Mapping[str, torch.Tensor], cfg: ProtocolConfig | None = None) -> None:
+    def check_delta(self, delta: Mapping[str, torch.Tensor], cfg: ProtocolConfig | None = None) -> float:
         """Shape, name and finiteness checks of a decoded outer gradient against this fragment, and with
-        ``cfg`` its norm against ``refuse_factor`` times the median of recent merged gradients."""
+        ``cfg`` its norm against ``refuse_factor`` times the median of recent merged gradients. Returns
+        its global norm (from the same pass)."""
         if set(delta) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE,
@@ -227,9 +228,9 @@ class FragmentReplica:
             if not math.isfinite(part):
                 raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
             sq += part
-        if cfg is None:
-            return
         n = math.sqrt(sq)
+        if cfg is None:
+            return n
         rms = n / math.sqrt(max(1, self.numel))
         if cfg.max_rms > 0 and rms > cfg.max_rms:
             raise ProtocolError(
@@ -243,6 +244,7 @@ class FragmentReplica:
                 f"outer gradient norm {n:.3g} is {n / ref:.0f}x the fragment's recent median {ref:.3g} "
                 f"(limit {cfg.refuse_factor:g}x)",
             )
+        return n
 
     def make_record(
         self,
@@ -330,12 +332,11 @@ class FragmentReplica:
                     f"contribution {cid} of {learner}: weight {w:.6g} does not follow from its counters",
                 )
         try:
-            self.check_delta(rec.grad)
+            n = self.check_delta(rec.grad)
         except ProtocolError as e:
             raise ProtocolError(
                 RejectCode.RECORD_TOO_LARGE if e.code is RejectCode.NOT_FINITE else e.code, str(e)
             ) from None
-        n = global_norm(rec.grad)
         rms = n / math.sqrt(max(1, self.numel))
         if cfg.max_rms > 0 and rms > cfg.max_rms:
             raise ProtocolError(
