@@ -9,7 +9,7 @@ other in memory bandwidth, without any swarm). Printed per node: steps, the mean
 window, the median, and ``plain/node``, the baseline's median step time over the node's mean (1.0 = as fast as
 the plain loop; the issue asks at least 0.85 against one thread); then the CPU seconds per learner step of each
 node's parts over the window (``/proc``): its learner thread, its other threads (agent, merges, checkpoints,
-status), its DHT process and its p2p daemons.
+status), its DHT process and its p2p daemons; and its peak resident memory against its fp32 weights.
 
     .venv/bin/python bench/swarm_speed.py                     # 2 nodes, the 85M configuration, 180 s
     .venv/bin/python bench/swarm_speed.py --size tiny --seconds 60 --json
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.join import _ready, _start, _status  # noqa: E402
+from bench.join import _ready, _rss_peak, _start, _status  # noqa: E402
 from bench.scale import SIZES  # noqa: E402
 
 
@@ -140,6 +140,7 @@ def run_nodes(
         t1 = time.time()
         cpu1 = [cpu_by_part(p.pid) for p in procs]
         statuses = [_status(d) or {} for d in docs]
+        peaks = [_rss_peak(p.pid) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -159,6 +160,9 @@ def run_nodes(
                 "mean_step_s": round(span / len(window), 3),
                 "median_step_s": round(statistics.median(e["t1"] - e["t0"] for e in window), 3),
                 "merges": rounds,
+                "peak_rss_x_weights": round(peaks[i] / w, 2)
+                if (w := (statuses[i].get("memory") or {}).get("weights_bytes"))
+                else None,
                 # CPU seconds per learner step over the window, by part
                 "cpu_per_step": {
                     k: round((v - cpu0[i].get(k, 0.0)) / len(window), 3) for k, v in cpu1[i].items()
@@ -205,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for r in rows:
         parts = ", ".join(f"{k} {v}" for k, v in r["cpu_per_step"].items())
-        print(f"node {r['node']}: CPU seconds per learner step: {parts}")
+        print(
+            f"node {r['node']}: CPU seconds per learner step: {parts}; peak RSS {r['peak_rss_x_weights']}x the weights"
+        )
     return 0
 
 
