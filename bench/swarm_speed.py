@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.join import _ready, _rss_peak, _start, _status  # noqa: E402
+from bench.join import _rss_peak, _status  # noqa: E402
 from bench.scale import SIZES  # noqa: E402
+from node.local.launcher import Child, kill_group, start_node, wait_ready  # noqa: E402
 
 
 def _plain(size: str, steps: int, copies: int) -> list[float]:
@@ -119,14 +119,14 @@ def run_nodes(
 ) -> list[dict]:
     flags = [*SIZES[size], "--threads", "1", *extra]
     deadline = time.time() + timeout_s
-    procs, docs = [], []
+    kids: list[Child] = []
     try:
-        for i in range(nodes):
-            peers = docs[0]["maddrs"] if docs else []
-            procs.append(_start(run / f"node-{i}", flags, peers))
-            docs.append(_ready(run / f"node-{i}", deadline))
+        for i in range(nodes):  # each in its own process group and TMPDIR (kill_group removes both)
+            kids.append(start_node(i, run, flags, kids[0].maddrs if kids else []))
+            wait_ready([kids[-1]], timeout_s)
+        procs = [c.proc for c in kids]
         print(f"swarm_speed: {nodes} nodes up; waiting for every first step", file=sys.stderr, flush=True)
-        while not all(_steps(run / f"node-{i}") for i in range(nodes)):
+        while not all(_steps(c.state_dir) for c in kids):
             if time.time() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"not every node stepped; see the node.log files under {run}")
             time.sleep(1)
@@ -139,13 +139,11 @@ def run_nodes(
             time.sleep(2)
         t1 = time.time()
         cpu1 = [cpu_by_part(p.pid) for p in procs]
-        statuses = [_status(d) or {} for d in docs]
+        statuses = [_status({"status_url": c.url}) or {} for c in kids]
         peaks = [_rss_peak(p.pid) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+        for c in kids:
+            kill_group(c)
     rows = []
     for i in range(nodes):
         window = [e for e in _steps(run / f"node-{i}") if e["t0"] >= t0 and e["t1"] <= t1]
