@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.join import _rss_peak, _status  # noqa: E402
 from bench.scale import SIZES  # noqa: E402
+from node.common.priority import process_tree  # noqa: E402
 from node.local.launcher import Child, kill_group, start_node, wait_ready  # noqa: E402
 
 
@@ -62,27 +63,11 @@ def _cpu_s(stat: str) -> float:
     return (int(f[11]) + int(f[12])) / _TICK  # utime + stime
 
 
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants (the node, its DHT process, its p2p daemons)."""
-    kids: dict[int, list[int]] = {}
-    for e in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{e}/stat") as fh:
-                kids.setdefault(int(fh.read().rsplit(")", 1)[1].split()[1]), []).append(int(e))
-        except (OSError, IndexError, ValueError):
-            pass
-    out, todo = [], [pid]
-    while todo:
-        out.append(todo.pop())
-        todo.extend(kids.get(out[-1], []))
-    return out
-
-
 def cpu_by_part(pid: int) -> dict[str, float]:
     """CPU seconds so far of a node's processes, by part: its learner thread, the rest of the node's own
     process (agent, merges, checkpoints, status), and each kind of child process by its command name."""
     parts: dict[str, float] = {}
-    for p in _tree(pid):
+    for p in process_tree(pid):  # the node, its DHT process, its p2p daemons
         try:
             with open(f"/proc/{p}/stat") as fh:
                 total = _cpu_s(fh.read())

@@ -22,7 +22,8 @@ import threading
 logger = logging.getLogger(__name__)
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """pid and every process below it."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -45,7 +46,7 @@ def lower_network_priority(increment: int, keep: set[int]) -> int:
     if increment <= 0 or not os.path.isdir("/proc/self/task"):
         return 0
     changed = 0
-    for pid in _tree(os.getpid()):
+    for pid in process_tree(os.getpid()):
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:

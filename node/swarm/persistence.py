@@ -102,14 +102,8 @@ class Persistence:
         cpu = [0.0, 0.0]  # CPU seconds of the thread that lays it out, and of the one that finishes it
 
         def lay_out(ltensors: dict, lmeta: dict) -> tuple[PendingCheckpoint, dict]:
-            t0 = time.thread_time()
-            try:
-                return _lay_out(ltensors, lmeta)
-            finally:
-                cpu[0] = time.thread_time() - t0
-
-        def _lay_out(ltensors: dict, lmeta: dict) -> tuple[PendingCheckpoint, dict]:
             # on the learner's thread (or with the learner stopped): its live tensors go to the file now
+            t0 = time.thread_time()
             meta = {**shared, "learner": lmeta, "tokens": self.learner_loop.tokens}
             pending = PendingCheckpoint(folder, int(lmeta["steps"]), {**ltensors, **fixed}, meta, swarm)
             rest = dict(fixed)
@@ -121,6 +115,7 @@ class Persistence:
             except BaseException:
                 pending.abandon()
                 raise
+            cpu[0] = time.thread_time() - t0
             return pending, rest
 
         if self.learner_loop.is_alive():
