@@ -161,12 +161,16 @@ class Learner:
             loss = self.task.loss(self.forward_model, batch)
         for g in self.opt.param_groups:
             g["lr"] = self.inner.lr * self._lr(self.steps)
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)  # none left unless the last step stopped half-way
         loss.backward()
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
         self.snaps.fence()  # a GPU copy of a due fragment may still be reading the parameters
         self.opt.step()
+        # Free the gradients now, not at the next step's start: they would otherwise live through the next
+        # forward pass beside its activations (at 85M: 0.33 GB of gradients plus 0.15 GB of activations at
+        # the node's peak)
+        self.opt.zero_grad(set_to_none=True)
         self.steps += 1
         self.last_loss = loss.item()
         due = self.book.on_step(self.tokens_per_step)
