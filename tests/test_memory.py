@@ -184,3 +184,54 @@ def test_checkpoints_and_evaluations_come_no_more_often_than_their_cpu_share_all
     assert paced_wait(60.0, 0.05, 0.02) == 60.0  # a small model: the period
     assert paced_wait(60.0, 6.0, 0.02) == 300.0  # 6 CPU seconds at 2% of a core: 5 minutes apart
     assert paced_wait(60.0, 6.0, 0.0) == 60.0  # share 0: the period alone
+
+
+_MAPPED = """
+import ctypes, os, sys
+from node.swarm.memory import tune_allocator
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+changed = tune_allocator(2 << 20) if sys.argv[1] == "tune" else False
+grown = []
+for _ in range(3):  # a 3 MiB block made and freed three times
+    before = libc.mallinfo2().hblkhd
+    block = bytearray(3 << 20)
+    grown.append(libc.mallinfo2().hblkhd - before)
+    del block
+print(changed, *grown)
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"MALLOC_MMAP_THRESHOLD_": "65536"}])
+def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
+    """With the threshold fixed, every 3 MiB block gets pages of its own (mapped, handed back when freed);
+    with glibc's own rule the first free raises the threshold and the next blocks land in the heap, where
+    they stay resident once freed. An explicit MALLOC_MMAP_THRESHOLD_ is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    def run(mode: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", _MAPPED, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **env},
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        return out.stdout.split()
+
+    changed, *grown = run("tune")
+    assert all(int(g) >= 3 << 20 for g in grown), grown
+    if env:
+        assert changed == "False"
+        return
+    assert changed == "True"
+    _, *plain = run("plain")
+    assert int(plain[0]) >= 3 << 20 and int(plain[1]) == 0 and int(plain[2]) == 0, plain

@@ -13,6 +13,8 @@ from protocol.errors import ConfigError
         ({"learner_nice": -1}, "learner_nice=-1 is invalid"),
         ({"agent_nice": 20}, "agent_nice=20 is invalid"),
         ({"eval_every_s": 0.0}, "eval_every_s=0.0 is invalid"),
+        ({"malloc_mmap_mib": 33.0}, "malloc_mmap_mib=33.0 is invalid"),
+        ({"malloc_mmap_mib": -1.0}, "malloc_mmap_mib=-1.0 is invalid"),
     ],
 )
 def test_out_of_range_settings_are_refused(kwargs, match):

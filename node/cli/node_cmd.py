@@ -47,6 +47,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from node.cli.config import build_config, describe
     from node.learner.unit import Unit, run_rank
     from node.swarm.agent import Node
+    from node.swarm.memory import tune_allocator
 
     # hivemind (imported above) puts torch's shared memory on the file_system strategy, whose helper
     # process, torch_shm_manager, outlives the node and aborts ("terminate called after throwing an
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # which file descriptors serve without a helper. HIVEMIND_MEMORY_SHARING_STRATEGY still chooses.
     torch_mp.set_sharing_strategy(os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor"))
     cfg = build_config(args, args.config, root=NodeConfig)
+    if cfg.node.malloc_mmap_mib > 0:
+        tune_allocator(int(cfg.node.malloc_mmap_mib * (1 << 20)))  # before the model and replicas are made
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
     unit_cls = Unit

@@ -63,6 +63,14 @@ class NodeSettings:
             "seconds, the next waits at least C / this (0: eval_every_s alone)"
         },
     )
+    malloc_mmap_mib: float = field(
+        default=0.0,
+        metadata={
+            "help": "give every allocation of at least this many MiB pages of its own, returned to the "
+            "system when freed (glibc's M_MMAP_THRESHOLD; 0: the C library's own rule): less resident "
+            "memory, more page faults (docs/node.md, 'Memory')"
+        },
+    )
     steps: int = field(
         default=5000, metadata={"help": "inner steps the lr schedule spans (then at its floor)"}
     )
@@ -196,6 +204,11 @@ class NodeSettings:
             raise ConfigError(
                 f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "
                 "(data-parallel runs only in the in-process runner and bench/wan.py)"
+            )
+        if not 0 <= self.malloc_mmap_mib <= 32:
+            raise ConfigError(
+                f"malloc_mmap_mib={self.malloc_mmap_mib} is invalid: must be in [0, 32] (glibc's largest "
+                "threshold is 32 MiB; 0 leaves the C library's rule)"
             )
         for name in ("checkpoint_cpu_share", "eval_cpu_share"):
             if not 0 <= getattr(self, name) < 1:
