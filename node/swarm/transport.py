@@ -67,8 +67,9 @@ def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> No
 
 
 async def _write_body(writer: asyncio.StreamWriter, body: bytes) -> None:
+    view = memoryview(body)  # slices of a view: no copy of each chunk
     for i in range(0, len(body), CHUNK):
-        writer.write(body[i : i + CHUNK])
+        writer.write(view[i : i + CHUNK])
         await writer.drain()
     await writer.drain()
 
