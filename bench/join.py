@@ -37,7 +37,12 @@ def _start(state: Path, flags: list[str], peers: list[str]) -> subprocess.Popen:
     if peers:
         cmd += ["--initial-peers", ",".join(peers)]
     log = open(state / "node.log", "wb")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # a TMPDIR inside the run's folder: what a node killed -9 leaves there (its DHT's sockets) goes with it
+    (state / "tmp").mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(state / "tmp"))
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
 
 
 def _ready(state: Path, deadline: float) -> dict:

@@ -108,7 +108,12 @@ def run_size(name: str, seconds: float, poll_s: float, threads: int, timeout_s: 
     cmd = [sys.executable, "-m", "node", "node", "--state-dir", str(state), "--threads", str(threads)]
     cmd += ["--checkpoint-every-s", "30", "--eval-every-s", "60", *SIZES[name]]
     log = open(state / "node.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # a TMPDIR inside the state folder, removed with it: the DHT's sockets of the node killed -9 below
+    (state / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(state / "tmp"))
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
     t0 = time.time()
     last, first_step_at = None, None
     try:
