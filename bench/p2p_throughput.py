@@ -32,16 +32,20 @@ RAW = "ddiloco/bench/raw/1"
 CHUNK = 1 << 20
 
 
-async def _tcp(nbytes: int) -> float:
-    block = bytes(CHUNK)
+async def _send(writer: asyncio.StreamWriter, nbytes: int) -> None:
+    """Write ``nbytes`` zero bytes in chunks, then close: the serving side of every case."""
+    block = memoryview(bytes(CHUNK))
+    left = nbytes
+    while left > 0:
+        writer.write(block[: min(CHUNK, left)])
+        left -= min(CHUNK, left)
+        await writer.drain()
+    writer.close()
 
+
+async def _tcp(nbytes: int) -> float:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        left = nbytes
-        while left > 0:
-            writer.write(block[: min(CHUNK, left)])
-            left -= min(CHUNK, left)
-            await writer.drain()
-        writer.close()
+        await _send(writer, nbytes)
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -71,16 +75,10 @@ async def _pair(n_servers: int):
 
 async def _raw(nbytes: int, streams: int = 1) -> float:
     (server,), client = await _pair(1)
-    block = bytes(CHUNK)
     share = nbytes // streams
 
     async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        left = share
-        while left > 0:
-            writer.write(block[: min(CHUNK, left)])
-            left -= min(CHUNK, left)
-            await writer.drain()
-        writer.close()
+        await _send(writer, share)
 
     async def one() -> int:
         _, reader, writer = await client.call_binary_stream_handler(server.peer_id, RAW)
