@@ -177,9 +177,10 @@ def tune_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Give every allocation of ``threshold`` bytes or more pages of its own, returned to the system when it
     is freed (glibc's ``M_MMAP_THRESHOLD``). By default glibc raises that threshold to the size of each
     large block freed, up to 32 MiB, so a node's tensors (parameters, gradients, fragments, codec buffers)
-    end up inside its heaps, and what a merge or an encoding frees stays resident as free lists: at 85M
-    parameters that was about 1x the fp32 weights of peak RSS (9.8x against 8.8x). An explicit
-    ``MALLOC_MMAP_THRESHOLD_`` in the environment wins. False where nothing was changed."""
+    end up inside its heaps, and what a merge, an encoding or a step frees stays resident there. At 85M
+    parameters, 2 MiB took one node's peak RSS from 9.1-9.3x to 8.4-8.5x the fp32 weights, and cost 4% of
+    the learner's CPU per step in page faults (docs/benchmarks.md). An explicit ``MALLOC_MMAP_THRESHOLD_``
+    in the environment wins. False where nothing was changed."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:

@@ -68,7 +68,7 @@ class NodeSettings:
         metadata={
             "help": "give every allocation of at least this many MiB pages of its own, returned to the "
             "system when freed (glibc's M_MMAP_THRESHOLD; 0: the C library's own rule): less resident "
-            "memory, more page faults (docs/node.md, 'Memory')"
+            "memory, more page faults (docs/node.md, Status)"
         },
     )
     steps: int = field(
