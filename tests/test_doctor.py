@@ -98,8 +98,11 @@ def test_doctor_on_running_nodes(tmp_path, capsys):
         swarm.kill9(1)
 
         # a stalled state download: a donor with node 0's heads that accepts the snapshot op and never answers
-        swarm.control(0, "pause")
+        # every fragment merged before the learner pauses: node 0 can re-sync a fragment to another node's
+        # fork, younger than its own (a suite run: fragment 3 back to round 0 from node 1's, at round 28),
+        # and merges it again only from contributions it still makes (paused first, that run waited 60 s)
         wait_until(lambda: all(f["round"] >= 1 for f in swarm.status()[0]["fragments"]), 60, "rounds merged")
+        swarm.control(0, "pause")
         # at rest: a round merged after the attacker copies node 0's published heads leaves the attacker's
         # behind, and node 3 then downloads from node 0 alone (a full run here did, at this commit and before)
         swarm.settle()
