@@ -1,7 +1,11 @@
 """What a node holds (issue 30): no fragment copies in history, checkpoints written from the tensors,
 evaluation without weights of its own, and the account of it all (``node.swarm.memory``)."""
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -187,7 +191,7 @@ def test_checkpoints_and_evaluations_come_no_more_often_than_their_cpu_share_all
 
 
 _MAPPED = """
-import ctypes, os, sys
+import ctypes, sys
 from node.swarm.memory import tune_allocator
 
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
@@ -212,9 +216,6 @@ def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
     """With the threshold fixed, every 3 MiB block gets pages of its own (mapped, handed back when freed);
     with glibc's own rule the first free raises the threshold and the next blocks land in the heap, where
     they stay resident once freed. An explicit MALLOC_MMAP_THRESHOLD_ is left alone."""
-    import os
-    import subprocess
-    import sys
 
     def run(mode: str) -> list[str]:
         out = subprocess.run(
@@ -223,7 +224,7 @@ def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
             text=True,
             check=True,
             env={**os.environ, **env},
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=Path(__file__).resolve().parent.parent,
         )
         return out.stdout.split()
 

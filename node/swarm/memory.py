@@ -166,14 +166,13 @@ def breakdown(node: Any) -> dict:
 
 # glibc's mallopt parameter: allocations of at least this many bytes get pages of their own (mmap)
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 2 << 20
 
 
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
-def tune_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+def tune_allocator(threshold: int) -> bool:
     """Give every allocation of ``threshold`` bytes or more pages of its own, returned to the system when it
     is freed (glibc's ``M_MMAP_THRESHOLD``). By default glibc raises that threshold to the size of each
     large block freed, up to 32 MiB, so a node's tensors (parameters, gradients, fragments, codec buffers)
