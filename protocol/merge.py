@@ -11,7 +11,7 @@ All accumulation is fp32.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -31,9 +31,16 @@ def anchor(global_now: Tensors, base: Tensors, delta_base: Tensors) -> dict[str,
     The learner sent delta_base = base - theta_m, so theta_m = base - delta_base and
     Theta_now - theta_m = (Theta_now - base) + delta_base. Identity when base is Theta_now.
     """
-    if base is global_now:  # the usual case: nothing moved since the base, and no tensor is made for it
-        return {k: delta_base[k].float() for k in delta_base}
-    return {k: (global_now[k].float() - base[k].float()) + delta_base[k].float() for k in delta_base}
+    same = base is global_now
+    return {k: anchor_tensor(global_now[k], base[k], delta_base[k], same) for k in delta_base}
+
+
+def anchor_tensor(now: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, same: bool) -> torch.Tensor:
+    """One tensor of ``anchor``; ``same``: the base is the current global (the usual case: nothing moved
+    since, and no tensor is made for it)."""
+    if same:
+        return delta.float()
+    return (now.float() - base.float()).add_(delta.float())
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -48,27 +55,77 @@ def _normalised(weights: Sequence[float]) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Radial-Directional Averaging: (sum w|D| / sum w) * unit(sum w unit(D) / sum w)."""
-    ws = _normalised(weights)
-    radius = sum(w * torch.linalg.vector_norm(d.float()) for w, d in zip(ws, deltas))
-    direction = sum(w * _unit(d.float()) for w, d in zip(ws, deltas))
+def _summed(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``acc + x`` with ``x`` a temporary of ours, added in place: the values Python's ``sum`` from 0 gives
+    (0 + x turns -0.0 into +0.0, as ``add_(0)`` does), with one accumulator instead of a tensor per term."""
+    if acc is None:
+        return x.add_(0)
+    return acc.add_(x)
+
+
+def _each(deltas: Iterable[torch.Tensor], ws: list[float]) -> Iterator[tuple[float, torch.Tensor]]:
+    """(w, D) pairs, one weight per delta (a ValueError otherwise). Not ``zip``: it keeps its last tuple,
+    and with it the last delta, while it reads the next one, so two decoded contributions lived at once."""
+    i = 0
+    for d in deltas:
+        if i >= len(ws):
+            raise ValueError(f"more contributions than the {len(ws)} weights")
+        yield ws[i], d
+        del d
+        i += 1
+    if i != len(ws):
+        raise ValueError(f"{i} contributions for {len(ws)} weights")
+
+
+def rda(deltas: Iterable[torch.Tensor], weights: Sequence[float], owned: bool = False) -> torch.Tensor:
+    """Radial-Directional Averaging: (sum w|D| / sum w) * unit(sum w unit(D) / sum w).
+
+    One pass over ``deltas``, which may be a generator: each is read once (its norm and its direction) and
+    let go before the next is made, so a merge holds one decoded contribution at a time. ``owned``: the
+    tensors are the merge's own to overwrite (no temporary is made for their direction)."""
+    radius, direction = 0, None
+    for w, d in _each(deltas, _normalised(weights)):
+        d = d.float()
+        n = torch.linalg.vector_norm(d)
+        radius = radius + w * n
+        if owned:  # x / n and x * w in place: the values of _unit(x) * w
+            u = d.div_(n) if n > 0 else d.zero_()
+        else:
+            u = _unit(d)
+        direction = _summed(direction, u.mul_(w))
+        del d, u  # before the next one is made
     return radius * _unit(direction)
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    ws = _normalised(weights)
-    return sum(w * d.float() for w, d in zip(ws, deltas))
+def weighted_mean(
+    deltas: Iterable[torch.Tensor], weights: Sequence[float], owned: bool = False
+) -> torch.Tensor:
+    """sum w D / sum w, in one pass over ``deltas`` (a generator: one decoded contribution at a time).
+    ``owned``: the tensors are the merge's own to overwrite."""
+    acc = None
+    for w, d in _each(deltas, _normalised(weights)):
+        acc = _summed(acc, d.float().mul_(w) if owned else w * d.float())
+        del d  # before the next one is made
+    return acc
 
 
 def merge_deltas(deltas: Sequence[Tensors], weights: Sequence[float], method: str) -> dict[str, torch.Tensor]:
     """Merge per-learner outer gradients tensor by tensor with ``rda`` or ``mean``."""
-    if not deltas or len(deltas) != len(weights):
-        raise ValueError(f"need one weight per contribution, got {len(deltas)} and {len(weights)}")
+    check_weights(len(deltas), weights)
+    fn = merger(method)
+    return {name: fn((d[name] for d in deltas), weights) for name in deltas[0]}
+
+
+def check_weights(n: int, weights: Sequence[float]) -> None:
+    if not n or n != len(weights):
+        raise ValueError(f"need one weight per contribution, got {n} and {len(weights)}")
     if any(w <= 0 for w in weights):
         raise ValueError(f"weights must be positive, got {list(weights)}")
-    fn = rda if method == "rda" else weighted_mean
-    return {name: fn([d[name] for d in deltas], weights) for name in deltas[0]}
+
+
+def merger(method: str):
+    """The per-tensor merge of ``method``: ``rda`` or ``mean``."""
+    return rda if method == "rda" else weighted_mean
 
 
 def outer_step(
@@ -76,14 +133,21 @@ def outer_step(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with Nesterov momentum (torch.optim.SGD(nesterov=True) with zero-initialised buffer).
 
-    v <- mu * v + g;  Theta <- Theta - lr * (g + mu * v). Returns new tensors; inputs are untouched.
-    """
+    v <- mu * v + g;  Theta <- Theta - lr * (g + mu * v). Returns new tensors; inputs are untouched."""
     new_theta, new_mom = {}, {}
     for k, g in grad.items():
-        v = mu * momentum[k] + g
-        new_mom[k] = v
-        new_theta[k] = theta[k] - lr * (g + mu * v)
+        new_theta[k], new_mom[k] = outer_step_tensor(theta[k], momentum[k], g, lr, mu)
     return new_theta, new_mom
+
+
+def outer_step_tensor(
+    theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor, lr: float, mu: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor of ``outer_step``, with one temporary: the products and sums in place on tensors made
+    here (x * a == a * x and x + y == y + x exactly, so the values are those of the formula as written)."""
+    v = (momentum * mu).add_(g)
+    t = (v * mu).add_(g).mul_(lr)
+    return theta - t, v
 
 
 def adopt(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -84,9 +84,11 @@ def _metadata(raw: bytes) -> dict:
 
 
 def decode_contribution(
-    raw: bytes, spec: dict[str, tuple[int, ...]], max_bytes: int = MAX_MESSAGE_BYTES
-) -> tuple[ContributionHeader, dict[str, torch.Tensor]]:
-    """Validate and decode. ``spec`` maps the fragment's tensor names to their shapes."""
+    raw: bytes, spec: dict[str, tuple[int, ...]], max_bytes: int = MAX_MESSAGE_BYTES, decode: bool = True
+) -> tuple[ContributionHeader, dict[str, torch.Tensor] | dict[str, Encoded]]:
+    """Validate and decode. ``spec`` maps the fragment's tensor names to their shapes. ``decode=False``: the
+    tensors stay in their wire form (``Encoded``), checked for everything but finiteness, which the
+    caller's check of their values (``FragmentReplica.check_delta``) makes as it decodes them one by one."""
     if len(raw) > max_bytes:
         raise ProtocolError(RejectCode.TOO_LARGE, f"message of {len(raw)} bytes exceeds {max_bytes}")
     try:
@@ -123,6 +125,8 @@ def decode_contribution(
             isinstance(declared, list) and all(type(d) is int for d in declared) and declared == list(shape)
         ):
             raise ProtocolError(RejectCode.WRONG_SHAPE, f"{name}: shape {_short(declared)} != {list(shape)}")
+    if not decode:
+        return h, wire_parts(tensors, h.codec, h.block, spec)
     return h, decode_parts(tensors, h.codec, h.block, spec)
 
 
@@ -154,8 +158,23 @@ def decode_parts(
 ) -> dict[str, torch.Tensor]:
     """Decode a codec's wire tensors, named ``NAME::PART``, into fp32 tensors of the shapes in ``spec``.
 
-    Checks the codec, the block size, that exactly the expected parts are present, each part's dtype and
-    element count, and finiteness after decoding; raises ProtocolError otherwise."""
+    Checks what ``wire_parts`` checks, and finiteness after decoding; raises ProtocolError otherwise."""
+    out = {}
+    for name, e in wire_parts(tensors, codec, block, spec).items():
+        d = get_codec(codec).decode(e)
+        if not torch.isfinite(d).all():
+            raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
+        out[name] = d
+    return out
+
+
+def wire_parts(
+    tensors: dict[str, torch.Tensor], codec: str, block: int, spec: dict[str, tuple[int, ...]]
+) -> dict[str, Encoded]:
+    """A codec's wire tensors, named ``NAME::PART``, as one ``Encoded`` per tensor of ``spec``, undecoded.
+
+    Checks the codec, the block size, that exactly the expected parts are present, and each part's dtype and
+    element count; raises ProtocolError otherwise."""
     _check_codec(codec, block)
     want_parts = _PART_DTYPES[codec]
     expected_keys = {f"{n}::{p}" for n in spec for p in want_parts}
@@ -164,7 +183,6 @@ def decode_parts(
             RejectCode.WRONG_SHAPE, f"parts {sorted(tensors)[:6]}... != {sorted(expected_keys)[:6]}..."
         )
     out = {}
-    c = get_codec(codec)
     for name, shape in spec.items():
         numel = math.prod(shape)
         parts = {}
@@ -177,10 +195,7 @@ def decode_parts(
                     f"fit {codec} block {block} for shape {list(shape)}",
                 )
             parts[part] = t
-        d = c.decode(Encoded(codec, tuple(shape), parts))
-        if not torch.isfinite(d).all():
-            raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
-        out[name] = d
+        out[name] = Encoded(codec, tuple(shape), parts)
     return out
 
 

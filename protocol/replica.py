@@ -16,16 +16,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from protocol.codecs import Encoded, decode_tensors, encode_tensors
+from protocol.codecs import Encoded, decode_tensors, get_codec
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
-from protocol.merge import anchor, contribution_weight, merge_deltas, outer_step
+from protocol.merge import anchor_tensor, check_weights, contribution_weight, merger, outer_step
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution
 
@@ -57,6 +57,18 @@ def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
     return src
 
 
+def _fp32(v: torch.Tensor | Encoded) -> torch.Tensor:
+    """A contribution's tensor in fp32: decoded from its wire form, or as it is."""
+    if isinstance(v, Encoded):
+        return get_codec(v.codec).decode(v)
+    return v.float()
+
+
+def _fp32_tensors(delta: Mapping[str, torch.Tensor | Encoded]) -> Iterator[torch.Tensor]:
+    """``delta``'s tensors in fp32, one at a time (a wire-form one decoded, then let go)."""
+    return (_fp32(v) for v in delta.values())
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).clone()
 
@@ -71,8 +83,9 @@ def _sq_norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
 
 
-def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(_sq_norm(t) for t in tensors.values()))
+def global_norm(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> float:
+    ts = tensors.values() if isinstance(tensors, Mapping) else tensors
+    return math.sqrt(sum(_sq_norm(t) for t in ts))
 
 
 def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
@@ -209,10 +222,13 @@ class FragmentReplica:
                     mom[k] = (mom[k] - g) / mu
         return theta
 
-    def check_delta(self, delta: Mapping[str, torch.Tensor], cfg: ProtocolConfig | None = None) -> float:
-        """Shape, name and finiteness checks of a decoded outer gradient against this fragment, and with
-        ``cfg`` its norm against ``refuse_factor`` times the median of recent merged gradients. Returns
-        its global norm (from the same pass)."""
+    def check_delta(
+        self, delta: Mapping[str, torch.Tensor | Encoded], cfg: ProtocolConfig | None = None
+    ) -> float:
+        """Shape, name and finiteness checks of an outer gradient against this fragment (fp32 tensors, or
+        their wire form, decoded here one tensor at a time), and with ``cfg`` its norm against ``max_rms``
+        and ``refuse_factor`` times the learners' typical one. Returns its global norm (from the same
+        pass)."""
         if set(delta) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE,
@@ -224,7 +240,7 @@ class FragmentReplica:
                 raise ProtocolError(
                     RejectCode.WRONG_SHAPE, f"{k}: shape {tuple(d.shape)} != {tuple(self.theta[k].shape)}"
                 )
-            part = _sq_norm(d)  # finite exactly when every value is
+            part = _sq_norm(_fp32(d) if isinstance(d, Encoded) else d)  # finite exactly when every value is
             if not math.isfinite(part):
                 raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
             sq += part
@@ -269,27 +285,45 @@ class FragmentReplica:
         bases = [rebuilt[c.base_round] for c in contributions]
         clipped = []
         ref = self.norm_reference() if cfg.clip_factor > 0 else None
-        deltas = []
-        for c, base in zip(contributions, bases):
-            n = global_norm(c.delta)
-            own = c.delta
+        scales = []
+        for c in contributions:
+            n = c.norm if c.norm is not None else global_norm(_fp32_tensors(c.delta))
+            scale = 1.0
             if ref is not None and n > cfg.clip_factor * ref:
                 scale = cfg.clip_factor * ref / n
-                own = {k: t * scale for k, t in own.items()}
                 clipped.append(c.cid)
-            deltas.append(anchor(self.theta, base, own))
+            scales.append(scale)
             self.norms.add(c.learner, n / math.sqrt(max(1, self.numel)))
-        method = "mean" if self.is_embedding else cfg.merge
-        grad = merge_deltas(deltas, weights, method)
+
+        def anchored(k: str) -> Iterator[torch.Tensor]:
+            """Each contribution's outer gradient of tensor ``k`` at the current global, decoded one at a
+            time and the merge's own (a tensor the contribution holds is copied): a merge holds one fp32
+            contribution of one tensor at a time, not all of them for the whole fragment."""
+            for c, base, scale in zip(contributions, bases, scales):
+                v = c.delta[k]
+                d = _fp32(v)
+                if scale != 1.0:
+                    d = d * scale
+                elif base is self.theta and (not isinstance(v, Encoded) or v.codec == "fp32"):
+                    d = d.clone()  # still the contribution's own tensor (fp32 decodes to a view)
+                yield anchor_tensor(self.theta[k], base[k], d, base is self.theta)
+                del d
+
+        check_weights(len(contributions), weights)
+        fn = merger("mean" if self.is_embedding else cfg.merge)
         share = round_share(contributions, cfg, live) if cfg.carry else 1.0
-        if share < 1.0:
-            grad = {k: t * share for k, t in grad.items()}
-        wire = None
-        if cfg.record_codec != "fp32":
-            # Quantise once here; every replica, this one included, steps with the decoded values, so the
-            # new hash is the same everywhere.
-            wire = encode_tensors(grad, cfg.record_codec, cfg.codec_block)
-            grad = decode_tensors(wire)
+        codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
+        grad, wire = {}, None if codec is None else {}
+        for k in self.theta:
+            g = fn(anchored(k), weights, owned=True)
+            if share < 1.0:
+                g = g * share
+            if codec is not None:
+                # Quantise once here; every replica, this one included, steps with the decoded values, so
+                # the new hash is the same everywhere.
+                wire[k] = codec.encode(g, cfg.codec_block)
+                g = codec.decode(wire[k])
+            grad[k] = g
         new_theta, new_mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
         rec = MergeRecord(
             fragment=self.index,

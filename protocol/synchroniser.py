@@ -44,7 +44,9 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class Contribution:
-    """One learner's fragment contribution. ``delta`` = base global - learner params (decoded, fp32)."""
+    """One learner's fragment contribution. ``delta`` = base global - learner params: fp32 tensors, or their
+    wire form (``protocol.codecs.Encoded``), which the merge decodes one tensor at a time. ``norm``: its
+    global norm, measured when it was checked at receipt (None: the merge measures it)."""
 
     learner: str
     fragment: int
@@ -52,8 +54,9 @@ class Contribution:
     c_steps: int
     c_tokens: int
     step_time_s: float
-    delta: Any  # dict[str, Tensor]; typed loosely so the state machine never touches tensors
+    delta: Any  # dict[str, Tensor | Encoded]; typed loosely so the state machine never touches tensors
     cid: str = ""
+    norm: float | None = None
 
 
 @dataclass(frozen=True)

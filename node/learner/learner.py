@@ -284,6 +284,10 @@ class Learner:
                 for n, g in theta.items():
                     if keep:
                         self.params[n].add_(change[n].to(self.device, self.params[n].dtype))
+                    elif (
+                        self.pcfg.alpha == 0.0
+                    ):  # overwrite straight from the global (adopt's clone is a copy)
+                        self.params[n].copy_(g)
                     else:
                         self.params[n].copy_(
                             adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha)

@@ -263,8 +263,8 @@ class VirtualSwarm:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
         try:
             delta = decode_tensors(enc)
-            self.replicas[p].check_delta(delta, self.cfg)
-            c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid)
+            n = self.replicas[p].check_delta(delta, self.cfg)
+            c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid, n)
             self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
             slot = self.slots[self._index[name]]
             if p not in slot.members_of and not slot.down:
