@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -316,3 +316,75 @@ def encoded_nbytes(numel: int, codec: str, block: int) -> int:
         return (4 if codec == "fp32" else 2) * numel
     blocks = math.ceil(numel / block)
     return blocks * block // (2 if codec == "int4" else 1) + 4 * blocks
+
+
+def wire_block(e: Encoded) -> int:
+    """The values one scale of ``e`` covers (1 for fp32 and bf16): where a range of it may start."""
+    if e.codec in ("fp32", "bf16"):
+        return 1
+    return max(1, _wire_blocks(e, 2 if e.codec == "int4" else 1)[2])
+
+
+def decode_range(e: Encoded, start: int, stop: int) -> torch.Tensor:
+    """Values [start, stop) of ``e``, flattened, in fp32: ``decode(e).reshape(-1)[start:stop]`` without
+    decoding the rest (``start`` on a block boundary). For fp32 a view of the wire tensor: read it only."""
+    if e.codec in ("fp32", "bf16"):
+        return e.parts["v"].reshape(-1)[start:stop].to(torch.float32)
+    per = 2 if e.codec == "int4" else 1
+    _, _, block, q, s = _wire_blocks(e, per)
+    if start % block or not 0 <= start <= stop <= _numel(e.shape):
+        raise ValueError(f"range [{start}, {stop}) of {list(e.shape)} is not on a block of {block}")
+    b0, b1 = start // block, -(-stop // block)
+    part = Encoded(e.codec, (stop - start,), {"q": q[b0 * block // per : b1 * block // per], "s": s[b0:b1]})
+    return get_codec(e.codec).decode(part)
+
+
+class Decoded(Mapping):
+    """Tensors kept in their wire form and read as fp32: each is decoded when it is looked up, and let go
+    by whoever read it (a merged gradient of a large fragment is not held decoded). ``encoded``: the wire
+    form itself, for code that reads it a range at a time (``protocol.merge.outer_step``)."""
+
+    def __init__(self, encoded: Mapping[str, Encoded]) -> None:
+        self.encoded = dict(encoded)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        e = self.encoded[name]
+        return get_codec(e.codec).decode(e)
+
+    def __iter__(self):
+        return iter(self.encoded)
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+
+RANGE = (
+    1 << 20
+)  # values a pass over part of a large tensor covers (4 MiB of fp32): merges, outer steps, checks
+
+
+def ranges(numel: int, align: int = 1) -> Iterator[tuple[int, int]]:
+    """[start, stop) ranges of about ``RANGE`` values covering ``numel``, each starting on a multiple of
+    ``align`` (a block of the wire forms read with ``read_range``)."""
+    step = max(align, RANGE // align * align)
+    for a in range(0, numel, step):
+        yield a, min(numel, a + step)
+
+
+def range_align(*sources: torch.Tensor | Encoded) -> int:
+    """The alignment ranges over all of ``sources`` need: a multiple of each wire form's block."""
+    return math.lcm(1, *(wire_block(v) for v in sources if isinstance(v, Encoded)))
+
+
+def read_range(v: torch.Tensor | Encoded, start: int, stop: int) -> torch.Tensor:
+    """fp32 values [start, stop) of a tensor (flattened) or of its wire form: read only (may be a view)."""
+    if isinstance(v, Encoded):
+        return decode_range(v, start, stop)
+    return v.detach().reshape(-1)[start:stop].to(torch.float32)
+
+
+def fresh(v: torch.Tensor | Encoded) -> bool:
+    """Whether ``read_range`` of ``v`` makes new tensors (decoded, or converted), which a reader may write."""
+    if isinstance(v, Encoded):
+        return v.codec not in ("fp32",)
+    return v.dtype != torch.float32

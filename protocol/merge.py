@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from protocol.codecs import Encoded, fresh, range_align, ranges, read_range
+
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -129,11 +131,12 @@ def merger(method: str):
 
 
 def outer_step(
-    theta: Tensors, momentum: Tensors, grad: Tensors, lr: float, mu: float
+    theta: Tensors, momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], lr: float, mu: float
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with Nesterov momentum (torch.optim.SGD(nesterov=True) with zero-initialised buffer).
 
-    v <- mu * v + g;  Theta <- Theta - lr * (g + mu * v). Returns new tensors; inputs are untouched."""
+    v <- mu * v + g;  Theta <- Theta - lr * (g + mu * v). Returns new tensors; inputs are untouched. ``grad``
+    may be in its wire form, read a range at a time."""
     new_theta, new_mom = {}, {}
     for k, g in grad.items():
         new_theta[k], new_mom[k] = outer_step_tensor(theta[k], momentum[k], g, lr, mu)
@@ -141,13 +144,78 @@ def outer_step(
 
 
 def outer_step_tensor(
-    theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor, lr: float, mu: float
+    theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor | Encoded, lr: float, mu: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tensor of ``outer_step``, with one temporary: the products and sums in place on tensors made
-    here (x * a == a * x and x + y == y + x exactly, so the values are those of the formula as written)."""
-    v = (momentum * mu).add_(g)
-    t = (v * mu).add_(g).mul_(lr)
-    return theta - t, v
+    """One tensor of ``outer_step``, a range at a time (``protocol.codecs.ranges``): the new tensors and one
+    temporary of a range, ``g`` decoded a range at a time. The products and sums are taken in place on
+    tensors made here (x * a == a * x and x + y == y + x exactly), so the values are those of the formula as
+    written, whatever the ranges."""
+    new_theta, new_mom = torch.empty_like(theta, dtype=torch.float32), torch.empty_like(momentum)
+    th, mo = theta.reshape(-1), momentum.reshape(-1)
+    out_t, out_m = new_theta.view(-1), new_mom.view(-1)
+    for a, b in ranges(th.numel(), range_align(g)):
+        _step_range(th[a:b], mo[a:b], read_range(g, a, b), lr, mu, out_t[a:b], out_m[a:b])
+    return new_theta, new_mom
+
+
+def _step_range(th, mo, g, lr: float, mu: float, out_t, out_m) -> None:
+    v = torch.mul(mo, mu, out=out_m).add_(g)
+    torch.sub(th, torch.mul(v, mu).add_(g).mul_(lr), out=out_t)
+
+
+def mean_step(
+    theta: torch.Tensor,
+    momentum: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor | Encoded, torch.Tensor | None, float]],
+    weights: Sequence[float],
+    share: float,
+    codec,
+    block: int,
+    lr: float,
+    mu: float,
+) -> tuple[Encoded | torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted mean of one tensor's contributions, its quantisation with the record's ``codec`` (None:
+    fp32) and the outer step, a range at a time: what the merge of a large tensor holds beyond the new
+    tensors is a range of each, never the whole merged gradient in fp32. ``parts``: per contribution its
+    outer gradient (a tensor or its wire form), the base it was taken on (None: the current global) and its
+    clip scale. The values are those of ``anchor``, ``weighted_mean``, ``codec`` and ``outer_step`` over the
+    whole tensor (each is elementwise, or blockwise on the codec's blocks). Returns (the merged gradient's
+    wire form, or fp32 tensor with no codec; new theta; new momentum)."""
+    ws = _normalised(weights)
+    blocked = codec is not None and codec.name in ("int8", "int4")  # its ranges must hold whole blocks
+    align = math.lcm(range_align(*(src for src, _, _ in parts)), block if blocked else 1)
+    new_theta, new_mom = torch.empty_like(theta, dtype=torch.float32), torch.empty_like(momentum)
+    th, mo = theta.reshape(-1), momentum.reshape(-1)
+    out_t, out_m = new_theta.view(-1), new_mom.view(-1)
+    pieces = []
+    for a, b in ranges(th.numel(), align):
+        acc = None
+        for (src, base, scale), w in zip(parts, ws):
+            d = read_range(src, a, b)
+            if scale != 1.0:
+                d = d * scale
+            elif base is None and not fresh(src):
+                d = d.clone()  # a view of what the contribution holds
+            if base is not None:
+                d = (th[a:b] - base.reshape(-1)[a:b]).add_(d)
+            acc = _summed(acc, d.mul_(w))
+            del d
+        if share < 1.0:
+            acc = acc * share
+        if codec is not None:
+            pieces.append(codec.encode(acc, block))
+            acc = codec.decode(pieces[-1])
+        else:
+            pieces.append(acc)
+        _step_range(th[a:b], mo[a:b], acc, lr, mu, out_t[a:b], out_m[a:b])
+        del acc
+    if not pieces:  # a tensor of no values
+        empty = theta.new_zeros(0)
+        pieces.append(empty if codec is None else codec.encode(empty, block))
+    if codec is None:
+        return torch.cat(pieces).view(theta.shape), new_theta, new_mom
+    wire = {p: torch.cat([e.parts[p] for e in pieces]) for p in pieces[0].parts}
+    return Encoded(codec.name, tuple(theta.shape), wire), new_theta, new_mom
 
 
 def adopt(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

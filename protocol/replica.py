@@ -14,18 +14,26 @@ taken on an older base is re-anchored by walking the outer steps back from the c
 from __future__ import annotations
 
 import math
-import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from protocol.codecs import Encoded, decode_tensors, get_codec
+from protocol.codecs import Decoded, Encoded, fresh, get_codec
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
-from protocol.merge import anchor_tensor, check_weights, contribution_weight, merger, outer_step
+from protocol.merge import (
+    anchor_tensor,
+    check_weights,
+    contribution_weight,
+    mean_step,
+    outer_step,
+    outer_step_tensor,
+    rda,
+)
+from protocol.norms import NormBook, global_norm, sq_norm
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution
 
@@ -53,7 +61,7 @@ def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
     if callable(src):
         return src()
     if any(isinstance(v, Encoded) for v in src.values()):
-        return decode_tensors(dict(src))
+        return Decoded(src)  # each tensor decoded as it is read
     return src
 
 
@@ -64,28 +72,12 @@ def _fp32(v: torch.Tensor | Encoded) -> torch.Tensor:
     return v.float()
 
 
-def _fp32_tensors(delta: Mapping[str, torch.Tensor | Encoded]) -> Iterator[torch.Tensor]:
-    """``delta``'s tensors in fp32, one at a time (a wire-form one decoded, then let go)."""
-    return (_fp32(v) for v in delta.values())
-
-
 def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).clone()
 
 
 def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.dtype == torch.float32 else t.detach().to(torch.float32)
-
-
-def _sq_norm(t: torch.Tensor) -> float:
-    """The sum of squares of t, accumulated in float64 (one pass, no float64 copy of t); inf or NaN when t
-    holds one (a float32 tensor's finite values cannot overflow it)."""
-    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
-
-
-def global_norm(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> float:
-    ts = tensors.values() if isinstance(tensors, Mapping) else tensors
-    return math.sqrt(sum(_sq_norm(t) for t in ts))
 
 
 def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
@@ -100,28 +92,6 @@ def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live
     steps = sum(c.c_steps for c in contributions)
     full = live * cfg.sync_every
     return min(1.0, steps / full)
-
-
-class NormBook:
-    """Each learner's recent outer-gradient size, as RMS per parameter over whatever fragments it sent.
-
-    One book is shared by all fragments of a node, so the robust merge has a reference as soon as three
-    learners have contributed anything: the median over learners of each one's median recent RMS. A single
-    lying learner among three or more cannot move it far."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self.rms: dict[str, list[float]] = {}
-
-    def add(self, learner: str, rms: float) -> None:
-        xs = self.rms.setdefault(learner, [])
-        xs.append(rms)
-        del xs[: -self.keep]
-
-    def reference_rms(self) -> float | None:
-        per = [statistics.median(xs) for xs in self.rms.values() if xs]
-        per = [x for x in per if x > 0]
-        return statistics.median(per) if len(per) >= 3 else None
 
 
 class FragmentReplica:
@@ -240,7 +210,7 @@ class FragmentReplica:
                 raise ProtocolError(
                     RejectCode.WRONG_SHAPE, f"{k}: shape {tuple(d.shape)} != {tuple(self.theta[k].shape)}"
                 )
-            part = _sq_norm(_fp32(d) if isinstance(d, Encoded) else d)  # finite exactly when every value is
+            part = sq_norm(d)  # finite exactly when every value is
             if not math.isfinite(part):
                 raise ProtocolError(RejectCode.NOT_FINITE, f"{k} contains NaN or inf")
             sq += part
@@ -287,7 +257,7 @@ class FragmentReplica:
         ref = self.norm_reference() if cfg.clip_factor > 0 else None
         scales = []
         for c in contributions:
-            n = c.norm if c.norm is not None else global_norm(_fp32_tensors(c.delta))
+            n = c.norm if c.norm is not None else global_norm(c.delta)
             scale = 1.0
             if ref is not None and n > cfg.clip_factor * ref:
                 scale = cfg.clip_factor * ref / n
@@ -304,27 +274,34 @@ class FragmentReplica:
                 d = _fp32(v)
                 if scale != 1.0:
                     d = d * scale
-                elif base is self.theta and (not isinstance(v, Encoded) or v.codec == "fp32"):
+                elif base is self.theta and not fresh(v):
                     d = d.clone()  # still the contribution's own tensor (fp32 decodes to a view)
                 yield anchor_tensor(self.theta[k], base[k], d, base is self.theta)
                 del d
 
         check_weights(len(contributions), weights)
-        fn = merger("mean" if self.is_embedding else cfg.merge)
         share = round_share(contributions, cfg, live) if cfg.carry else 1.0
+        # Quantised once here; every replica, this one included, steps with the decoded values, so the new
+        # hash is the same everywhere.
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
-        grad, wire = {}, None if codec is None else {}
-        for k in self.theta:
-            g = fn(anchored(k), weights, owned=True)
+        lr, mu = cfg.outer_lr, cfg.outer_momentum
+        grad, new_theta, new_mom = {}, {}, {}
+        for k, theta in self.theta.items():
+            if self.is_embedding or cfg.merge == "mean":  # a range at a time, whatever the tensor's size
+                parts = [
+                    (c.delta[k], None if b is self.theta else b[k], s)
+                    for c, b, s in zip(contributions, bases, scales)
+                ]
+                grad[k], new_theta[k], new_mom[k] = mean_step(
+                    theta, self.momentum[k], parts, weights, share, codec, cfg.codec_block, lr, mu
+                )
+                continue
+            g = rda(anchored(k), weights, owned=True)  # RDA needs each contribution's whole tensor
             if share < 1.0:
                 g = g * share
-            if codec is not None:
-                # Quantise once here; every replica, this one included, steps with the decoded values, so
-                # the new hash is the same everywhere.
-                wire[k] = codec.encode(g, cfg.codec_block)
-                g = codec.decode(wire[k])
-            grad[k] = g
-        new_theta, new_mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
+            grad[k] = g if codec is None else codec.encode(g, cfg.codec_block)
+            del g
+            new_theta[k], new_mom[k] = outer_step_tensor(theta, self.momentum[k], grad[k], lr, mu)
         rec = MergeRecord(
             fragment=self.index,
             round=round_,
@@ -333,10 +310,10 @@ class FragmentReplica:
             contributors=tuple(
                 (c.learner, c.cid, w, c.c_steps, c.c_tokens) for c, w in zip(contributions, weights)
             ),
-            grad=grad,
+            grad=grad if codec is None else Decoded(grad),
             codec=cfg.record_codec,
             block=cfg.codec_block,
-            wire=wire,
+            wire=None if codec is None else grad,
             clipped=tuple(clipped),
             due=float(due),
             period=float(period),
@@ -366,7 +343,7 @@ class FragmentReplica:
                     f"contribution {cid} of {learner}: weight {w:.6g} does not follow from its counters",
                 )
         try:
-            n = self.check_delta(rec.grad)
+            n = self.check_delta(rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad)
         except ProtocolError as e:
             raise ProtocolError(
                 RejectCode.RECORD_TOO_LARGE if e.code is RejectCode.NOT_FINITE else e.code, str(e)
@@ -397,7 +374,8 @@ class FragmentReplica:
             _, theta, mom = self._made
             new_hash = rec.new_hash
         else:
-            theta, mom = outer_step(self.theta, self.momentum, rec.grad, cfg.outer_lr, cfg.outer_momentum)
+            grad = rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad  # read a range at a time
+            theta, mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
             new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
             raise ProtocolError(
@@ -408,7 +386,8 @@ class FragmentReplica:
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         if source is None:
-            source = dict(rec.wire) if rec.wire is not None else dict(rec.grad)
+            grad = rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad
+            source = dict(rec.wire) if rec.wire is not None else dict(grad)
         self._past[rec.round] = (source, cfg.outer_lr, cfg.outer_momentum)
         self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every, before=self.clock)
         while len(self._past) > self._history_len:

@@ -186,7 +186,7 @@ def test_clipping_scales_the_learners_own_outer_gradient_not_the_global_change_s
     """Regression: a contribution taken against an older round is re-anchored as (Theta_now - base) + delta.
     The robust merge measures delta and must scale delta alone: the global's own movement since that base
     is no learner's to clip."""
-    from protocol.replica import NormBook
+    from protocol.norms import NormBook
 
     cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", record_codec="fp32",
                          outer_lr=1.0, outer_momentum=0.0, clip_factor=3.0)  # fmt: skip

@@ -12,7 +12,8 @@ from node.local.runner import run_system
 from node.swarm.guard import Guard
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
-from protocol.replica import FragmentReplica, NormBook
+from protocol.norms import NormBook
+from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
 

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocol import codecs
 from protocol.codecs import decode_tensors, encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight, outer_step, outer_step_tensor
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution
-from protocol.replica import FragmentReplica, global_norm
+from protocol.norms import global_norm
+from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
 ROOT = Path(__file__).parent.parent
@@ -92,7 +94,10 @@ def _wire(delta, codec):
 @pytest.mark.parametrize("merge", ["rda", "mean"])
 @pytest.mark.parametrize("codec", ["int4", "int8", "bf16", "fp32"])
 @pytest.mark.parametrize("embedding", [False, True])
-def test_streamed_record_is_the_formulas_bit_for_bit(merge, codec, embedding):
+@pytest.mark.parametrize("span", [codecs.RANGE, 128])
+def test_streamed_record_is_the_formulas_bit_for_bit(merge, codec, embedding, span, monkeypatch):
+    """128: a tensor's merge, quantisation and outer step go over it in several ranges of two blocks."""
+    monkeypatch.setattr(codecs, "RANGE", span)
     rep = _replica(embedding, rounds=2)
     cfg = ProtocolConfig(
         merge=merge, record_codec="int4", clip_factor=2.0, carry=True, sync_every=8, history=4
@@ -118,6 +123,13 @@ def test_streamed_record_is_the_formulas_bit_for_bit(merge, codec, embedding):
     assert rec.clipped == ("l2:0:2",)
     for k in want:
         assert torch.equal(rec.grad[k], want[k]), k
+    want_theta, want_mom = {}, {}
+    for k, g in want.items():  # the outer step as written, over whole tensors
+        want_mom[k] = cfg.outer_momentum * ref_rep.momentum[k] + g
+        want_theta[k] = ref_rep.theta[k] - cfg.outer_lr * (g + cfg.outer_momentum * want_mom[k])
+    rep.apply_record(rec, cfg)
+    for k in want:
+        assert torch.equal(rep.theta[k], want_theta[k]) and torch.equal(rep.momentum[k], want_mom[k]), k
     # the same record from decoded contributions (the in-process runner's form), norms measured in the merge
     decoded = [replace(c, delta=decode_tensors(c.delta), norm=None) for c in cs]
     again = _replica(embedding, rounds=2)

@@ -29,7 +29,8 @@ from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
-from protocol.replica import FragmentReplica, NormBook
+from protocol.norms import NormBook
+from protocol.replica import FragmentReplica
 from protocol.schedule import (
     PHASE_EVERY,
     due_fragments,

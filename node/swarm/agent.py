@@ -60,7 +60,8 @@ from node.swarm.wire import (
     SignedRecord,
 )
 from protocol.hashing import model_hash
-from protocol.replica import FragmentReplica, NormBook
+from protocol.norms import NormBook
+from protocol.replica import FragmentReplica
 from protocol.synchroniser import (
     SyncState,
 )

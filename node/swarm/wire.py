@@ -24,10 +24,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dht.identity import Identity, verify
-from protocol.codecs import encode_tensors
+from protocol.codecs import Decoded, encode_tensors
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
-from protocol.messages import decode_parts, encoded_parts
+from protocol.messages import encoded_parts, finite_parts
 from protocol.replica import MergeRecord
 from protocol.schedule import RoundClock
 
@@ -174,7 +174,7 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
         )
     if p not in spec:
         raise ProtocolError(RejectCode.WRONG_FRAGMENT, f"fragment {_short(p)} does not exist")
-    grad = decode_parts(tensors, codec, block, spec[p])
+    grad = Decoded(finite_parts(tensors, codec, block, spec[p]))  # read a range at a time where applied
     rec = MergeRecord(
         p, r, parent, new, contributors, grad, codec, block, due=float(due), period=float(period)
     )

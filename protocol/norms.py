@@ -1,0 +1,51 @@
+"""The sizes of outer gradients: their norms (of fp32 tensors, or of their wire form a range at a time) and
+each learner's recent size, which the robust merge and the refusal of outliers measure against."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+import torch
+
+from protocol.codecs import Encoded, range_align, ranges, read_range
+
+
+def _sq_norm(t: torch.Tensor) -> float:
+    """The sum of squares of t, accumulated in float64 (one pass, no float64 copy of t); inf or NaN when t
+    holds one (a float32 tensor's finite values cannot overflow it)."""
+    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
+
+
+def sq_norm(v: torch.Tensor | Encoded) -> float:
+    """``_sq_norm`` of a tensor, or of its wire form decoded a range at a time (not all of it at once)."""
+    if not isinstance(v, Encoded):
+        return _sq_norm(v)
+    return sum(_sq_norm(read_range(v, a, b)) for a, b in ranges(math.prod(v.shape), range_align(v)))
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor | Encoded]) -> float:
+    return math.sqrt(sum(sq_norm(t) for t in tensors.values()))
+
+
+class NormBook:
+    """Each learner's recent outer-gradient size, as RMS per parameter over whatever fragments it sent.
+
+    One book is shared by all fragments of a node, so the robust merge has a reference as soon as three
+    learners have contributed anything: the median over learners of each one's median recent RMS. A single
+    lying learner among three or more cannot move it far."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.rms: dict[str, list[float]] = {}
+
+    def add(self, learner: str, rms: float) -> None:
+        xs = self.rms.setdefault(learner, [])
+        xs.append(rms)
+        del xs[: -self.keep]
+
+    def reference_rms(self) -> float | None:
+        per = [statistics.median(xs) for xs in self.rms.values() if xs]
+        per = [x for x in per if x > 0]
+        return statistics.median(per) if len(per) >= 3 else None
