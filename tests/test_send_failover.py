@@ -83,7 +83,7 @@ def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0
         s = _Sender(order, hung, failover_s)
         if setup is not None:
             setup(s)
-        await s._send(SimpleNamespace(fragment=3, cid=CID), None)
+        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05), None)
         return s
 
     return asyncio.run(go())
@@ -180,5 +180,21 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
         s._schedule_of = lambda p: (now - 1.5, 1.0)
         assert not s._stalled_here(3, "A")
+
+    asyncio.run(go())
+
+
+def test_a_first_round_has_time_for_its_grace_window_before_it_counts_as_stalled():
+    """Before the swarm has a schedule, a round merges on arrival after a grace window of up to ``overlap``
+    steps: with 10 s steps the watch waits for 2 x 2 x 10 s, not for the 2 x ``failover_s`` / 2 that suits
+    a small model (and suspected every first-round synchroniser of a 124M swarm a moment before it merged)."""
+
+    async def go() -> None:
+        s = _Sender(["A"], set(), failover_s=8.0)
+        slow, fast = (SimpleNamespace(fragment=3, cid=CID, step_time_s=t) for t in (10.0, 0.05))
+        assert s._merge_deadline(slow) == 2 * s.pcfg.overlap * 10.0
+        assert s._merge_deadline(fast) == 8.0  # failover_s: the small model's deadline is as it was
+        s._schedule_of = lambda p: (s.loop.time() + 5.0, 30.0)  # on the schedule: due moment + 2 periods
+        assert abs(s._merge_deadline(slow) - 65.0) < 0.1
 
     asyncio.run(go())

@@ -194,11 +194,27 @@ class Contributions:
         never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
         its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
         p = header.fragment
+        self.loop.call_later(
+            self._merge_deadline(header), self._check_merged, target, header, self.replicas[p].round + 1
+        )
+
+    def _merge_deadline(self, header: ContributionHeader) -> float:
+        """Seconds from now until a round that took ``header`` must have merged: its due moment plus
+        ``STALL_PERIODS`` due periods; before the swarm has a schedule (its first rounds, which merge on
+        arrival), ``STALL_PERIODS`` times the longest wait an honest synchroniser may take, ``failover_s``,
+        or the grace window, which is at most ``overlap`` of the learners' steps (``protocol.synchroniser``):
+        at 124M parameters a step took 8-10 s, the grace window 10 s, and every synchroniser of a first
+        round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run."""
         now = self.loop.time()
-        sched = self._schedule_of(p)  # none yet (the first rounds): rounds merge on arrival
-        due, every = sched or (now, self.settings.failover_s / STALL_PERIODS)
-        wait = max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
-        self.loop.call_later(wait, self._check_merged, target, header, self.replicas[p].round + 1)
+        sched = self._schedule_of(header.fragment)
+        if sched is not None:
+            due, every = sched
+        else:
+            due, every = (
+                now,
+                max(self.settings.failover_s / STALL_PERIODS, self.pcfg.overlap * header.step_time_s),
+            )
+        return max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
 
     def _check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
         """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or
