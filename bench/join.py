@@ -27,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from node.common.status_client import read_control_token, send_control
+
 ROOT = Path(__file__).resolve().parent.parent
 M85 = "--dim 768 --layers 12 --heads 12 --seq-len 128 --batch-size 2"
 
@@ -72,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flags", default=M85, help="node flags of the model (default: the 85M configuration)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each node")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
+    ap.add_argument(
+        "--pause-donors",
+        action="store_true",
+        help="pause the donors' learners while the joiner downloads (their agents serve it): on one machine "
+        "the donors' training otherwise takes the cores the transfer runs on",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object")
     a = ap.parse_args(argv)
     flags = [*shlex.split(a.flags), "--threads", str(a.threads), "--eval-every-s", "3600"]
@@ -92,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 if time.time() > deadline:
                     raise TimeoutError("the donors did not move every fragment in time")
                 time.sleep(2)
+            if a.pause_donors:
+                for d, name in ((d0, "donor-0"), (d1, "donor-1")):
+                    send_control(d["status_url"], "pause", token=read_control_token(run / name))
             print("join: every fragment moved; the joiner starts", file=sys.stderr, flush=True)
             joiner = _start(run / "joiner", flags, d0["maddrs"] + d1["maddrs"])
             procs.append(joiner)
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     received = doc.get("bytes_received", 0)
     out = {
         "params": weights // 4,
+        "donors": "paused" if a.pause_donors else "training",
         "how": join.get("how"),
         "state_s": round(state_s, 2),
         "received_mb": round(received / 1e6, 1),
@@ -131,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(
-            f"{out['params']:,} parameters: joined by {out['how']}, state in {out['state_s']} s, "
+            f"{out['params']:,} parameters, donors {out['donors']}: joined by {out['how']}, state in {out['state_s']} s, "
             f"{out['received_mb']} MB received ({out['mb_per_s']} MB/s), peak RSS {out['peak_rss_mb']} MB "
             f"({out['peak_x_weights']}x the weights)"
         )
