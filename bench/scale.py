@@ -6,7 +6,8 @@ and its event records at the end, and prints per size: parameters, the fp32 weig
 and at its peak with their ratio to the weights, the largest parts of the node's own account
 (``node.swarm.memory``), start-up seconds to the first step (and to ``join``), and the median seconds per
 step beside a plain torch loop of the same model with the same threads (a child process; ``plain/node`` is
-its step time over the node's: 1.0 = the node trains as fast). Then, once, the codecs' int4 GB/s against a
+its step time over the node's: 1.0 = the node trains as fast), and the node's seconds to its first step
+over the plain loop's from its process's start to the end of its first step (``1st/plain``). Then, once, the codecs' int4 GB/s against a
 memcpy of a 16M-value tensor in the same process (``bench/codecs.py``).
 
     .venv/bin/python bench/scale.py                                  # tiny, small, 85M
@@ -34,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+STARTED = time.time()  # this process's start, near enough: before torch is imported (plain_loop)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -58,7 +61,9 @@ PLAIN = {
 
 def plain_loop(name: str, steps: int, threads: int) -> dict:
     """A plain torch loop of the size's model (this process): the task's batches and loss, AdamW as the
-    learner builds it, clipping; the median seconds per step after the first two."""
+    learner builds it, clipping; the median seconds per step after the first two, and the seconds from this
+    process's start (torch's import included, as a node's start-up includes it) to the end of its first
+    step."""
     import torch
 
     from node.learner.model import ModelConfig
@@ -79,10 +84,17 @@ def plain_loop(name: str, steps: int, threads: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t)
-    return {"size": name, "plain_step_s": statistics.median(times[2:]), "threads": threads}
+        if len(times) == 1:
+            first = time.time() - STARTED
+    return {
+        "size": name,
+        "plain_step_s": statistics.median(times[2:]),
+        "plain_first_s": first,
+        "threads": threads,
+    }
 
 
-def run_plain(name: str, steps: int, threads: int) -> float:
+def run_plain(name: str, steps: int, threads: int) -> dict:
     """``plain_loop`` in a child process of its own (its memory and threads apart from this one's)."""
     out = subprocess.run(
         [sys.executable, __file__, "--plain", name, "--steps", str(steps), "--threads", str(threads)],
@@ -92,7 +104,7 @@ def run_plain(name: str, steps: int, threads: int) -> float:
         timeout=1800,
         check=True,
     )
-    return json.loads(out.stdout)["plain_step_s"]
+    return json.loads(out.stdout)
 
 
 def _status(url: str) -> dict | None:
@@ -193,22 +205,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scale: {s} ...", file=sys.stderr, flush=True)
         row = run_size(s, a.seconds, a.poll_s, a.threads, a.timeout_s)
         if not a.no_plain:
-            row["plain_step_s"] = round(run_plain(s, a.steps, a.threads), 3)
+            plain = run_plain(s, a.steps, a.threads)
+            row["plain_step_s"] = round(plain["plain_step_s"], 3)
             row["plain_ratio"] = round(row["plain_step_s"] / row["step_s"], 3) if row["step_s"] else None
+            row["plain_first_s"] = round(plain["plain_first_s"], 2)
+            first = row["first_step_s"]
+            row["first_ratio"] = round(first / row["plain_first_s"], 2) if first else None
         rows.append(row)
     codecs = None if a.no_codecs else _codecs()
     if a.json:
         print(json.dumps({"sizes": rows, "codecs": codecs}, indent=1))
         return 0
     print(
-        "size       params       weights   rss/w  peak/w  peak MB  join s  1st step s  s/step  plain  "
-        "plain/node  largest parts"
+        "size       params       weights   rss/w  peak/w  peak MB  join s  1st step s  1st/plain  s/step  "
+        "plain  plain/node  largest parts"
     )
     for r in rows:
         top = ", ".join(f"{k} {v}x" for k, v in list(r["parts_x"].items())[:6])
         print(
             f"{r['size']:<10} {r['params']:>12,} {r['weights_mb']:>7.1f}MB {r['rss_x']:>6} {r['peak_x']:>7} "
-            f"{r['peak_mb']:>8.0f} {r['join_s']:>7} {r['first_step_s']!s:>11} {r['step_s']!s:>7} "
+            f"{r['peak_mb']:>8.0f} {r['join_s']:>7} {r['first_step_s']!s:>11} {r.get('first_ratio', '-')!s:>10} "
+            f"{r['step_s']!s:>7} "
             f"{r.get('plain_step_s', '-')!s:>6} {r.get('plain_ratio', '-')!s:>11}  {top}, other {r['other_x']}x"
         )
     if codecs:
