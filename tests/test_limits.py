@@ -127,3 +127,60 @@ def test_a_heartbeat_whose_write_fails_still_reads_the_view():
     for _ in range(3):
         asyncio.run(SwarmView._heartbeat_once(node))
     assert len(reads) == 3
+
+
+def test_a_beat_that_fails_does_not_end_the_heartbeats():
+    """A beat raised (a status read racing the learner's thread: ``deque mutated during iteration``) and the
+    heartbeat task ended with it: the node's record expired from every view, its own view froze, it never
+    reconciled again and stayed on its own forks to the end of a test run. The next beat comes as usual."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from node.swarm.view import SwarmView
+
+    beats, reconciled = [], []
+
+    async def beat():
+        beats.append(True)
+        if len(beats) == 1:
+            raise RuntimeError("deque mutated during iteration")
+        if len(beats) == 3:
+            raise asyncio.CancelledError  # the node stopping: that one does end the loop
+
+    async def go():
+        node = SimpleNamespace(
+            settings=SimpleNamespace(exit_with_parent=False, heartbeat_s=0.01),
+            loop=asyncio.get_running_loop(),
+            _heartbeat_once=beat,
+            _reconcile=lambda: reconciled.append(True),
+            _relinking=asyncio.get_running_loop().create_future(),
+            _spawn=lambda coro: coro.close(),
+        )
+        node._relinking.set_result(None)
+        node._relink = lambda: asyncio.sleep(0)
+        try:
+            await SwarmView._heartbeat_loop(node)
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(go())
+    assert len(beats) == 3 and len(reconciled) == 1  # the second beat came, and reconciled
+
+
+def test_the_learner_rate_is_read_from_a_copy_made_under_its_lock():
+    """``steps_per_s`` and ``tokens_per_s`` run on the agent's thread while the learner's thread appends."""
+    import threading
+    from collections import deque
+
+    from node.learner.loop import LearnerLoop
+
+    loop = LearnerLoop.__new__(LearnerLoop)
+    loop._rate, loop._rate_lock = deque([(float(i), 100 * i) for i in range(10)], maxlen=64), threading.Lock()
+    assert loop.tokens_per_s() == 100.0 and loop.steps_per_s() == 1.0
+    with loop._rate_lock:  # held by an append: a reader waits for it instead of iterating under it
+        reader = threading.Thread(target=loop.steps_per_s)
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive()
+    reader.join(5)
+    assert not reader.is_alive()

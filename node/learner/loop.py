@@ -67,7 +67,10 @@ class LearnerLoop(threading.Thread):
         # own: it evaluates the tensors it is handed (node.learner.evaluation).
         self._eval_model = eval_model(node.task, learner.model)
         self._eval_lock = threading.Lock()
-        self._rate: deque = deque(maxlen=RATE_WINDOW)  # (time, tokens) for tokens/s
+        self._rate: deque = deque(maxlen=RATE_WINDOW)  # (time, tokens) for tokens/s; the learner appends
+        self._rate_lock = (
+            threading.Lock()
+        )  # the agent's thread reads it (a read mid-append killed a heartbeat)
         self.slots = SlotBook()  # the schedule's slots this learner has contributed to
         self._jitter_rng = random.Random(node.learner.seed)
 
@@ -119,16 +122,22 @@ class LearnerLoop(threading.Thread):
             self._blocked_since = None
         return bool(late)
 
+    def _rate_now(self) -> list[tuple[float, int]]:
+        """The (time, tokens) of the last steps, copied under the lock the learner's thread appends under."""
+        with self._rate_lock:
+            return list(self._rate)
+
     def tokens_per_s(self) -> float:
-        if len(self._rate) < 2:
+        rate = self._rate_now()
+        if len(rate) < 2:
             return 0.0
-        (t0, k0), (t1, k1) = self._rate[0], self._rate[-1]
+        (t0, k0), (t1, k1) = rate[0], rate[-1]
         return (k1 - k0) / (t1 - t0) if t1 > t0 else 0.0
 
     def steps_per_s(self) -> float:
         """Steps per second over the last steps (``protocol.schedule.measured_period``, the runner's rule too),
         0 until enough are in: the swarm's schedule is made of these."""
-        period = measured_period([t for t, _ in self._rate])
+        period = measured_period([t for t, _ in self._rate_now()])
         return 1.0 / period if period > 0 else 0.0
 
     def _align_schedule(self) -> None:
@@ -357,7 +366,8 @@ class LearnerLoop(threading.Thread):
                 self.step_s = averaged_step_s(self.step_s, t1 - t0, lrn.steps == first_step + 2)
                 self.loss_ema = res.loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * res.loss
                 self.tokens += res.tokens
-                self._rate.append((t1, self.tokens))
+                with self._rate_lock:
+                    self._rate.append((t1, self.tokens))
                 self.node.events.emit(
                     "step", learner=self.node.peer_id, step=lrn.steps, t0=t0, t1=t1, loss=res.loss
                 )
