@@ -99,14 +99,11 @@ def rda(deltas: Iterable[torch.Tensor], weights: Sequence[float], owned: bool = 
     return radius * _unit(direction)
 
 
-def weighted_mean(
-    deltas: Iterable[torch.Tensor], weights: Sequence[float], owned: bool = False
-) -> torch.Tensor:
-    """sum w D / sum w, in one pass over ``deltas`` (a generator: one decoded contribution at a time).
-    ``owned``: the tensors are the merge's own to overwrite."""
+def weighted_mean(deltas: Iterable[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum w D / sum w, in one pass over ``deltas`` (``mean_step`` is the same a range at a time)."""
     acc = None
     for w, d in _each(deltas, _normalised(weights)):
-        acc = _summed(acc, d.float().mul_(w) if owned else w * d.float())
+        acc = _summed(acc, w * d.float())
         del d  # before the next one is made
     return acc
 
@@ -114,7 +111,7 @@ def weighted_mean(
 def merge_deltas(deltas: Sequence[Tensors], weights: Sequence[float], method: str) -> dict[str, torch.Tensor]:
     """Merge per-learner outer gradients tensor by tensor with ``rda`` or ``mean``."""
     check_weights(len(deltas), weights)
-    fn = merger(method)
+    fn = rda if method == "rda" else weighted_mean
     return {name: fn((d[name] for d in deltas), weights) for name in deltas[0]}
 
 
@@ -123,11 +120,6 @@ def check_weights(n: int, weights: Sequence[float]) -> None:
         raise ValueError(f"need one weight per contribution, got {n} and {len(weights)}")
     if any(w <= 0 for w in weights):
         raise ValueError(f"weights must be positive, got {list(weights)}")
-
-
-def merger(method: str):
-    """The per-tensor merge of ``method``: ``rda`` or ``mean``."""
-    return rda if method == "rda" else weighted_mean
 
 
 def outer_step(

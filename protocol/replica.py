@@ -65,6 +65,12 @@ def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
     return src
 
 
+def _readable(grad: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor | Encoded]:
+    """A record's gradient as the ranged readers take it: its wire form where it is kept in one (``Decoded``:
+    not decoded whole), else its tensors."""
+    return grad.encoded if isinstance(grad, Decoded) else grad
+
+
 def _fp32(v: torch.Tensor | Encoded) -> torch.Tensor:
     """A contribution's tensor in fp32: decoded from its wire form, or as it is."""
     if isinstance(v, Encoded):
@@ -343,7 +349,7 @@ class FragmentReplica:
                     f"contribution {cid} of {learner}: weight {w:.6g} does not follow from its counters",
                 )
         try:
-            n = self.check_delta(rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad)
+            n = self.check_delta(_readable(rec.grad))
         except ProtocolError as e:
             raise ProtocolError(
                 RejectCode.RECORD_TOO_LARGE if e.code is RejectCode.NOT_FINITE else e.code, str(e)
@@ -374,8 +380,9 @@ class FragmentReplica:
             _, theta, mom = self._made
             new_hash = rec.new_hash
         else:
-            grad = rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad  # read a range at a time
-            theta, mom = outer_step(self.theta, self.momentum, grad, cfg.outer_lr, cfg.outer_momentum)
+            theta, mom = outer_step(
+                self.theta, self.momentum, _readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
+            )
             new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
             raise ProtocolError(
@@ -386,8 +393,7 @@ class FragmentReplica:
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         if source is None:
-            grad = rec.grad.encoded if isinstance(rec.grad, Decoded) else rec.grad
-            source = dict(rec.wire) if rec.wire is not None else dict(grad)
+            source = dict(rec.wire) if rec.wire is not None else dict(_readable(rec.grad))
         self._past[rec.round] = (source, cfg.outer_lr, cfg.outer_momentum)
         self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every, before=self.clock)
         while len(self._past) > self._history_len:
