@@ -358,9 +358,8 @@ class Decoded(Mapping):
         return len(self.encoded)
 
 
-RANGE = (
-    1 << 20
-)  # values a pass over part of a large tensor covers (4 MiB of fp32): merges, outer steps, checks
+# Values a pass over part of a large tensor covers (4 MiB of fp32): merges, outer steps, checks.
+RANGE = 1 << 20
 
 
 def ranges(numel: int, align: int = 1) -> Iterator[tuple[int, int]]:
