@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from node.learner.inner import InnerConfig, lr_lambda  # noqa: F401 - InnerConfig, lr_lambda are imported from here too
+from node.learner.model import lean_lookup
 from node.learner.snapshot import Snapshots
 from node.learner.task import Task
 from protocol.codecs import Encoded, encode_tensors
@@ -34,9 +35,8 @@ def default_device() -> torch.device:
 
 
 def _held(g: torch.Tensor) -> torch.Tensor:
-    """A global fragment's tensor as a base: the tensor itself when it is fp32 on the host (the global
-    fragments handed to a learner are never written to: a merge makes new tensors), else an fp32 host copy.
-    So a learner's base and its node's replica share their memory."""
+    """A global fragment's tensor as a base: itself when fp32 on the host (a merge makes new tensors, and
+    those handed to a learner are never written to), else an fp32 copy; so a base shares the replica's memory."""
     g = g.detach()
     return g if g.device.type == "cpu" and g.dtype == torch.float32 else g.to("cpu", torch.float32)
 
@@ -157,6 +157,9 @@ class Learner:
 
     def train_step(self) -> StepResult:
         batch = self.reader.next() if self.reader is not None else self.task.batch(self.gen)
+        lean_lookup(
+            self.model, self.forward_model is self.model and not self.sharded and self.device.type == "cpu"
+        )
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             loss = self.task.loss(self.forward_model, batch)
         for g in self.opt.param_groups:
@@ -167,9 +170,7 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
         self.snaps.fence()  # a GPU copy of a due fragment may still be reading the parameters
         self.opt.step()
-        # Free the gradients now, not at the next step's start: they would otherwise live through the next
-        # forward pass beside its activations (at 85M: 0.33 GB of gradients plus 0.15 GB of activations at
-        # the node's peak)
+        # free the gradients now, not at the next step: they would live beside the next forward's activations
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
         self.last_loss = loss.item()
