@@ -14,7 +14,7 @@ from protocol.errors import ConfigError
         ({"agent_nice": 20}, "agent_nice=20 is invalid"),
         ({"eval_every_s": 0.0}, "eval_every_s=0.0 is invalid"),
         ({"malloc_mmap_mib": 33.0}, "malloc_mmap_mib=33.0 is invalid"),
-        ({"malloc_mmap_mib": -1.0}, "malloc_mmap_mib=-1.0 is invalid"),
+        ({"malloc_mmap_mib": -0.5}, "malloc_mmap_mib=-0.5 is invalid"),
     ],
 )
 def test_out_of_range_settings_are_refused(kwargs, match):
@@ -25,3 +25,12 @@ def test_out_of_range_settings_are_refused(kwargs, match):
 def test_the_defaults_are_valid():
     s = NodeSettings()
     assert s.learner_nice == 0 and s.agent_nice == 0 and s.eval_every_s > 0
+
+
+def test_the_allocator_threshold_follows_the_model_unless_set():
+    from node.swarm.memory import AUTO_MMAP_PARAMS, mmap_threshold
+
+    assert NodeSettings().malloc_mmap_mib == -1
+    assert mmap_threshold(-1, AUTO_MMAP_PARAMS) == 256 << 10  # a model of GPT-2 small's size
+    assert mmap_threshold(-1, AUTO_MMAP_PARAMS - 1) == 0  # the default model: the C library's rule
+    assert mmap_threshold(2, 10) == 2 << 20 and mmap_threshold(0, AUTO_MMAP_PARAMS) == 0

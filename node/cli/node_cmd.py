@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from node.cli.config import build_config, describe
     from node.learner.unit import Unit, run_rank
     from node.swarm.agent import Node
-    from node.swarm.memory import tune_allocator
+    from node.swarm.memory import mmap_threshold, tune_allocator
 
     # hivemind (imported above) puts torch's shared memory on the file_system strategy, whose helper
     # process, torch_shm_manager, outlives the node and aborts ("terminate called after throwing an
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     torch_mp.set_sharing_strategy(os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor"))
     cfg = build_config(args, args.config, root=NodeConfig)
     if cfg.node.malloc_mmap_mib > 0:
-        tune_allocator(int(cfg.node.malloc_mmap_mib * (1 << 20)))  # before the model and replicas are made
+        tune_allocator(mmap_threshold(cfg.node.malloc_mmap_mib, 0))  # before the model and replicas are made
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
     unit_cls = Unit
@@ -97,5 +97,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         os._exit(rc)
     print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
     node = Node(cfg, unit)
+    if cfg.node.malloc_mmap_mib < 0 and (threshold := mmap_threshold(-1, node.plan.total_numel)):
+        tune_allocator(threshold)  # by the model's size: before its first step, merge and checkpoint
     print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
     return node.run()

@@ -166,6 +166,19 @@ def breakdown(node: Any) -> dict:
 
 # glibc's mallopt parameter: allocations of at least this many bytes get pages of their own (mmap)
 _M_MMAP_THRESHOLD = -3
+# ``malloc_mmap_mib`` -1: this threshold for a model of at least this many parameters. At 124M (GPT-2 small,
+# seq 128, batch 2) a step's activations are blocks of 0.75-1.5 MiB: in glibc's heaps they stay resident after
+# the backward pass frees them, beside the gradients it makes; with pages of their own they are handed back.
+# One node alone peaked at 3,584-3,588 MiB against 3,914-4,127 with 2 MiB (docs/benchmarks.md).
+AUTO_MMAP_PARAMS = 100_000_000
+AUTO_MMAP_MIB = 0.25
+
+
+def mmap_threshold(setting_mib: float, numel: int) -> int:
+    """The allocator threshold in bytes a node's ``malloc_mmap_mib`` asks for, given its model's size (0:
+    leave the C library's rule)."""
+    mib = (AUTO_MMAP_MIB if numel >= AUTO_MMAP_PARAMS else 0.0) if setting_mib < 0 else setting_mib
+    return int(mib * (1 << 20))
 
 
 def _libc():

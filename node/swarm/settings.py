@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from node.learner.learner import InnerConfig
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig
+from node.swarm.memory import AUTO_MMAP_PARAMS
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.systems import SYSTEMS
@@ -64,11 +65,12 @@ class NodeSettings:
         },
     )
     malloc_mmap_mib: float = field(
-        default=0.0,
+        default=-1.0,
         metadata={
             "help": "give every allocation of at least this many MiB pages of its own, returned to the "
-            "system when freed (glibc's M_MMAP_THRESHOLD; 0: the C library's own rule): less resident "
-            "memory, more page faults (docs/node.md, Status)"
+            "system when freed (glibc's M_MMAP_THRESHOLD; 0: the C library's own rule; -1: 0.25 for a model "
+            f"of {AUTO_MMAP_PARAMS // 10**6}M parameters or more, else 0): less resident memory, more page "
+            "faults (docs/node.md, Status)"
         },
     )
     steps: int = field(
@@ -205,10 +207,10 @@ class NodeSettings:
                 f"system={self.system!r} is invalid: a node runs one of {', '.join(NODE_SYSTEMS)} "
                 "(data-parallel runs only in the in-process runner and bench/wan.py)"
             )
-        if not 0 <= self.malloc_mmap_mib <= 32:
+        if not (0 <= self.malloc_mmap_mib <= 32 or self.malloc_mmap_mib == -1):
             raise ConfigError(
                 f"malloc_mmap_mib={self.malloc_mmap_mib} is invalid: must be in [0, 32] (glibc's largest "
-                "threshold is 32 MiB; 0 leaves the C library's rule)"
+                "threshold is 32 MiB; 0 leaves the C library's rule) or -1 (by the model's size)"
             )
         for name in ("checkpoint_cpu_share", "eval_cpu_share"):
             if not 0 <= getattr(self, name) < 1:
