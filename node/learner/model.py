@@ -99,9 +99,9 @@ def tied_lookup(model: nn.Module) -> nn.Embedding | None:
     """The input embedding of a model whose output head is the same tensor (GPT-2's tie), else None.
 
     Its lookup can take a sparse gradient (``lean_lookup``): the head's dense gradient of that tensor comes
-    first in the backward pass, and the rows the lookup touched are added into it in place. A dense lookup
-    gradient is a whole zero-filled vocab x dim tensor, and autograd adds the two into a third: at 124M
-    (GPT-2's 50257-token vocabulary) those two were 294 MiB of the node's peak, at the end of each backward."""
+    first in the backward pass, and the rows the lookup touched are added to it. A dense lookup gradient is
+    a whole zero-filled vocab x dim tensor beside the head's and their sum: at 124M (GPT-2's 50257-token
+    vocabulary) 147 MiB more at the node's peak, at the end of each backward."""
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None:
