@@ -34,3 +34,14 @@ def test_the_allocator_threshold_follows_the_model_unless_set():
     assert mmap_threshold(-1, AUTO_MMAP_PARAMS) == 256 << 10  # a model of GPT-2 small's size
     assert mmap_threshold(-1, AUTO_MMAP_PARAMS - 1) == 0  # the default model: the C library's rule
     assert mmap_threshold(2, 10) == 2 << 20 and mmap_threshold(0, AUTO_MMAP_PARAMS) == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"dim": 320, "layers": 8, "heads": 8, "seq_len": 256, "vocab": 300}])
+def test_the_threshold_reads_the_models_size_without_making_its_weights(kw):
+    from types import SimpleNamespace
+
+    from node.cli.node_cmd import _model_numel
+    from node.learner.model import ModelConfig, TinyGPT
+
+    cfg = ModelConfig(**kw)
+    assert _model_numel(SimpleNamespace(model=cfg), None) == sum(p.numel() for p in TinyGPT(cfg).parameters())

@@ -56,8 +56,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # which file descriptors serve without a helper. HIVEMIND_MEMORY_SHARING_STRATEGY still chooses.
     torch_mp.set_sharing_strategy(os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor"))
     cfg = build_config(args, args.config, root=NodeConfig)
-    if cfg.node.malloc_mmap_mib > 0:
-        tune_allocator(mmap_threshold(cfg.node.malloc_mmap_mib, 0))  # before the model and replicas are made
     n = cfg.node.nproc
     world = os.environ.get("WORLD_SIZE")
     unit_cls = Unit
@@ -67,6 +65,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         # the user's model, tokenizer and data are checked here: a bad one stops the node before it starts
         task = load_task(None, cfg.task_config())
+    auto = cfg.node.malloc_mmap_mib < 0
+    if threshold := mmap_threshold(cfg.node.malloc_mmap_mib, _model_numel(cfg, task) if auto else 0):
+        tune_allocator(threshold)  # before the model and replicas are made
     if cfg.node.shard:
         from node.learner.unit_fsdp import ShardedUnit, check_shardable
 
@@ -97,7 +98,21 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         os._exit(rc)
     print("resolved configuration:\n" + describe(cfg), file=sys.stderr, flush=True)
     node = Node(cfg, unit)
-    if cfg.node.malloc_mmap_mib < 0 and (threshold := mmap_threshold(-1, node.plan.total_numel)):
-        tune_allocator(threshold)  # by the model's size: before its first step, merge and checkpoint
     print(f"node {node.peer_id} starting (state in {cfg.node.state_dir})", file=sys.stderr, flush=True)
     return node.run()
+
+
+def _model_numel(cfg, task) -> int:
+    """The model's parameter count, no weights made: the built-in model's by its shape, a transformers one's
+    from a copy on the meta device; 0 if that fails."""
+    import torch
+
+    from node.learner.model import TinyGPT
+
+    if task is None or getattr(task, "hf", None) is None:
+        return TinyGPT.numel(cfg.model if task is None else task.model_cfg)
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in task.new_model().parameters())
+    except Exception:  # noqa: BLE001 - e.g. a checkpoint folder's weights that will not load on meta: no tuning
+        return 0

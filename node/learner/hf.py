@@ -57,7 +57,8 @@ class HFModel:
             self.config = self._read_config(tf, name.removeprefix("hf:"))
         self.config.use_cache = False
         try:
-            m = tf.AutoModelForCausalLM.from_config(self.config)
+            with torch.device("meta"):  # only its names and tie are read here: no weights made
+                m = tf.AutoModelForCausalLM.from_config(self.config)
         except ValueError as e:
             raise ConfigError(
                 f"{self.source}: model_type {self.config.model_type!r} is not a causal language model "

@@ -77,6 +77,12 @@ class TinyGPT(nn.Module):
         nn.init.normal_(self.pos_emb, std=0.02)
 
     @staticmethod
+    def numel(cfg: ModelConfig) -> int:
+        """Its parameter count, without making it: embedding, positions, blocks, final norm, head."""
+        d = cfg.dim
+        return 2 * cfg.vocab * d + cfg.seq_len * d + cfg.layers * (12 * d * d + 13 * d) + 2 * d
+
+    @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)

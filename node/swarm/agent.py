@@ -147,9 +147,6 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             # (and leave spinning) a second OpenMP pool next to the learner's.
             torch.set_num_threads(s.threads)
         self.task = load_task(None, cfg.task_config())
-        probe = self.task.new_model()
-        # The swarm's size is not known up front: a quorum K above the live learners waits for min(K, live).
-        self.cfg.protocol.check_swarm(max(1, self.pcfg.quorum), len(list(probe.parameters())))
         seed = (
             s.data_seed
             if s.data_seed >= 0
@@ -165,6 +162,8 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
             device=unit.model_device() if unit is not None else None,
         )
         self.plan = self.learner.plan
+        # The swarm's size is not known up front: a quorum K above the live learners waits for min(K, live).
+        self.cfg.protocol.check_swarm(max(1, self.pcfg.quorum), len(self.learner.params))
         self.spec = {
             f.index: {n: tuple(self.learner.params[n].shape) for n in f.names} for f in self.plan.fragments
         }
