@@ -53,18 +53,15 @@ from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
+from node.swarm.spool import Spool
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport, max_frame_bytes
 from node.swarm.view import SwarmView
-from node.swarm.wire import (
-    SignedRecord,
-)
+from node.swarm.wire import SignedRecord
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
-from protocol.synchroniser import (
-    SyncState,
-)
+from protocol.synchroniser import SyncState
 from protocol.systems import system_protocol
 
 logger = logging.getLogger(__name__)
@@ -178,6 +175,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         self.heads: list[tuple[int, str, int, float]] = [(0, r.hash, 0, 0.0) for r in self.replicas]
         self.merged_tokens = [0] * P
         self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
+        self.spool = Spool(self.state_dir / "records")  # the logs' signed bytes, on disk
         self.syncs = [SyncState(fragment=p) for p in range(P)]
         self.leases: dict[int, int] = {}
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from node.swarm.spool import in_memory
+
 PARTS = (
     "learner_params",
     "learner_grads",
@@ -143,8 +145,9 @@ def breakdown(node: Any) -> dict:
     when it has one), the fp32 weights, resident memory now and at its peak, and their ratios."""
     t = tally(node)
     rss, peak = resident_bytes()
-    # the record log keeps signed bytes only (node.swarm.replication), not tensors
-    raw = sum(len(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
+    # the record log keeps signed bytes only (node.swarm.replication), not tensors, and those on disk where
+    # it can (node.swarm.spool)
+    raw = sum(in_memory(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw
     weights = 4 * node.plan.total_numel

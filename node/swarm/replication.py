@@ -60,8 +60,9 @@ class Replication:
         if not made_here:
             self._vouch(sr)
             rep.check_record(rec, self.pcfg)
+        raw = self.spool.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         try:
-            rep.apply_record(rec, self.pcfg, source=self._grad_source(sr))
+            rep.apply_record(rec, self.pcfg, source=self._grad_source(raw))
         except ProtocolError as e:
             if "lands on" in str(e):
                 self.counters["hash_mismatches"] += 1
@@ -76,7 +77,7 @@ class Replication:
         log = self.logs[p]
         # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
         # fp32 copy of the fragment per round kept
-        log[rec.round] = replace(sr, record=replace(rec, grad={}, wire=None))
+        log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             log.popitem(last=False)
         self.counters["records_applied"] += 1
@@ -100,11 +101,10 @@ class Replication:
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
 
-    def _grad_source(self, sr: SignedRecord):
-        """How the replica gets this record's merged gradient again, to re-anchor a contribution taken on an
+    def _grad_source(self, raw):
+        """How the replica gets a record's merged gradient again, to re-anchor a contribution taken on an
         older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
-        raw = sr.raw
-        return lambda: decode_record(raw, self.settings.swarm, self.spec).record.grad
+        return lambda: decode_record(bytes(raw), self.settings.swarm, self.spec).record.grad
 
     def _vouch(self, sr: SignedRecord) -> None:
         """What this node can refute of another's record from its own knowledge: a signer it has never seen
@@ -315,5 +315,5 @@ class Replication:
             return Reply(False, e.code.value, str(e))
         if p not in self.spec:
             return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
-        items = [sr.raw for r, sr in self.logs[p].items() if r >= start]
+        items = [bytes(sr.raw) for r, sr in self.logs[p].items() if r >= start]
         return Reply(True, body=pack_list(items))
