@@ -14,6 +14,7 @@ from dht.identity import Identity
 from dht.records import Member
 from node.swarm.contributions import OwnCids
 from node.swarm.replication import Replication
+from node.swarm.spool import Spool
 from node.swarm.transport import Reply
 from node.swarm.view import HEAD_SLACK, SwarmView
 from node.swarm.wire import decode_record, encode_record
@@ -218,8 +219,9 @@ class _Restarted(Replication):
     """The apply path of a node restarted from a checkpoint older than a round it synchronised and signed
     in its previous life: the record comes back from a peer during the catch-up."""
 
-    def __init__(self, me: str, rep: FragmentReplica) -> None:
+    def __init__(self, me: str, rep: FragmentReplica, folder) -> None:
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
+        self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
         self.guard = SimpleNamespace(merged=lambda cids: None)
@@ -236,16 +238,17 @@ class _Restarted(Replication):
         pass
 
 
-def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_elses():
+def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_elses(tmp_path):
     me = Identity.generate()
     maker = _replica()
     rec = _record(maker)
     sr = decode_record(encode_record("s", rec, me), "s", {0: {"w": (16, 16)}})
     assert sr.signer == me.peer_id
-    node = _Restarted(me.peer_id, _replica())
+    node = _Restarted(me.peer_id, _replica(), tmp_path / "a")
     node._apply(sr)  # from a peer, during the catch-up
     assert node.replicas[0].round == 1 and node.resets == [1]  # the synchroniser follows the replica
-    node = _Restarted(me.peer_id, _replica())
+    assert bytes(node.logs[0][1].raw) == sr.raw  # the log's record, read back from its file
+    node = _Restarted(me.peer_id, _replica(), tmp_path / "b")
     node._apply(sr, made_here=True)  # our synchroniser made it now: its state machine moves on by itself
     assert node.replicas[0].round == 1 and node.resets == []
 
