@@ -172,7 +172,7 @@ _M_MMAP_THRESHOLD = -3
 # ``malloc_mmap_mib`` -1: this threshold for a model of at least this many parameters. At 124M (GPT-2 small,
 # seq 128, batch 2) a step's activations are blocks of 0.75-1.5 MiB: in glibc's heaps they stay resident after
 # the backward pass frees them, beside the gradients it makes; with pages of their own they are handed back.
-# One node alone peaked at 3,584-3,588 MiB against 3,914-4,127 with 2 MiB (docs/benchmarks.md).
+# One node alone peaked at 3,584-3,588 MiB against 3,914-4,127 with 2 MiB; a step costs 1.046x (bench/allocator.py).
 AUTO_MMAP_PARAMS = 100_000_000
 AUTO_MMAP_MIB = 0.25
 
