@@ -26,22 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import PLAIN  # noqa: E402
+from bench.scale import PLAIN, plain_setup  # noqa: E402
 
 
 def _loop(size: str, threads: int):
     """(one training step, the model's fp32 bytes) of the size's plain loop."""
     import torch
 
-    from node.learner.model import ModelConfig
-    from node.learner.task import TaskConfig, load_task
-
-    torch.set_num_threads(threads)
-    model_kw, batch = PLAIN[size]
-    task = load_task(None, TaskConfig(batch_size=batch, model=ModelConfig(**model_kw)))
-    model = task.new_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    gen = torch.Generator().manual_seed(0)
+    task, model, opt, gen = plain_setup(size, threads)
 
     def step() -> None:
         loss = task.loss(model, task.batch(gen))

@@ -59,11 +59,9 @@ PLAIN = {
 }
 
 
-def plain_loop(name: str, steps: int, threads: int) -> dict:
-    """A plain torch loop of the size's model (this process): the task's batches and loss, AdamW as the
-    learner builds it, clipping; the median seconds per step after the first two, and the seconds from this
-    process's start (torch's import included, as a node's start-up includes it) to the end of its first
-    step."""
+def plain_setup(name: str, threads: int):
+    """The size's task, a fresh model, AdamW as the learner builds it, and a seeded batch generator, with torch
+    on ``threads`` threads (``plain_loop``, ``bench/allocator.py``)."""
     import torch
 
     from node.learner.model import ModelConfig
@@ -74,7 +72,17 @@ def plain_loop(name: str, steps: int, threads: int) -> dict:
     task = load_task(None, TaskConfig(batch_size=batch, model=ModelConfig(**model_kw)))
     model = task.new_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    gen = torch.Generator().manual_seed(0)
+    return task, model, opt, torch.Generator().manual_seed(0)
+
+
+def plain_loop(name: str, steps: int, threads: int) -> dict:
+    """A plain torch loop of the size's model (this process): the task's batches and loss, AdamW as the
+    learner builds it, clipping; the median seconds per step after the first two, and the seconds from this
+    process's start (torch's import included, as a node's start-up includes it) to the end of its first
+    step."""
+    import torch
+
+    task, model, opt, gen = plain_setup(name, threads)
     times = []
     for _ in range(steps + 2):
         t = time.perf_counter()
