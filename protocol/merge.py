@@ -150,9 +150,38 @@ def outer_step_tensor(
     return new_theta, new_mom
 
 
-def _step_range(th, mo, g, lr: float, mu: float, out_t, out_m) -> None:
-    v = torch.mul(mo, mu, out=out_m).add_(g)
+def _step_range(th, mo, g, lr: float, mu: float, out_t, out_m=None) -> None:
+    v = torch.mul(mo, mu, out=out_m).add_(g)  # out_m None: a temporary of the range
     torch.sub(th, torch.mul(v, mu).add_(g).mul_(lr), out=out_t)
+
+
+def outer_theta(
+    theta: Tensors, momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], lr: float, mu: float
+) -> dict[str, torch.Tensor]:
+    """The new parameters of ``outer_step`` alone, bit for bit the same, with the momentum's new values held
+    one range at a time: ``momentum_step_`` takes the momentum after, in place, once the new parameters are
+    known to be right. Together they hold one new tensor per parameter where ``outer_step`` holds two."""
+    new_theta = {}
+    for k, g in grad.items():
+        new = torch.empty_like(theta[k], dtype=torch.float32)
+        th, mo, out = theta[k].reshape(-1), momentum[k].reshape(-1), new.view(-1)
+        for a, b in ranges(th.numel(), range_align(g)):
+            _step_range(th[a:b], mo[a:b], read_range(g, a, b), lr, mu, out[a:b])
+        new_theta[k] = new
+    return new_theta
+
+
+def momentum_step_(momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], mu: float) -> None:
+    """v <- mu * v + g in place, a range at a time: the values ``outer_step`` gives its new momentum.
+    Every tensor of ``momentum`` must be contiguous (``can_step_in_place``)."""
+    for k, g in grad.items():
+        mo = momentum[k].view(-1)
+        for a, b in ranges(mo.numel(), range_align(g)):
+            mo[a:b].mul_(mu).add_(read_range(g, a, b))
+
+
+def can_step_in_place(momentum: Tensors) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in momentum.values())
 
 
 def mean_step(

@@ -26,16 +26,19 @@ from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
 from protocol.merge import (
     anchor_tensor,
+    can_step_in_place,
     check_weights,
     contribution_weight,
     mean_step,
+    momentum_step_,
     outer_step,
     outer_step_tensor,
+    outer_theta,
     rda,
 )
 from protocol.norms import NormBook, global_norm, sq_norm
 from protocol.schedule import RoundClock, next_clock
-from protocol.synchroniser import Contribution
+from protocol.synchroniser import Contribution, round_share
 
 
 @dataclass(frozen=True)
@@ -86,20 +89,6 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.dtype == torch.float32 else t.detach().to(torch.float32)
 
 
-def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
-    """The share of one full round that these contributions hold, at most 1.
-
-    A full round is every live learner's work since its last merged contribution, about H steps each
-    (with carry, the steps trained while a round is on its way back count toward the next contribution). When learners are out of phase (``carry``), fragment p is merged several times per H steps, each
-    time with a few learners' work; scaling each such round by its share keeps the global's movement per H
-    steps what one round of every learner would give, instead of one full outer step per contributor."""
-    if live <= 0:
-        return 1.0
-    steps = sum(c.c_steps for c in contributions)
-    full = live * cfg.sync_every
-    return min(1.0, steps / full)
-
-
 class FragmentReplica:
     def __init__(
         self,
@@ -125,6 +114,9 @@ class FragmentReplica:
         self.norms = norms if norms is not None else NormBook()  # shared by a node's fragments
         self.numel = sum(t.numel() for t in self.theta.values())
         self.clock: RoundClock | None = None  # when the open round is due (None: no record says yet)
+        # Readers of the momentum off this thread (a checkpoint's writer, a snapshot's encoder): while any
+        # holds it, a record steps the momentum into new tensors; else in place (one fragment's size less)
+        self.lent = 0
 
     def norm_reference(self) -> float | None:
         """The norm a typical learner's outer gradient for this fragment has (None until 3 learners known)."""
@@ -376,13 +368,17 @@ class FragmentReplica:
                 f"record for round {rec.round} (parent "
                 f"{rec.parent_hash[:8]}) does not follow round {self.round} ({self._hash[:8]})",
             )
+        grad, lr, mu = _readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
+        in_place = False
         if self._made is not None and self._made[0] is rec:
             _, theta, mom = self._made
             new_hash = rec.new_hash
-        else:
-            theta, mom = outer_step(
-                self.theta, self.momentum, _readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
-            )
+        else:  # the momentum steps in place once the hash is right, unless it is lent out now
+            in_place = not self.lent and can_step_in_place(self.momentum)
+            if in_place:
+                theta, mom = outer_theta(self.theta, self.momentum, grad, lr, mu), self.momentum
+            else:
+                theta, mom = outer_step(self.theta, self.momentum, grad, lr, mu)
             new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
             raise ProtocolError(
@@ -390,6 +386,8 @@ class FragmentReplica:
                 f"round {rec.round} of fragment {self.index} lands on "
                 f"{new_hash[:8]}, record says {rec.new_hash[:8]}",
             )
+        if in_place:
+            momentum_step_(mom, grad, mu)
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         if source is None:

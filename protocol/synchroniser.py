@@ -25,6 +25,7 @@ merges at once when every live learner's contribution to it is in (``fresh_learn
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -329,3 +330,17 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
             f"{note}; merging round {state.open_round} with {n} contributions ({why})",
         )
     return Decision(state, (WakeAt(deadline),), f"{note}; waiting for stragglers until {deadline:.3f}")
+
+
+def round_share(contributions: Sequence[Contribution], cfg: ProtocolConfig, live: int) -> float:
+    """The share of one full round that these contributions hold, at most 1.
+
+    A full round is every live learner's work since its last merged contribution, about H steps each
+    (with carry, the steps trained while a round is on its way back count toward the next contribution).
+    When learners are out of phase (``carry``), fragment p is merged several times per H steps, each time with a few learners' work; scaling each such round by its share keeps the global's movement per H
+    steps what one round of every learner would give, instead of one full outer step per contributor."""
+    if live <= 0:
+        return 1.0
+    steps = sum(c.c_steps for c in contributions)
+    full = live * cfg.sync_every
+    return min(1.0, steps / full)

@@ -9,8 +9,8 @@ import torch
 from node.learner.learner import InnerConfig, Learner
 from protocol.config import ProtocolConfig
 from protocol.goodput import compute_goodput
-from protocol.replica import FragmentReplica, round_share
-from protocol.synchroniser import Contribution
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import Contribution, round_share
 
 
 def _learner(tiny_task, carry: bool) -> Learner:

@@ -37,6 +37,65 @@ def _rounds(rep: FragmentReplica, n: int, cfg=CFG) -> list[dict[str, torch.Tenso
     return states
 
 
+def _follow(maker: FragmentReplica, followers, rounds: int, cfg: ProtocolConfig) -> list:
+    """``rounds`` records made by ``maker``, applied by each follower as records off the wire are (not the
+    record it made itself)."""
+    recs = []
+    for _ in range(rounds):
+        g = torch.Generator().manual_seed(200 + maker.round)
+        delta = {k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in maker.theta.items()}
+        c = Contribution("a", 0, maker.round, 4, 400, 1.0, delta, f"a:0:{maker.round}")
+        recs.append(maker.make_record(maker.round + 1, [c], cfg))
+        for f in followers:
+            f.apply_record(replace(recs[-1]), cfg)
+        maker.apply_record(recs[-1], cfg)
+    return recs
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp32"])
+def test_a_record_steps_the_momentum_in_place_unless_it_is_lent(codec, monkeypatch):
+    from node.swarm.memory import momentum_lent
+    from protocol import codecs
+
+    monkeypatch.setattr(codecs, "RANGE", 64)  # several ranges per tensor
+    cfg = replace(CFG, record_codec=codec, codec_block=16)
+    theta = {"w": torch.randn(37, 9), "b": torch.randn(200)}
+    maker, inplace, lent = (FragmentReplica(0, theta, is_embedding=False) for _ in range(3))
+    held = dict(inplace.momentum)
+    _follow(maker, [inplace, lent], 2, cfg)
+    with momentum_lent([lent]):
+        reader = dict(lent.momentum)
+        frozen = {k: v.clone() for k, v in reader.items()}
+        _follow(maker, [inplace, lent], 1, cfg)
+        # a reader's tensors stay as they were; the replica moved on in new ones
+        assert all(torch.equal(reader[k], frozen[k]) and lent.momentum[k] is not reader[k] for k in reader)
+    assert lent.lent == 0
+    after = dict(lent.momentum)
+    _follow(maker, [inplace, lent], 2, cfg)
+    for k in held:
+        # in place: the same tensors, holding bit for bit what a new tensor would (the maker's)
+        assert inplace.momentum[k] is held[k] and lent.momentum[k] is after[k], k
+        assert torch.equal(inplace.momentum[k], maker.momentum[k]), k
+        assert torch.equal(lent.momentum[k], maker.momentum[k]), k
+        assert torch.count_nonzero(maker.momentum[k]) > 0
+    assert inplace.hash == lent.hash == maker.hash
+
+
+def test_a_record_that_lands_elsewhere_leaves_the_momentum_as_it_was():
+    theta = {"w": torch.randn(16, 8)}
+    maker, follower = (
+        FragmentReplica(0, theta, is_embedding=False),
+        FragmentReplica(0, theta, is_embedding=False),
+    )
+    _follow(maker, [follower], 2, CFG)
+    before = {k: v.clone() for k, v in follower.momentum.items()}
+    c = Contribution("a", 0, maker.round, 4, 400, 1.0, {"w": torch.randn(16, 8) * 1e-2}, "a:0:x")
+    lying = replace(maker.make_record(maker.round + 1, [c], CFG), new_hash="0" * 64)
+    with pytest.raises(ProtocolError, match="lands on"):
+        follower.apply_record(lying, CFG)
+    assert torch.equal(follower.momentum["w"], before["w"]) and follower.round == 2
+
+
 @pytest.mark.parametrize("codec", ["int4", "fp32"])
 def test_an_old_base_is_rebuilt_from_the_records_not_kept(codec):
     cfg = replace(CFG, record_codec=codec, history=4)
@@ -236,3 +295,44 @@ def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
     assert changed == "True"
     _, *plain = run("plain")
     assert int(plain[0]) >= 3 << 20 and int(plain[1]) == 0 and int(plain[2]) == 0, plain
+
+
+def test_a_checkpoint_and_a_snapshot_hold_the_momentum_lent_while_other_threads_read_it(monkeypatch):
+    """The node's two readers of the momentum off its loop lend it for as long as they read: a record
+    applied meanwhile does not write into what they are writing out."""
+    import asyncio
+    import json
+
+    from node.swarm import catch_up
+    from node.swarm.catch_up import CatchUp
+    from node.swarm.limits import TokenBucket
+    from node.swarm.persistence import Persistence
+
+    reps = [FragmentReplica(p, {"w": torch.randn(4)}, is_embedding=False) for p in range(2)]
+    seen = []
+
+    async def write():
+        seen.append(("checkpoint", [r.lent for r in reps]))
+
+    asyncio.run(Persistence.checkpoint(SimpleNamespace(replicas=reps, _checkpoint=write)))
+
+    def encode(states):
+        seen.append(("snapshot", [r.lent for r in reps]))
+        return b"body"
+
+    async def known(_caller):
+        return True
+
+    monkeypatch.setattr(catch_up, "encode_snapshot", encode)
+    node = SimpleNamespace(
+        _known=known,
+        spec={0: {"w": (4,)}, 1: {"w": (4,)}},
+        _snapshot_bucket=lambda: TokenBucket(8, 1),
+        replicas=reps,
+        heads=[(0, r.hash, 1, 1.0) for r in reps],
+        merged_tokens=[0, 0],
+        _merged_ids=lambda p: (),
+    )
+    reply = asyncio.run(CatchUp._h_snapshot(node, "peer", json.dumps({"fragments": [1]}).encode()))
+    assert reply.ok and seen == [("checkpoint", [1, 1]), ("snapshot", [0, 1])]
+    assert [r.lent for r in reps] == [0, 0]

@@ -12,6 +12,7 @@ import random
 import time
 
 from node.swarm.limits import Backoff, TokenBucket
+from node.swarm.memory import momentum_lent
 from node.swarm.settings import NodeSettings
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import (
@@ -347,11 +348,12 @@ class CatchUp:
                 f"{caller} fetched its {bucket.burst:g} fragment snapshots; "
                 f"{bucket.per_s * 60:g} a minute more (retry in {min(wait, 1e9):.0f} s)",
             )
-        states = []
+        states, lent = [], [self.replicas[p] for p in frags]
         for p in frags:
             rep = self.replicas[p]
             r, h, n, w = self.heads[p]
             tok, ids = self.merged_tokens[p], self._merged_ids(p)
             states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, tok, rep.clock, ids))
-        body = await asyncio.to_thread(encode_snapshot, states)
+        with momentum_lent(lent):
+            body = await asyncio.to_thread(encode_snapshot, states)
         return Reply(True, body=body)

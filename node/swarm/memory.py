@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -212,3 +213,18 @@ def release_free_memory() -> bool:
         return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+@contextmanager
+def momentum_lent(replicas: Iterable[Any]) -> Iterator[None]:
+    """While held, another thread may read these replicas' momentum tensors (a checkpoint's writer, a
+    snapshot's encoder): a record applied meanwhile steps the momentum into new tensors. Otherwise a
+    replica steps it in place, one fragment's size less at each record (``FragmentReplica.lent``)."""
+    held = list(replicas)
+    for rep in held:
+        rep.lent += 1
+    try:
+        yield
+    finally:
+        for rep in held:
+            rep.lent -= 1

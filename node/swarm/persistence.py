@@ -15,7 +15,7 @@ from pathlib import Path
 
 from node.common.priority import paced_wait
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
-from node.swarm.memory import release_free_memory
+from node.swarm.memory import momentum_lent, release_free_memory
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
@@ -87,7 +87,12 @@ class Persistence:
     async def checkpoint(self) -> Path | None:
         """Write a checkpoint with no copy of the model made for it (``PendingCheckpoint``): the learner
         writes its live parameters and optimizer state into the file between two steps; the replicas,
-        bases and the rest are written from a worker thread, then the file is hashed and renamed."""
+        bases and the rest are written from a worker thread, then the file is hashed and renamed. The
+        replicas' momentum is lent to the writer until then: records step it into new tensors meanwhile."""
+        with momentum_lent(self.replicas):
+            return await self._checkpoint()
+
+    async def _checkpoint(self) -> Path | None:
         # taken together on this loop, where records change them: a record applied while the file is being
         # written must count in neither, or a restart applies it again and counts its tokens twice
         fixed = {}
