@@ -159,25 +159,37 @@ def outer_theta(
     theta: Tensors, momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], lr: float, mu: float
 ) -> dict[str, torch.Tensor]:
     """The new parameters of ``outer_step`` alone, bit for bit the same, with the momentum's new values held
-    one range at a time: ``momentum_step_`` takes the momentum after, in place, once the new parameters are
-    known to be right. Together they hold one new tensor per parameter where ``outer_step`` holds two."""
-    new_theta = {}
-    for k, g in grad.items():
-        new = torch.empty_like(theta[k], dtype=torch.float32)
-        th, mo, out = theta[k].reshape(-1), momentum[k].reshape(-1), new.view(-1)
-        for a, b in ranges(th.numel(), range_align(g)):
-            _step_range(th[a:b], mo[a:b], read_range(g, a, b), lr, mu, out[a:b])
-        new_theta[k] = new
-    return new_theta
+    one range at a time; ``stepped_momentum`` makes those once the new parameters are known to be right, in
+    place where no one else reads the momentum. Together they hold one new tensor per parameter where
+    ``outer_step`` holds two."""
+    return {k: outer_theta_tensor(theta[k], momentum[k], g, lr, mu) for k, g in grad.items()}
 
 
-def momentum_step_(momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], mu: float) -> None:
-    """v <- mu * v + g in place, a range at a time: the values ``outer_step`` gives its new momentum.
-    Every tensor of ``momentum`` must be contiguous (``can_step_in_place``)."""
+def outer_theta_tensor(
+    theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor | Encoded, lr: float, mu: float
+) -> torch.Tensor:
+    new = torch.empty_like(theta, dtype=torch.float32)
+    th, mo, out = theta.reshape(-1), momentum.reshape(-1), new.view(-1)
+    for a, b in ranges(th.numel(), range_align(g)):
+        _step_range(th[a:b], mo[a:b], read_range(g, a, b), lr, mu, out[a:b])
+    return new
+
+
+def stepped_momentum(
+    momentum: Tensors, grad: Mapping[str, torch.Tensor | Encoded], mu: float, in_place: bool
+) -> dict[str, torch.Tensor]:
+    """v <- mu * v + g, a range at a time: the values ``outer_step`` gives its new momentum, written into the
+    momentum's own tensors (``in_place``; each must be a contiguous fp32 tensor, ``can_step_in_place``) or
+    into new ones."""
+    out = {}
     for k, g in grad.items():
-        mo = momentum[k].view(-1)
-        for a, b in ranges(mo.numel(), range_align(g)):
-            mo[a:b].mul_(mu).add_(read_range(g, a, b))
+        mo = momentum[k]
+        new = mo if in_place else torch.empty_like(mo)
+        src, dst = mo.reshape(-1), new.view(-1)
+        for a, b in ranges(src.numel(), range_align(g)):
+            torch.mul(src[a:b], mu, out=dst[a:b]).add_(read_range(g, a, b))
+        out[k] = new
+    return out
 
 
 def can_step_in_place(momentum: Tensors) -> bool:
@@ -194,20 +206,19 @@ def mean_step(
     block: int,
     lr: float,
     mu: float,
-) -> tuple[Encoded | torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Encoded | torch.Tensor, torch.Tensor]:
     """The weighted mean of one tensor's contributions, its quantisation with the record's ``codec`` (None:
     fp32) and the outer step, a range at a time: what the merge of a large tensor holds beyond the new
     tensors is a range of each, never the whole merged gradient in fp32. ``parts``: per contribution its
     outer gradient (a tensor or its wire form), the base it was taken on (None: the current global) and its
     clip scale. The values are those of ``anchor``, ``weighted_mean``, ``codec`` and ``outer_step`` over the
     whole tensor (each is elementwise, or blockwise on the codec's blocks). Returns (the merged gradient's
-    wire form, or fp32 tensor with no codec; new theta; new momentum)."""
+    wire form, or fp32 tensor with no codec; new theta); ``stepped_momentum`` makes the new momentum."""
     ws = _normalised(weights)
     blocked = codec is not None and codec.name in ("int8", "int4")  # its ranges must hold whole blocks
     align = math.lcm(range_align(*(src for src, _, _ in parts)), block if blocked else 1)
-    new_theta, new_mom = torch.empty_like(theta, dtype=torch.float32), torch.empty_like(momentum)
-    th, mo = theta.reshape(-1), momentum.reshape(-1)
-    out_t, out_m = new_theta.view(-1), new_mom.view(-1)
+    new_theta = torch.empty_like(theta, dtype=torch.float32)
+    th, mo, out_t = theta.reshape(-1), momentum.reshape(-1), new_theta.view(-1)
     pieces = []
     for a, b in ranges(th.numel(), align):
         acc = None
@@ -228,15 +239,15 @@ def mean_step(
             acc = codec.decode(pieces[-1])
         else:
             pieces.append(acc)
-        _step_range(th[a:b], mo[a:b], acc, lr, mu, out_t[a:b], out_m[a:b])
+        _step_range(th[a:b], mo[a:b], acc, lr, mu, out_t[a:b])
         del acc
     if not pieces:  # a tensor of no values
         empty = theta.new_zeros(0)
         pieces.append(empty if codec is None else codec.encode(empty, block))
     if codec is None:
-        return torch.cat(pieces).view(theta.shape), new_theta, new_mom
+        return torch.cat(pieces).view(theta.shape), new_theta
     wire = {p: torch.cat([e.parts[p] for e in pieces]) for p in pieces[0].parts}
-    return Encoded(codec.name, tuple(theta.shape), wire), new_theta, new_mom
+    return Encoded(codec.name, tuple(theta.shape), wire), new_theta
 
 
 def adopt(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -30,11 +30,10 @@ from protocol.merge import (
     check_weights,
     contribution_weight,
     mean_step,
-    momentum_step_,
-    outer_step,
-    outer_step_tensor,
     outer_theta,
+    outer_theta_tensor,
     rda,
+    stepped_momentum,
 )
 from protocol.norms import NormBook, global_norm, sq_norm
 from protocol.schedule import RoundClock, next_clock
@@ -110,7 +109,7 @@ class FragmentReplica:
         self._past: OrderedDict[int, tuple[GradSource, float, float]] = OrderedDict()
         self._hash = tensors_hash(self.theta)
         # The outcome of the record this replica made last: applying its own record needs no recompute.
-        self._made: tuple[MergeRecord, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self._made: tuple[MergeRecord, dict[str, torch.Tensor]] | None = None
         self.norms = norms if norms is not None else NormBook()  # shared by a node's fragments
         self.numel = sum(t.numel() for t in self.theta.values())
         self.clock: RoundClock | None = None  # when the open round is due (None: no record says yet)
@@ -283,14 +282,14 @@ class FragmentReplica:
         # hash is the same everywhere.
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
         lr, mu = cfg.outer_lr, cfg.outer_momentum
-        grad, new_theta, new_mom = {}, {}, {}
+        grad, new_theta = {}, {}
         for k, theta in self.theta.items():
             if self.is_embedding or cfg.merge == "mean":  # a range at a time, whatever the tensor's size
                 parts = [
                     (c.delta[k], None if b is self.theta else b[k], s)
                     for c, b, s in zip(contributions, bases, scales)
                 ]
-                grad[k], new_theta[k], new_mom[k] = mean_step(
+                grad[k], new_theta[k] = mean_step(
                     theta, self.momentum[k], parts, weights, share, codec, cfg.codec_block, lr, mu
                 )
                 continue
@@ -299,7 +298,7 @@ class FragmentReplica:
                 g = g * share
             grad[k] = g if codec is None else codec.encode(g, cfg.codec_block)
             del g
-            new_theta[k], new_mom[k] = outer_step_tensor(theta, self.momentum[k], grad[k], lr, mu)
+            new_theta[k] = outer_theta_tensor(theta, self.momentum[k], grad[k], lr, mu)
         rec = MergeRecord(
             fragment=self.index,
             round=round_,
@@ -316,7 +315,7 @@ class FragmentReplica:
             due=float(due),
             period=float(period),
         )
-        self._made = (rec, new_theta, new_mom)
+        self._made = (rec, new_theta)  # the momentum steps when the record is applied
         return rec
 
     def check_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
@@ -369,16 +368,10 @@ class FragmentReplica:
                 f"{rec.parent_hash[:8]}) does not follow round {self.round} ({self._hash[:8]})",
             )
         grad, lr, mu = _readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
-        in_place = False
         if self._made is not None and self._made[0] is rec:
-            _, theta, mom = self._made
-            new_hash = rec.new_hash
-        else:  # the momentum steps in place once the hash is right, unless it is lent out now
-            in_place = not self.lent and can_step_in_place(self.momentum)
-            if in_place:
-                theta, mom = outer_theta(self.theta, self.momentum, grad, lr, mu), self.momentum
-            else:
-                theta, mom = outer_step(self.theta, self.momentum, grad, lr, mu)
+            theta, new_hash = self._made[1], rec.new_hash
+        else:
+            theta = outer_theta(self.theta, self.momentum, grad, lr, mu)
             new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
             raise ProtocolError(
@@ -386,8 +379,9 @@ class FragmentReplica:
                 f"round {rec.round} of fragment {self.index} lands on "
                 f"{new_hash[:8]}, record says {rec.new_hash[:8]}",
             )
-        if in_place:
-            momentum_step_(mom, grad, mu)
+        # the momentum steps once the hash is right: in place, unless another thread reads it now
+        in_place = not self.lent and can_step_in_place(self.momentum)
+        mom = stepped_momentum(self.momentum, grad, mu, in_place)
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         if source is None:

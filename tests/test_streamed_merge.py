@@ -17,7 +17,13 @@ from protocol import codecs
 from protocol.codecs import decode_tensors, encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
-from protocol.merge import contribution_weight, outer_step, outer_step_tensor
+from protocol.merge import (
+    contribution_weight,
+    outer_step,
+    outer_step_tensor,
+    outer_theta,
+    stepped_momentum,
+)
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution
 from protocol.norms import global_norm
 from protocol.replica import FragmentReplica
@@ -153,6 +159,12 @@ def test_outer_step_in_place_is_the_formula_bit_for_bit():
     assert torch.equal(got_v, v) and torch.equal(got_theta, want_theta)
     t2, m2 = outer_step({"a": theta}, {"a": mom}, {"a": grad}, lr, mu)
     assert torch.equal(t2["a"], want_theta) and torch.equal(m2["a"], v)
+    # the parameters alone, then the momentum (new, or in place): the same values
+    assert torch.equal(outer_theta({"a": theta}, {"a": mom}, {"a": grad}, lr, mu)["a"], want_theta)
+    fresh = stepped_momentum({"a": mom}, {"a": grad}, mu, in_place=False)["a"]
+    assert torch.equal(fresh, v) and fresh.data_ptr() != mom.data_ptr()
+    own = mom.clone()
+    assert stepped_momentum({"a": own}, {"a": grad}, mu, in_place=True)["a"] is own and torch.equal(own, v)
 
 
 def test_a_wire_form_contribution_with_nan_is_refused_at_its_check():
