@@ -73,6 +73,14 @@ class ProtocolConfig:
             "learner that made many more steps): under this factor an outlier is clipped, not refused"
         },
     )
+    work_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "refuse (bad_counters) a contribution claiming more tokens a step than this multiple of "
+            "the live members' median, or more steps than this multiple of what its sender's published rate "
+            "allows since its last merged contribution (3+ members publishing rates; 0: off)"
+        },
+    )
     max_rms: float = field(
         default=1.0,
         metadata={
@@ -126,6 +134,8 @@ class ProtocolConfig:
             raise bad("codec_block", self.codec_block, "must be >= 1, and even for int4")
         if self.clip_factor < 0 or self.refuse_factor < 0 or self.max_rms < 0:
             raise bad("clip_factor/refuse_factor", (self.clip_factor, self.refuse_factor), "must be >= 0")
+        if not self.work_factor >= 0:  # NaN fails too
+            raise bad("work_factor", self.work_factor, "must be >= 0 (0: no bound)")
         if 0 < self.refuse_factor <= self.clip_factor:
             raise bad("refuse_factor", self.refuse_factor, f"must exceed clip_factor={self.clip_factor}")
         if self.history < 2:

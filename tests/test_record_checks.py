@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 from dht.identity import Identity
 from dht.records import Member
 from node.swarm.contributions import OwnCids
+from node.swarm.guard import WorkBook
 from node.swarm.replication import Replication
 from node.swarm.spool import Spool
 from node.swarm.transport import Reply
@@ -225,6 +226,7 @@ class _Restarted(Replication):
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
         self.guard = SimpleNamespace(merged=lambda cids: None)
+        self.work = WorkBook()
         self.own_cids = OwnCids(me)
         self.counters = {"records_applied": 0}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)

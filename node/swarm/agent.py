@@ -46,7 +46,7 @@ from node.learner.task import load_task
 from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
 from node.swarm.contributions import Contributions, OwnCids
-from node.swarm.guard import Guard
+from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
 from node.swarm.memory import release_free_memory
 from node.swarm.persistence import Persistence
@@ -184,6 +184,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.lagging_since: dict[int, float] = {}
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
+        self.work = WorkBook()  # since when each learner's counters must fit (protocol.work)
         self._syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)

@@ -26,6 +26,7 @@ from node.swarm.wire import (
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
 from protocol.synchroniser import Contribution, on_contribution
+from protocol.work import check_counters, visible_work
 
 logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
@@ -282,6 +283,7 @@ class Contributions:
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
             self.guard.check_replay(h.cid)
+            self._check_work(h)
             n = self.replicas[p].check_delta(delta, self.pcfg)  # decodes each tensor, checks it, lets it go
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n
@@ -354,6 +356,16 @@ class Contributions:
         if not up:
             self.suspect[q] = time.monotonic() + self.settings.ttl_s
         return up
+
+    def _check_work(self, h: ContributionHeader) -> None:
+        """The counters against what the swarm sees its sender do (``protocol.work``; bad_counters)."""
+        now, members = time.monotonic(), self.live_members()
+        since = self.work.heard(h.learner, h.fragment, now)
+        sender = members.get(h.learner)
+        work = visible_work((m.tokens_per_s, m.steps_per_s) for m in members.values())
+        rate = sender.steps_per_s if sender is not None else 0.0
+        f, every = self.pcfg.work_factor, self.pcfg.sync_every
+        check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every)
 
     def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
         if self.guard.penalise(peer, code, time.monotonic(), signed):

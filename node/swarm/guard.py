@@ -117,3 +117,27 @@ class Guard:
             "banned": sorted(self.banned_until),
             "bans": self.bans,
         }
+
+
+class WorkBook:
+    """Per learner and fragment, since when its next contribution's counters must fit (``protocol.work``):
+    the moment a contribution of it was last merged here, or this node first heard of it. Keeps the
+    ``remember`` newest."""
+
+    def __init__(self, remember: int = 8192) -> None:
+        self.remember = remember
+        self.since: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def heard(self, learner: str, p: int, now: float) -> float:
+        since = self.since.setdefault((learner, p), now)
+        self._trim()
+        return since
+
+    def merged(self, learner: str, p: int, now: float) -> None:
+        self.since[(learner, p)] = now
+        self.since.move_to_end((learner, p))
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self.since) > self.remember:
+            self.since.popitem(last=False)

@@ -74,6 +74,8 @@ class Replication:
         self.suspect.pop(sr.signer, None)  # it merges (a late round, or it came back): electable again
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
+        for c in rec.contributors:
+            self.work.merged(c[0], p, time.monotonic())
         log = self.logs[p]
         # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
         # fp32 copy of the fragment per round kept

@@ -1,0 +1,73 @@
+"""Weights follow work the swarm can see (issue 31).
+
+A contribution's weight, c_tokens^2 / c_steps, grows with both counters, and both are its sender's word: a
+member that sent c_tokens = 1e9 with c_steps = 1 held the whole weight of every merge it joined. The
+synchroniser bounds them by what the swarm can see of the sender:
+
+- tokens per step, c_tokens / c_steps, at most ``factor`` times the median of what the live members publish
+  (their tokens per second over their steps per second), once 3 members publish rates: a learner's batch
+  is its own, so mixed hardware differs, but not by orders of magnitude;
+- steps, at most ``factor`` times what the sender's published step rate (itself at most ``factor`` times the
+  members' median) allows over the time since its last merged contribution of the fragment, or since this
+  node first heard of it, plus ``factor`` rounds of ``sync_every`` steps of slack.
+
+Over a bound the contribution is refused as ``bad_counters``, which costs its sender a point of score.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from protocol.errors import ProtocolError, RejectCode
+
+MIN_MEMBERS = 3  # members publishing rates before their median bounds anyone
+
+
+@dataclass(frozen=True)
+class VisibleWork:
+    """The members' medians: tokens per step and steps per second (0.0: fewer than ``MIN_MEMBERS`` publish)."""
+
+    tokens_per_step: float = 0.0
+    steps_per_s: float = 0.0
+
+
+def visible_work(rates: Iterable[tuple[float, float]]) -> VisibleWork:
+    """From the live members' published (tokens_per_s, steps_per_s); a member that publishes no rate yet
+    (starting, paused) is left out."""
+    rates = [(t, s) for t, s in rates if t > 0 and s > 0]
+    if len(rates) < MIN_MEMBERS:
+        return VisibleWork()
+    return VisibleWork(statistics.median(t / s for t, s in rates), statistics.median(s for _, s in rates))
+
+
+def check_counters(
+    c_steps: int,
+    c_tokens: int,
+    sender_steps_per_s: float,
+    elapsed_s: float,
+    work: VisibleWork,
+    factor: float,
+    sync_every: int,
+) -> None:
+    """Raise ``bad_counters`` when a contribution claims more work than the swarm can see its sender do
+    (``factor`` 0: no bound). ``elapsed_s``: seconds since the sender's last merged contribution of this
+    fragment, or since this node first heard of the sender."""
+    if factor <= 0 or work.tokens_per_step <= 0:
+        return
+    per_step = c_tokens / c_steps
+    if per_step > factor * work.tokens_per_step:
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS,
+            f"{per_step:.4g} tokens a step is over {factor:g}x the members' median "
+            f"({work.tokens_per_step:.4g})",
+        )
+    rate = min(sender_steps_per_s or work.steps_per_s, factor * work.steps_per_s)
+    allowed = factor * (rate * max(0.0, elapsed_s) + sync_every)
+    if c_steps > allowed:
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS,
+            f"{c_steps} steps in {elapsed_s:.0f} s is over what {rate:.3g} steps/s allows "
+            f"({allowed:.0f} with {factor:g}x slack)",
+        )

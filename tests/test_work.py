@@ -1,0 +1,61 @@
+"""Weights follow work the swarm can see (issue 31, ``protocol.work``): the counters a contribution claims
+against the members' published rates."""
+
+import pytest
+
+from node.swarm.guard import WorkBook
+from protocol.config import ConfigError, ProtocolConfig
+from protocol.errors import ProtocolError, RejectCode
+from protocol.work import VisibleWork, check_counters, visible_work
+
+# three members at 256 tokens a step and 2 steps a second, one that publishes nothing yet
+RATES = [(512.0, 2.0), (520.0, 2.0), (480.0, 2.0), (0.0, 0.0)]
+
+
+def test_the_medians_need_three_members_publishing_rates():
+    assert visible_work(RATES[:2] + [(0.0, 0.0)]) == VisibleWork()
+    work = visible_work(RATES)
+    assert work.tokens_per_step == pytest.approx(256.0) and work.steps_per_s == pytest.approx(2.0)
+    # one member claiming a thousand times the rate moves no median
+    assert visible_work(RATES + [(5e6, 2e3)]).tokens_per_step == pytest.approx(258.0)
+
+
+def _refused(*args) -> str:
+    with pytest.raises(ProtocolError) as e:
+        check_counters(*args)
+    assert e.value.code is RejectCode.BAD_COUNTERS
+    return str(e.value)
+
+
+def test_counters_over_what_the_swarm_sees_are_refused():
+    work = visible_work(RATES)
+    # honest: 8 steps of 256 tokens, the first heard of the sender (no time yet), and after a long while
+    check_counters(8, 2048, 2.0, 0.0, work, 4.0, 8)
+    check_counters(200, 200 * 256, 2.0, 30.0, work, 4.0, 8)
+    # a batch 4x the median still passes (mixed hardware), 5x does not
+    check_counters(8, 8 * 1024, 2.0, 0.0, work, 4.0, 8)
+    assert "tokens a step" in _refused(8, 8 * 1280, 2.0, 0.0, work, 4.0, 8)
+    # the issue's attack: 1e9 tokens in one step
+    assert "tokens a step" in _refused(1, 10**9, 0.0, 0.0, work, 4.0, 8)
+    # steps: 4 x (rate x elapsed + sync_every); the sender's rate is capped at 4x the median
+    check_counters(4 * (2 * 10 + 8), 4 * (2 * 10 + 8) * 256, 2.0, 10.0, work, 4.0, 8)
+    assert "steps in" in _refused(10**6, 256 * 10**6, 2.0, 10.0, work, 4.0, 8)
+    assert "steps in" in _refused(4 * (8 * 10 + 8) + 1, 256 * 400, 1e6, 10.0, work, 4.0, 8)
+    # no bound: fewer than three members publish rates, or the factor is 0
+    check_counters(1, 10**9, 0.0, 0.0, VisibleWork(), 4.0, 8)
+    check_counters(1, 10**9, 0.0, 0.0, work, 0.0, 8)
+
+
+def test_the_work_book_starts_at_first_word_and_moves_with_each_merge():
+    book = WorkBook(remember=2)
+    assert book.heard("a", 0, 10.0) == 10.0 and book.heard("a", 0, 50.0) == 10.0
+    book.merged("a", 0, 60.0)
+    assert book.heard("a", 0, 70.0) == 60.0 and book.heard("a", 1, 70.0) == 70.0
+    book.heard("b", 0, 80.0)  # the oldest entry goes
+    assert len(book.since) == 2 and ("a", 0) not in book.since
+
+
+def test_a_negative_or_nan_work_factor_is_refused():
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="work_factor"):
+            ProtocolConfig(work_factor=bad)
