@@ -13,7 +13,7 @@ import pytest
 
 from dht.swarm import Membership
 from tests.swarm_util import Swarm, wait_until
-from tests.test_hostile_state import SWARM, Attacker, _nodes_merging
+from tests.test_hostile_state import SWARM, Attacker, _nodes_merging, every_fragment_merges
 from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -55,14 +55,7 @@ def test_a_member_claiming_more_work_than_it_could_do_is_refused_then_banned(tmp
         banned_at = next(i for i, c in codes.items() if "banned" in c)
         assert codes[banned_at].count("bad_counters") >= 10, codes
         assert set(c for cs in codes.values() for c in cs) <= {"bad_counters", "not_synchroniser", "banned"}
-        r0 = {p: min(s["fragments"][p]["round"] for s in swarm.status().values()) for p in range(4)}
-        wait_until(
-            lambda: all(
-                s["fragments"][p]["round"] >= r0[p] + 2 for s in swarm.status().values() for p in range(4)
-            ),
-            90,
-            "every fragment merging after the attack",
-        )
+        every_fragment_merges(swarm, 2, "after the attack")
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         for i in range(3):
