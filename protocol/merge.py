@@ -128,30 +128,14 @@ def outer_step(
     """SGD with Nesterov momentum (torch.optim.SGD(nesterov=True) with zero-initialised buffer).
 
     v <- mu * v + g;  Theta <- Theta - lr * (g + mu * v). Returns new tensors; inputs are untouched. ``grad``
-    may be in its wire form, read a range at a time."""
-    new_theta, new_mom = {}, {}
-    for k, g in grad.items():
-        new_theta[k], new_mom[k] = outer_step_tensor(theta[k], momentum[k], g, lr, mu)
-    return new_theta, new_mom
+    may be in its wire form, read a range at a time (``protocol.codecs.ranges``), one temporary of a range
+    at a time. The products and sums are taken in place on tensors made here (x * a == a * x and
+    x + y == y + x exactly), so the values are those of the formula as written, whatever the ranges."""
+    return outer_theta(theta, momentum, grad, lr, mu), stepped_momentum(momentum, grad, mu, in_place=False)
 
 
-def outer_step_tensor(
-    theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor | Encoded, lr: float, mu: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tensor of ``outer_step``, a range at a time (``protocol.codecs.ranges``): the new tensors and one
-    temporary of a range, ``g`` decoded a range at a time. The products and sums are taken in place on
-    tensors made here (x * a == a * x and x + y == y + x exactly), so the values are those of the formula as
-    written, whatever the ranges."""
-    new_theta, new_mom = torch.empty_like(theta, dtype=torch.float32), torch.empty_like(momentum)
-    th, mo = theta.reshape(-1), momentum.reshape(-1)
-    out_t, out_m = new_theta.view(-1), new_mom.view(-1)
-    for a, b in ranges(th.numel(), range_align(g)):
-        _step_range(th[a:b], mo[a:b], read_range(g, a, b), lr, mu, out_t[a:b], out_m[a:b])
-    return new_theta, new_mom
-
-
-def _step_range(th, mo, g, lr: float, mu: float, out_t, out_m=None) -> None:
-    v = torch.mul(mo, mu, out=out_m).add_(g)  # out_m None: a temporary of the range
+def _step_range(th, mo, g, lr: float, mu: float, out_t) -> None:
+    v = torch.mul(mo, mu).add_(g)  # the new momentum's values, a temporary of the range
     torch.sub(th, torch.mul(v, mu).add_(g).mul_(lr), out=out_t)
 
 

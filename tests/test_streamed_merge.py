@@ -20,7 +20,6 @@ from protocol.errors import ProtocolError
 from protocol.merge import (
     contribution_weight,
     outer_step,
-    outer_step_tensor,
     outer_theta,
     stepped_momentum,
 )
@@ -155,8 +154,6 @@ def test_outer_step_in_place_is_the_formula_bit_for_bit():
     lr, mu = 0.7, 0.9
     v = mu * mom + grad
     want_theta = theta - lr * (grad + mu * v)
-    got_theta, got_v = outer_step_tensor(theta, mom, grad, lr, mu)
-    assert torch.equal(got_v, v) and torch.equal(got_theta, want_theta)
     t2, m2 = outer_step({"a": theta}, {"a": mom}, {"a": grad}, lr, mu)
     assert torch.equal(t2["a"], want_theta) and torch.equal(m2["a"], v)
     # the parameters alone, then the momentum (new, or in place): the same values
