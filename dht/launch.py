@@ -28,7 +28,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from dht.identity import Identity
-from dht.records import parse_member
+from dht.records import BUCKETS, bucket_of, members_key, parse_member
 from protocol.errors import ConfigError, DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -260,39 +260,36 @@ def launch_dht(
 MAX_PEER_ID = 64  # characters; an Ed25519 peer id in base58 has 52
 
 
-def members_key(swarm: str) -> str:
-    """The DHT key under which a swarm's membership records live, one subkey per member."""
-    return f"{swarm}/members"
-
-
 class OwnerValidator(RecordValidatorBase):
-    """Under the swarm's members key, every DHT node of ours stores (and takes from a peer it asks) only a
-    member record under a peer-id subkey, signed by that peer.
+    """Under the swarm's members keys, every DHT node of ours stores (and takes from a peer it asks) only a
+    member record under a peer-id subkey, signed by that peer, in the bucket its peer id falls in.
 
     The subkey is the owner tag: a membership value must be a member record signed by the key behind the
     subkey's peer id (opened first with the swarm key in a private swarm), so nobody can take over another
-    peer's slot, even with a later expiration. Anything else under the key is refused: subkeys that are not
+    peer's slot, even with a later expiration. Anything else under the keys is refused: subkeys that are not
     peer-id strings (an int and a str subkey with the same expiry made hivemind's storage raise TypeError on
-    every read), and a plain value over the whole key (it would replace every member's record until an
-    expiry the writer chooses). hivemind validators see the key only as its hash: other keys are not ours to
-    judge and pass."""
+    every read), a plain value over a whole key (it would replace every member's record in it until an
+    expiry the writer chooses), and a record in another bucket than its peer id's. hivemind validators see
+    a key only as its hash: other keys are not ours to judge and pass."""
 
     def __init__(self, swarm: str, admission=None) -> None:
         self.swarm, self.admission = swarm, admission
-        self.key_id = DHTID.generate(source=members_key(swarm)).to_bytes()
+        self.key_ids = {DHTID.generate(source=members_key(swarm, b)).to_bytes(): b for b in range(BUCKETS)}
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self.key_id:
+        bucket = self.key_ids.get(record.key)
+        if bucket is None:
             return True
+        where = members_key(self.swarm, bucket)
         try:
             owner = MSGPackSerializer.loads(record.subkey)
         except Exception:  # noqa: BLE001 - an undecodable subkey is no member's
-            logger.debug("DHT refused a value under an undecodable subkey of %s", members_key(self.swarm))
+            logger.debug("DHT refused a value under an undecodable subkey of %s", where)
             return False
-        if not (isinstance(owner, str) and 0 < len(owner) <= MAX_PEER_ID):
+        if not (isinstance(owner, str) and 0 < len(owner) <= MAX_PEER_ID and bucket_of(owner) == bucket):
             logger.debug(
-                "DHT refused a value under %s: subkey %s is not a peer id",
-                members_key(self.swarm),
+                "DHT refused a value under %s: subkey %s is not a peer id of that bucket",
+                where,
                 "(plain value)" if owner is None else repr(owner)[:80],
             )
             return False

@@ -1,9 +1,9 @@
 """Swarm membership over hivemind's DHT: start a node's DHT, publish its signed record, read the live view.
 
 Sits in ``dht/`` between the pure record logic (``dht.records``) and the node: it does the DHT I/O and
-nothing else (DESIGN §4, "Discovery and membership"). Every record lives under one DHT key,
-``f"{swarm}/members"``, with the signer's peer id as subkey and the record's ``expires_at`` as the DHT
-expiration; all times are ``hivemind.utils.get_dht_time()``. Every wait on the DHT has a timeout, and a
+nothing else (DESIGN §4, "Discovery and membership"). A record lives under one of ``BUCKETS`` DHT keys,
+``f"{swarm}/members/{bucket_of(peer_id)}"``, with the signer's peer id as subkey and the record's
+``expires_at`` as the DHT expiration; a view reads every bucket in one traversal; all times are ``hivemind.utils.get_dht_time()``. Every wait on the DHT has a timeout, and a
 failure says what was tried and what to check.
 """
 
@@ -25,8 +25,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
-from dht.launch import MAX_PEER_ID, SwarmUnreachable, members_key
-from dht.records import Member, RecordError, live_view, sign_member
+from dht.launch import MAX_PEER_ID, SwarmUnreachable
+from dht.records import BUCKETS, Member, RecordError, bucket_of, live_view, members_key, sign_member
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -47,12 +47,9 @@ class Membership:
     ) -> None:
         self.dht, self.swarm, self.identity, self.timeout_s = dht, swarm, identity, timeout_s
         self.admission = admission  # private swarm: values sealed with the swarm key, certificates checked
-        self.key = members_key(swarm)
+        self.keys = [members_key(swarm, b) for b in range(BUCKETS)]
+        self.key = f"{swarm}/members/*"  # in messages: every bucket
         self._warned_at = float("-inf")  # when a failed read was last logged as a warning
-
-    def _wait(self, what: str, call: Any, **kwargs: Any) -> Any:
-        tried = f"{what} key {self.key!r} of swarm {self.swarm!r}"
-        return self._result(tried, lambda: call(self.key, return_future=True, **kwargs))
 
     def _result(self, tried: str, start: Callable[[], Future]) -> Any:
         if not self.dht.is_alive():
@@ -78,12 +75,16 @@ class Membership:
         raw = sign_member(self.swarm, self.identity, member)
         if self.admission is not None:
             raw = self.admission.seal(raw, f"dht|{self.swarm}|{member.peer_id}")
-        ok = self._wait(
-            "storing", self.dht.store, value=raw, expiration_time=member.expires_at, subkey=member.peer_id
+        key = members_key(self.swarm, bucket_of(member.peer_id))
+        ok = self._result(
+            f"storing key {key!r} of swarm {self.swarm!r}",
+            lambda: self.dht.store(
+                key, raw, expiration_time=member.expires_at, subkey=member.peer_id, return_future=True
+            ),
         )
         if not ok:
             raise SwarmUnreachable(
-                f"storing key {self.key!r}: the record of {member.peer_id} was refused by the DHT peer that "
+                f"storing key {key!r}: the record of {member.peer_id} was refused by the DHT peer that "
                 "answered last, or by all (none reachable, a later record of this peer id already stored, or "
                 "something other than per-peer records held under the key); other peers may hold it"
             )
@@ -92,16 +93,18 @@ class Membership:
         """Members with a valid unexpired record, sorted by peer id, and why each other subkey was dropped."""
         now = get_dht_time() if now is None else now
         try:
-            found = self._wait("reading", self.dht.get, latest=True)
-        except Exception as e:  # noqa: BLE001 - junk under the key makes hivemind's get raise (an int and a
-            # str subkey with one expiry: TypeError) or never answer. Read this node's own copy instead, raw
+            found = self._result(
+                f"reading key {self.key!r} of swarm {self.swarm!r}",
+                lambda: self.dht.run_coroutine(_ReadBuckets(self.keys), return_future=True),
+            )
+        except Exception as e:  # noqa: BLE001 - junk under a key makes hivemind's get raise (an int and a str
+            # subkey with one expiry: TypeError) or never answer. Read this node's own copy instead, raw
             # (which raises SwarmUnreachable in turn if the DHT process is gone).
             return self._local(now, f"the DHT read failed: {type(e).__name__}: {str(e)[:200]}")
-        if found is None:
-            return [], {}
-        if not isinstance(found.value, dict):  # a plain value over the key: not ours, whoever stored it
-            return self._local(now, f"key holds a plain {type(found.value).__name__}, not per-peer records")
-        return self._view({k: getattr(v, "value", v) for k, v in found.value.items()}, now, {})
+        items, plain = found
+        if plain:  # a plain value over a key: not ours, whoever stored it
+            return self._local(now, f"key holds a plain {plain}, not per-peer records")
+        return self._view(dict(items), now, {})
 
     def _local(self, now: float, why: str) -> tuple[list[Member], dict[str, str]]:
         """The view from this DHT node's own copy of the key, read raw, when a read of the DHT was unusable."""
@@ -110,7 +113,7 @@ class Membership:
             logger.warning("reading key %r: %s; using this DHT node's own copy of it", self.key, why)
         items = self._result(
             f"reading this node's copy of key {self.key!r}",
-            lambda: self.dht.run_coroutine(_LocalRecords(self.key, now), return_future=True),
+            lambda: self.dht.run_coroutine(_LocalRecords(self.keys, now), return_future=True),
         )
         return self._view(dict(items), now, {"": why})
 
@@ -160,29 +163,50 @@ class Membership:
         return back
 
 
+class _ReadBuckets:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
+    """Runs in the DHT process: the newest value of every bucket key, found in one traversal, as the
+    (subkey, value) pairs of all of them, and the type of any plain value found over a key ('' if none)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    async def __call__(self, _dht, node) -> tuple[list[tuple[Any, Any]], str]:
+        found = await node.get_many(self.keys, sufficient_expiration_time=float("inf"))
+        pairs: list[tuple[Any, Any]] = []
+        for key in self.keys:
+            got = found.get(key)
+            if got is None:
+                continue
+            if not isinstance(got.value, dict):
+                return [], type(got.value).__name__
+            pairs += [(k, getattr(v, "value", v)) for k, v in got.value.items()]
+        return pairs, ""
+
+
 class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
-    """Runs in the DHT process: the (subkey, value) pairs this node itself holds under ``key``, unexpired,
+    """Runs in the DHT process: the (subkey, value) pairs this node itself holds under ``keys``, unexpired,
     read from its storage's dictionaries without touching hivemind's expiry heaps (junk in one can make
     every operation on it raise). Only string subkeys and byte values; the caller checks the records."""
 
-    def __init__(self, key: str, now: float) -> None:
-        self.key, self.now = key, now
+    def __init__(self, keys: list[str], now: float) -> None:
+        self.keys, self.now = keys, now
 
     async def __call__(self, _dht, node) -> list[tuple[str, bytes]]:
-        key_id = DHTID.generate(source=self.key)
         out: dict[str, tuple[bytes, float]] = {}
-        for storage in (node.protocol.storage, node.protocol.cache):
-            entry = storage.data.get(key_id)
-            if entry is None or not isinstance(entry.value, DictionaryDHTValue):
-                continue
-            for subkey, item in list(entry.value.data.items()):
-                if not (isinstance(subkey, str) and isinstance(item.value, bytes)):
+        for key in self.keys:
+            key_id = DHTID.generate(source=key)
+            for storage in (node.protocol.storage, node.protocol.cache):
+                entry = storage.data.get(key_id)
+                if entry is None or not isinstance(entry.value, DictionaryDHTValue):
                     continue
-                if (
-                    item.expiration_time > self.now
-                    and item.expiration_time > out.get(subkey, (b"", -1e300))[1]
-                ):
-                    out[subkey] = (item.value, item.expiration_time)
+                for subkey, item in list(entry.value.data.items()):
+                    if not (isinstance(subkey, str) and isinstance(item.value, bytes)):
+                        continue
+                    if (
+                        item.expiration_time > self.now
+                        and item.expiration_time > out.get(subkey, (b"", -1e300))[1]
+                    ):
+                        out[subkey] = (item.value, item.expiration_time)
         serializer = node.protocol.serializer
         pairs = []
         for subkey, (raw, _) in sorted(out.items()):

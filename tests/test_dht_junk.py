@@ -15,8 +15,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from dht.identity import Identity
-from dht.launch import OwnerValidator, members_key, start_dht
-from dht.records import Member, sign_member
+from dht.launch import OwnerValidator, start_dht
+from dht.records import BUCKETS, Member, bucket_of, members_key, sign_member
 from dht.swarm import Membership
 from tests.dht_util import LOOPBACK
 
@@ -48,12 +48,13 @@ def _junk(stranger) -> None:
     """What the stranger stored in the issue: an int and a str subkey with one expiry, then a plain value
     over the key with an expiry it chose. Its own DHT node stores what it can (hivemind raises on the second
     subkey there); every DHT node of ours refuses all of it."""
-    key, exp = members_key(SWARM), get_dht_time() + 30
-    for subkey in (1, "junk", "12D3KooWnotapeer"):
+    exp = get_dht_time() + 30
+    for key in (members_key(SWARM, b) for b in range(BUCKETS)):  # every bucket
+        for subkey in (1, "junk", "12D3KooWnotapeer"):
+            with contextlib.suppress(TypeError):
+                stranger.store(key, b"x", exp, subkey=subkey)
         with contextlib.suppress(TypeError):
-            stranger.store(key, b"x", exp, subkey=subkey)
-    with contextlib.suppress(TypeError):
-        stranger.store(key, b"plain", get_dht_time() + 600)
+            stranger.store(key, b"plain", get_dht_time() + 600)
 
 
 def _peer_ids(view: Membership) -> list[str]:
@@ -79,20 +80,22 @@ def test_the_validator_judges_only_the_members_key():
     ident = Identity.generate()
     now = get_dht_time()
     rec = sign_member(SWARM, ident, Member(ident.peer_id, (), "t", now, now + 60))
-    key = DHTID.generate(source=members_key(SWARM)).to_bytes()
+    key = DHTID.generate(source=members_key(SWARM, bucket_of(ident.peer_id))).to_bytes()
+    elsewhere = DHTID.generate(source=members_key(SWARM, (bucket_of(ident.peer_id) + 1) % BUCKETS)).to_bytes()
     dumps = MSGPackSerializer.dumps
 
     def ok(subkey: bytes, value: bytes, k: bytes = key) -> bool:
         return v.validate(DHTRecord(k, subkey, value, now + 60))
 
     assert ok(dumps(ident.peer_id), dumps(rec))
+    assert not ok(dumps(ident.peer_id), dumps(rec), elsewhere)  # a record in another bucket than its peer's
     assert not ok(dumps(None), dumps(b"plain"))  # a plain value over the key (hivemind's regular subkey)
     assert not ok(dumps(1), dumps(rec))  # an int subkey
     assert not ok(dumps("junk"), dumps(rec))  # a str that is not the record's peer
     assert not ok(dumps("x" * 65), dumps(rec))  # longer than any peer id
     assert not ok(b"\xc1", dumps(rec))  # not msgpack
     assert not ok(dumps(ident.peer_id), dumps(b"garbage"))
-    other = DHTID.generate(source=members_key("another-swarm")).to_bytes()
+    other = DHTID.generate(source=members_key("another-swarm", bucket_of(ident.peer_id))).to_bytes()
     assert ok(dumps(1), dumps(b"anything"), other) and ok(dumps(None), b"x", other)  # not ours to judge
 
 
@@ -103,11 +106,12 @@ def test_a_reader_whose_dht_holds_junk_still_reads_the_members(tmp_path):
     with _nodes(tmp_path, validators=False) as nodes:
         honest = sorted(ident.peer_id for ident, _ in nodes[:2])
         (a, dht_a), (b, dht_b), (_, stranger) = nodes
-        key, exp = members_key(SWARM), get_dht_time() + 30
+        exp = get_dht_time() + 30
         for dht in (dht_a, dht_b):  # junk in the honest nodes' own storage: an int and a str subkey
-            for subkey in (1, "junk"):
-                with contextlib.suppress(TypeError):
-                    dht.store(key, b"x", exp, subkey=subkey)
+            for key in {members_key(SWARM, bucket_of(i.peer_id)) for i in (a, b)}:  # where their records are
+                for subkey in (1, "junk"):
+                    with contextlib.suppress(TypeError):
+                        dht.store(key, b"x", exp, subkey=subkey)
         for ident, dht in ((a, dht_a), (b, dht_b)):
             members, dropped = Membership(dht, SWARM, ident, timeout_s=3).live()
             assert [m.peer_id for m in members] == honest, dropped

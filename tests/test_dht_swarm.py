@@ -15,7 +15,7 @@ import pytest
 
 from dht.identity import Identity
 from dht.launch import DHTStartError, SwarmUnreachable, start_dht
-from dht.records import Member, RecordError, sign_member
+from dht.records import Member, RecordError, bucket_of, members_key, sign_member
 from dht.swarm import Membership, get_dht_time
 from protocol.errors import ConfigError
 from tests.dht_util import LOOPBACK, dht_chain
@@ -104,18 +104,23 @@ def test_forged_and_malformed_records_are_dropped(swarm3, swarm_id, tmp_path):
     victim, other = Identity.generate(), Identity.generate()
     Membership(dht_a, swarm_id, a).publish(_member(a))
     exp = get_dht_time() + 30
-    key = f"{swarm_id}/members"
+
+    def key(pid: str) -> str:  # the bucket a reader looks for this peer's record in
+        return members_key(swarm_id, bucket_of(pid))
+
     # B signs its own record but stores it in the victim's slot
-    dht_b.store(key, sign_member(swarm_id, b, _member(b)), exp, subkey=victim.peer_id)
+    dht_b.store(key(victim.peer_id), sign_member(swarm_id, b, _member(b)), exp, subkey=victim.peer_id)
     # a record with a field altered after signing
     doc = json.loads(sign_member(swarm_id, other, _member(other)))
     doc["m"]["tokens_per_s"] = 1e9
-    dht_b.store(key, json.dumps(doc).encode(), exp, subkey=other.peer_id)
+    dht_b.store(key(other.peer_id), json.dumps(doc).encode(), exp, subkey=other.peer_id)
     # a record signed for another swarm, garbage bytes, and a value that is not bytes at all
     third, fourth, fifth = Identity.generate(), Identity.generate(), Identity.generate()
-    dht_b.store(key, sign_member("other-swarm", third, _member(third)), exp, subkey=third.peer_id)
-    dht_b.store(key, b"\x00not json", exp, subkey=fourth.peer_id)
-    dht_b.store(key, "a string", exp, subkey=fifth.peer_id)
+    dht_b.store(
+        key(third.peer_id), sign_member("other-swarm", third, _member(third)), exp, subkey=third.peer_id
+    )
+    dht_b.store(key(fourth.peer_id), b"\x00not json", exp, subkey=fourth.peer_id)
+    dht_b.store(key(fifth.peer_id), "a string", exp, subkey=fifth.peer_id)
 
     members, dropped = Membership(dht_a, swarm_id, a).live()
     assert [m.peer_id for m in members] == [a.peer_id]

@@ -102,11 +102,11 @@ def test_outsider_is_refused_everywhere_and_changes_nothing(tmp_path):
                 pass  # the members' DHT validators refused to store it
         # 3. squatting: a value under a member's slot, signed by the outsider, is refused by every member DHT
         victim = ids[1]
-        squat = Membership(dhts[0], SWARM, outsider, admission=leaked)
-        from dht.records import sign_member
+        from dht.records import bucket_of, members_key, sign_member
 
         raw = leaked.seal(sign_member(SWARM, outsider, mine), f"dht|{SWARM}|{victim}")
-        assert not dhts[0].store(squat.key, raw, get_dht_time() + 60, subkey=victim)
+        slot = members_key(SWARM, bucket_of(victim))
+        assert not dhts[0].store(slot, raw, get_dht_time() + 60, subkey=victim)
 
         spec = _spec()
         r0 = before[0]["fragments"][0]["round"]

@@ -56,3 +56,30 @@ def test_eligible_excludes_client_mode_and_stale_heads():
     ]
     assert eligible(ms, 0) == [ids[0].peer_id]
     assert eligible([ms[2]], 0) == []
+
+
+def test_a_checked_signature_is_remembered_by_the_records_bytes_and_swarm(monkeypatch):
+    import dht.records as records
+
+    ident, checked = Identity.generate(), []
+    real = records.verify
+    monkeypatch.setattr(records, "verify", lambda *a: checked.append(1) or real(*a))
+    raw = sign_member("s", ident, member(ident, now=1000.0))
+    for _ in range(3):
+        assert parse_member("s", raw, now=1000.0).peer_id == ident.peer_id
+    assert len(checked) == 1  # one check for three reads of the same bytes
+    with pytest.raises(RecordError, match="expired"):  # the expiry is judged on every read
+        parse_member("s", raw, now=1e6)
+    with pytest.raises(RecordError, match="signature"):  # the same bytes read for another swarm: checked
+        parse_member("other", raw, now=1000.0)
+    doc = json.loads(raw)
+    doc["m"]["step"] = 7
+    with pytest.raises(RecordError, match="signature"):  # other bytes: checked
+        parse_member("s", json.dumps(doc).encode(), now=1000.0)
+    assert len(checked) == 3
+    monkeypatch.setattr(records, "VERIFIED_MAX", 2)  # full: the oldest is forgotten, and checked again
+    others = [Identity.generate() for _ in range(2)]
+    for o in others:
+        parse_member("s", sign_member("s", o, member(o, now=1000.0)), now=1000.0)
+    parse_member("s", raw, now=1000.0)
+    assert len(checked) == 6

@@ -28,8 +28,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
-from dht.launch import members_key, start_dht
-from dht.records import Member
+from dht.launch import start_dht
+from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
 from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
 from tests.swarm_util import Swarm, wait_until
@@ -129,12 +129,13 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
         Membership(dhts[1], SWARM, member).publish(Member(member.peer_id, (), "test", now, now + 300))
 
         # 1. junk under the members key: mixed subkey types with one expiry, then a plain value over the key
-        key, exp = members_key(SWARM), get_dht_time() + 20
-        for subkey in (1, "junk"):
-            with contextlib.suppress(TypeError):  # the stranger's own node chokes on it; ours refuse it
-                dhts[0].store(key, b"x", exp, subkey=subkey)
-        with contextlib.suppress(TypeError):
-            dhts[0].store(key, b"plain", get_dht_time() + 600)
+        exp = get_dht_time() + 20
+        for key in (members_key(SWARM, b) for b in range(BUCKETS)):  # every bucket
+            for subkey in (1, "junk"):
+                with contextlib.suppress(TypeError):  # the stranger's own node chokes on it; ours refuse it
+                    dhts[0].store(key, b"x", exp, subkey=subkey)
+            with contextlib.suppress(TypeError):
+                dhts[0].store(key, b"plain", get_dht_time() + 600)
 
         def views_whole() -> bool:
             st = swarm.status()

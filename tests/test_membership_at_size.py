@@ -1,0 +1,98 @@
+"""Issue 31, membership at size: three real nodes in a swarm whose members keys hold 2,000 more valid,
+signed membership records, kept fresh the way live members keep theirs (re-signed and stored again, all of
+them, well within their lifetime). Every node's view takes them in, no DHT process dies, and the nodes keep
+merging and end on one hash. Before the records were spread over bucket keys (``dht.records.BUCKETS``) and
+their checked signatures remembered, each node's heartbeat write carried the whole crowd back from every DHT
+peer it asked: the writes timed out, and views never took the crowd in."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from dht.identity import Identity
+from dht.launch import start_dht
+from dht.records import Member, bucket_of, members_key, sign_member
+from tests.swarm_util import TINY, Swarm, wait_until
+from tests.test_hostile_state import SWARM, _nodes_merging, every_fragment_merges
+
+pytestmark = pytest.mark.timeout(420)
+CROWD = 2000
+TTL_S = 60.0  # the nodes' --ttl-s: a swarm of thousands gives its records a longer life than the tests' 3 s
+LIFE_S = 2 * TTL_S  # how long a crowd record counts in a view (``node.swarm.view.LIFETIME_TTLS`` x ttl_s)
+
+
+class Crowd(threading.Thread):
+    """``n`` members with no process behind them, whose records one DHT node stores and keeps fresh: every
+    record is re-signed with a new issue time and stored again, 100 at a time, cycle after cycle. One process
+    does the work of 2,000 members here, so a cycle takes a minute on a loaded 2-core machine: the records
+    are given the longest life a view lets them count for."""
+
+    def __init__(self, dht, n: int) -> None:
+        super().__init__(daemon=True)
+        self.dht, self.ids = dht, [Identity.generate() for _ in range(n)]
+        self.stop, self.cycles, self.last_cycle_s, self.refused = threading.Event(), 0, 0.0, 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            for k in range(0, len(self.ids), 100):
+                now, futures = get_dht_time(), []
+                for ident in self.ids[k : k + 100]:
+                    m = Member(ident.peer_id, (), "ddiloco/0.3", now, now + LIFE_S)
+                    key = members_key(SWARM, bucket_of(ident.peer_id))
+                    raw = sign_member(SWARM, ident, m)
+                    futures.append(
+                        self.dht.store(key, raw, m.expires_at, subkey=m.peer_id, return_future=True)
+                    )
+                for f in futures:
+                    try:
+                        self.refused += not f.result(timeout=60)
+                    except Exception:  # noqa: BLE001 - counted as refused; the next cycle stores it again
+                        self.refused += 1
+                if self.stop.is_set():
+                    return
+            self.cycles, self.last_cycle_s = self.cycles + 1, time.monotonic() - t0
+
+
+def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
+    swarm = Swarm(tmp_path / "swarm", TINY + ["--ttl-s", str(TTL_S)])
+    dht = crowd = None
+    try:
+        _nodes_merging(swarm, 3, 2)
+        dht = start_dht(
+            Identity.generate().save(tmp_path / "crowd.key"),
+            ["/ip4/127.0.0.1/tcp/0"],
+            swarm.children[0].maddrs,
+            timeout_s=30,
+        )
+        crowd = Crowd(dht, CROWD)
+        crowd.start()
+        wait_until(lambda: crowd.cycles >= 1, 180, "the crowd's records stored once")
+        assert crowd.last_cycle_s < LIFE_S, f"one cycle of the crowd took {crowd.last_cycle_s:.0f} s"
+
+        def views() -> list[int]:
+            return [len(s["peers"]) for s in swarm.status().values()]
+
+        wait_until(lambda: min(views()) >= 3 + CROWD * 0.99, 60, "every node's view to take in the crowd")
+        every_fragment_merges(swarm, 3, "beside a crowd of 2,000 members", timeout_s=120)
+        assert min(views()) >= 3 + CROWD * 0.99, views()  # still in every view while the nodes merged
+        assert all(c.proc.poll() is None for c in swarm.children.values())
+        crowd.stop.set()
+        crowd.join(timeout=90)
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+        for i in range(3):
+            log = swarm.children[i].log.read_text(errors="replace")
+            for dead in ("EOFError", "BlockingIOError", "DHT process is not running"):
+                assert dead not in log, log[-2000:]
+    finally:
+        if crowd is not None:
+            crowd.stop.set()
+            crowd.join(timeout=90)
+        swarm.stop()
+        if dht is not None:
+            dht.shutdown()
