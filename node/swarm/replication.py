@@ -241,7 +241,7 @@ class Replication:
         if len(reach) <= RECORD_FANOUT:
             return sorted(reach)
         targets = {c[0] for c in sr.record.contributors} & reach
-        targets |= set(self.candidates(p)[:4]) & reach
+        targets |= set([c for c in self.candidates(p) if c != self.peer_id][:4]) & reach
         now = time.monotonic()
         rest = sorted(pid for pid in reach - targets if self.suspect.get(pid, 0.0) <= now)
         return sorted(targets) + random.sample(rest, min(len(rest), max(0, RECORD_FANOUT - len(targets))))
