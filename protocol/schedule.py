@@ -238,6 +238,13 @@ class SlotBook:
     def reset(self) -> None:
         self.taken.clear()
 
+    def forget(self, p: int) -> None:
+        """Fragment p's chain was replaced by another, whose round may be lower than the slots taken on the
+        old one: those must not hold its slots back. (They did: three nodes that each yielded fragment 0 to
+        an older head of the majority's chain, 21 rounds back, never contributed to it again, and it
+        merged nothing for the rest of the run.)"""
+        self.taken.pop(p, None)
+
 
 def due_fragments(
     slots: SlotBook, clocks: Iterable[RoundClock | None], by_steps: Iterable[int], end: float, step_s: float

@@ -65,6 +65,11 @@ def test_a_slot_is_taken_once_and_a_round_that_does_not_merge_is_due_again():
     nxt = RoundClock(6, first=112.0, every=4.0)  # round 5 merged at slot 1
     assert book.due(0, nxt, 111.7, lead=0.5)
     assert not book.due(1, None, 200.0, lead=0.5)  # no clock: nothing from the schedule
+    # the fragment resynced to an older head of another chain: its clock's round is below the slots taken
+    older = RoundClock(2, first=130.0, every=4.0)
+    assert not book.due(0, older, 129.8, lead=0.5)  # an older clock never takes a slot by itself
+    book.forget(0)
+    assert book.due(0, older, 129.8, lead=0.5)  # once the chain is replaced, its slots are the ones to take
 
 
 def test_the_synchroniser_snaps_the_round_to_the_slot_its_contributions_came_for():
@@ -312,3 +317,30 @@ def test_a_fragment_with_no_clock_gets_a_slot_every_repeat_while_the_others_phas
         gaps = [b - a for a, b in zip(taken, taken[1:])][1:]  # the first: the slot already up at 10 s
         assert len(taken) >= 20, (seed, taken)
         assert max(gaps) <= every + 2 * step_s and min(gaps) >= every - 2 * step_s, (seed, gaps)
+
+
+def test_a_learner_that_resyncs_a_fragment_forgets_its_taken_slots():
+    """The loop's wiring of ``SlotBook.forget``: a forced adoption (a resync onto another chain) frees the
+    fragment's slots; an ordinary adoption keeps them."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from node.learner.loop import LearnerLoop
+
+    calls = []
+    loop = LearnerLoop.__new__(LearnerLoop)
+    loop.learner = SimpleNamespace(
+        resync=lambda *a: calls.append(("resync", a[:2])),
+        adopt=lambda *a: calls.append(("adopt", a[:2])) or True,
+        kept=False,
+        steps=3,
+        sharded=False,
+    )
+    loop.node = SimpleNamespace(events=SimpleNamespace(emit=lambda *a, **k: None), peer_id="me")
+    loop.requests, loop.slots = deque(), SlotBook()
+    loop.slots.taken = {0: (94, 500.0), 1: (40, 480.0)}
+    loop.inbox = deque([(1, 41, {}, False, []), (0, 72, {}, True, [])])
+    adopted, asks = loop._service()
+    assert adopted == [1, 0] and asks == []
+    assert calls == [("adopt", (1, 41)), ("resync", (0, 72))]
+    assert loop.slots.taken == {1: (40, 480.0)}  # fragment 0's slots forgotten, fragment 1's kept

@@ -222,6 +222,7 @@ class LearnerLoop(threading.Thread):
             p, round_, theta, force, merged = self.inbox.popleft()
             if force:
                 lrn.resync(p, round_, theta)
+                self.slots.forget(p)
             elif not lrn.adopt(p, round_, theta, merged):
                 continue
             kept = lrn.kept
