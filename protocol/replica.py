@@ -173,21 +173,23 @@ class FragmentReplica:
         steps of the rounds since back (fp32; within a few ulps of the state that round had)."""
         if round_ == self.round:
             return self.theta
-        if not self.keeps(round_):
-            raise ProtocolError(
-                RejectCode.STALE_BASE,
-                f"fragment {self.index} no longer keeps round {round_} (now at {self.round})",
-            )
-        theta = dict(self.theta)
-        mom = dict(self.momentum)
-        for r in range(self.round, round_, -1):
-            src, lr, mu = self._past[r]
-            grad = _grad_of(src)
+        theta, mom = dict(self.theta), dict(self.momentum)
+        for grad, lr, mu in self.past_steps(round_):
             for k, g in grad.items():
                 theta[k] = theta[k] + lr * (g + mu * mom[k])
                 if mu != 0:
                     mom[k] = (mom[k] - g) / mu
         return theta
+
+    def past_steps(self, round_: int) -> list[tuple[Mapping[str, torch.Tensor], float, float]]:
+        """The outer steps from round ``round_`` to now, newest first: (merged gradient, each tensor decoded
+        as it is read; outer lr; outer momentum). Raises ``stale_base`` where the history no longer has them."""
+        if not self.keeps(round_):
+            raise ProtocolError(
+                RejectCode.STALE_BASE,
+                f"fragment {self.index} no longer keeps round {round_} (now at {self.round})",
+            )
+        return [(_grad_of(self._past[r][0]), *self._past[r][1:]) for r in range(self.round, round_, -1)]
 
     def check_delta(
         self, delta: Mapping[str, torch.Tensor | Encoded], cfg: ProtocolConfig | None = None

@@ -57,6 +57,7 @@ from node.swarm.spool import Spool
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport, max_frame_bytes
 from node.swarm.view import SwarmView
+from node.swarm.vouch import Vouching
 from node.swarm.wire import SignedRecord
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -87,7 +88,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
+class Node(SwarmView, Replication, CatchUp, Vouching, Persistence, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -281,7 +282,7 @@ class Node(SwarmView, Replication, CatchUp, Persistence, Contributions):
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
         ops = ("contribute", self._h_contribute), ("record", self._h_record), ("records", self._h_records)
-        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping)):
+        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping), ("head", self._h_head)):
             self.transport.register(op, h)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

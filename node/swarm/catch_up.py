@@ -201,7 +201,9 @@ class CatchUp:
                 RejectCode.MALFORMED, f"asked {pid} for fragments {frags}, got {[s.fragment for s in states]}"
             )
         for st in states:
-            self._install_snapshot(st, pid, replace_ours)
+            if replace_ours or self._improves(st):
+                await self._check_snapshot(pid, st)  # node.swarm.vouch: raises where it may not come in
+                self._install_snapshot(st, pid, replace_ours)
 
     def _untrusted(self, p: int, pid: str, round_: int) -> None:
         self.transport._count("untrusted_head")
@@ -226,11 +228,12 @@ class CatchUp:
             ids = list(self._inherited_ids().get(p, ())) + ids
         return tuple(dict.fromkeys(ids))[-SNAPSHOT_IDS_MAX:]
 
+    def _improves(self, st: FragmentState) -> bool:
+        return self._head_key(self.heads[st.fragment]) > self._head_key((st.round, st.hash, st.n, st.weight))
+
     def _install_snapshot(self, st: FragmentState, pid: str, replace_ours: bool = False) -> None:
         p = st.fragment
-        if not replace_ours and self._head_key(self.heads[p]) <= self._head_key(
-            (st.round, st.hash, st.n, st.weight)
-        ):
+        if not replace_ours and not self._improves(st):
             return  # ours is as good or better by now
         rep = self.replicas[p]
         # the snapshot's tensors were decoded for this alone: the replica takes them without a copy

@@ -35,6 +35,7 @@ HOSTILE = frozenset(
         RejectCode.UNKNOWN_CODEC,
         RejectCode.BAD_SIGNATURE,
         RejectCode.REPLAYED,
+        RejectCode.FORGED_SNAPSHOT,
     }
 )
 

@@ -1,0 +1,113 @@
+"""Issue 31, "a head a little ahead is trusted": a member publishes, for every fragment, a head one round past
+the honest nodes' (inside the slack a claim needs no backing for) and serves an all-zero snapshot whose hash
+matches its claim. Before item 3 every node installed it by catch-up. Now a snapshot comes in only where
+other members, each answering for itself, hold its head, or where the donor's own records reach it:
+
+  * with no records behind it, it is refused as ``unvouched`` (no score: an honest donor can be alone for a
+    moment);
+  * with forged records from the honest chain's previous round to the zero state, the nodes rebuild the
+    state those records reach and refuse it as ``forged_snapshot``, which scores the liar;
+
+and no node takes it, nothing changes while the learners are paused, and the swarm trains on to one hash.
+Real node processes; the attacker has its own identity, DHT and p2p daemon (``Attacker``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from node.swarm.transport import Reply
+from node.swarm.wire import (
+    FragmentState,
+    decode_record,
+    encode_record,
+    encode_snapshot,
+    pack_list,
+    unpack_list,
+)
+from protocol.hashing import tensors_hash
+from protocol.merge import contribution_weight
+from protocol.replica import MergeRecord
+from tests.swarm_util import Swarm, wait_until
+from tests.test_hostile_state import SWARM, Attacker, _nodes_merging, _paused_at_rest, every_fragment_merges
+from tests.test_wire_refusals import _spec
+
+
+def _like(tensors: dict) -> dict:
+    return {n: torch.zeros_like(t) for n, t in tensors.items()}
+
+
+def _refused(swarm: Swarm, code: str) -> int:
+    return sum(s["refused"].get(code, 0) for s in swarm.status().values())
+
+
+def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_refused_with_or_without_forged_records(tmp_path):
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    try:
+        _nodes_merging(swarm, 3, 2)
+        at_rest = _paused_at_rest(swarm, 3)
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        bad.publish()
+        spec = _spec()
+        zeros = {p: {n: torch.zeros(s) for n, s in shapes.items()} for p, shapes in spec.items()}
+        zero_hash = {p: tensors_hash(z) for p, z in zeros.items()}
+        bad.run(bad.tr.start())
+        time.sleep(2.0)  # the nodes' views take in its record: they serve records to members only
+        # the honest head of each fragment (all nodes agree, at rest) and the parent of its last round
+        head, parent = {}, {}
+        for p in spec:
+            r = at_rest[0]["fragments"][p]["round"]
+            for c in swarm.children.values():
+                reply = bad.call(c.peer_id, "records", json.dumps({"fragment": p, "from": r}).encode())
+                recs = [decode_record(raw, SWARM, spec).record for raw in unpack_list(reply.body)]
+                if reply.ok and recs and recs[0].round == r:
+                    head[p], parent[p] = r, recs[0].parent_hash
+                    break
+        assert len(head) == len(spec), "no node's log held its head's record"
+        forged: dict[int, list[bytes]] = {}
+
+        async def snapshot(caller: str, raw: bytes) -> Reply:
+            frags = json.loads(raw)["fragments"]
+            states = [
+                FragmentState(p, head[p] + 1, zero_hash[p], 3, 1e9, zeros[p], _like(zeros[p])) for p in frags
+            ]
+            return Reply(True, body=encode_snapshot(states))
+
+        async def records(caller: str, raw: bytes) -> Reply:
+            return Reply(True, body=pack_list(forged.get(json.loads(raw)["fragment"], [])))
+
+        bad.serve("snapshot", snapshot)
+        bad.serve("records", records)
+        bad.publish({str(p): [head[p] + 1, zero_hash[p], 3, 1e9] for p in spec})
+        # 1: the zero snapshot alone
+        wait_until(lambda: _refused(swarm, "unvouched") >= 3, 60, "nodes refusing the unvouched snapshot")
+        # 2: and two signed records leading to it from the honest chain's round before its head (a fork)
+        own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
+        for p, shapes in spec.items():
+            tiny = {n: torch.full(s, 1e-6) for n, s in shapes.items()}
+            fake = tensors_hash({n: torch.full(s, 7.0) for n, s in shapes.items()})
+            chain = [(head[p], parent[p], fake), (head[p] + 1, fake, zero_hash[p])]
+            forged[p] = [
+                encode_record(SWARM, MergeRecord(p, r, before, after, tuple(own), tiny), bad.ident)
+                for r, before, after in chain
+            ]
+        wait_until(lambda: _refused(swarm, "forged_snapshot") >= 1, 60, "a node refusing the forged snapshot")
+        now = swarm.status()
+        assert {s["model_hash"] for s in now.values()} == {at_rest[0]["model_hash"]}, "a node changed at rest"
+        for i in range(3):
+            taken = [e for e in swarm.events(i) if e["kind"] == "resync" and e["donor"] == bad.ident.peer_id]
+            assert not taken, f"node {i} installed the liar's snapshot: {taken}"
+        assert bad.calls.get("snapshot", 0) >= 3, bad.calls
+        for i in range(3):
+            swarm.control(i, "resume")
+        every_fragment_merges(swarm, 2, "after the liar's snapshots")
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+        assert all(f["round"] > head[f["fragment"]] for s in final.values() for f in s["fragments"])
+    finally:
+        swarm.stop()
+        if bad is not None:
+            bad.close()

@@ -1,0 +1,110 @@
+"""What a snapshot must pass before it enters a replica (issue 31, item 3), unit by unit:
+``protocol.chain.snapshot_mismatch`` (the state a donor's records reach from a round this replica keeps),
+``node.swarm.vouch.enough_witnesses`` and the ``head`` reply's parser. The swarm-level test, a member a round
+ahead serving an all-zero snapshot, is in ``tests/test_hostile_state.py``."""
+
+import copy
+
+import torch
+
+from node.swarm.vouch import enough_witnesses, parse_head_reply
+from protocol.chain import snapshot_mismatch
+from protocol.config import ProtocolConfig
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import Contribution
+
+CFG = ProtocolConfig(fragments=1, sync_every=4, overlap=0, record_codec="fp32", history=4)
+LR, MU = CFG.outer_lr, CFG.outer_momentum
+
+
+def _replica() -> FragmentReplica:
+    g = torch.Generator().manual_seed(0)
+    return FragmentReplica(
+        0, {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g)}, False, 4
+    )
+
+
+def _merge(rep: FragmentReplica, seed: int, scale: float = 1e-2):
+    g = torch.Generator().manual_seed(seed)
+    delta = {k: torch.randn(v.shape, generator=g) * scale for k, v in rep.theta.items()}
+    rec = rep.make_record(
+        rep.round + 1, [Contribution("a", 0, rep.round, 4, 400, 1.0, delta, f"a:0:{seed}")], CFG
+    )
+    rep.apply_record(rec, CFG)
+    return rec
+
+
+def _fork():
+    """Two replicas that share rounds 1-2, then part: ours merges round 3 one way, the donor's rounds 3 and 4
+    another. Returns (ours, donor, the donor's records after the common round 2)."""
+    ours = _replica()
+    for seed in (1, 2):
+        _merge(ours, seed)
+    donor = copy.deepcopy(ours)
+    _merge(ours, 30)
+    chain = [_merge(donor, 40), _merge(donor, 41)]
+    return ours, donor, chain
+
+
+def _check(ours: FragmentReplica, chain, theta, momentum):
+    forward = [(rec.grad, LR, MU) for rec in chain]
+    return snapshot_mismatch(ours.theta, ours.momentum, ours.past_steps(2), forward, theta, momentum)
+
+
+def test_the_donors_true_state_matches_what_its_records_reach_from_the_common_round():
+    ours, donor, chain = _fork()
+    assert ours.hash != donor.hash
+    assert _check(ours, chain, donor.theta, donor.momentum) is None
+
+
+def test_a_zero_snapshot_a_scaled_momentum_or_a_small_shift_is_refused():
+    ours, donor, chain = _fork()
+    zero = {k: torch.zeros_like(v) for k, v in donor.theta.items()}
+    assert "parameters" in _check(ours, chain, zero, donor.momentum)
+    scaled = {k: v * 100 for k, v in donor.momentum.items()}
+    assert "momentum" in _check(ours, chain, donor.theta, scaled)
+    # a shift of one round's update on one tensor: small beside the weights, far beside the tolerance
+    shifted = dict(donor.theta, b=donor.theta["b"] + LR * chain[-1].grad["b"])
+    assert "parameters of b" in _check(ours, chain, shifted, donor.momentum)
+    nan = dict(donor.theta, w=donor.theta["w"] * float("nan"))
+    assert _check(ours, chain, nan, donor.momentum) is not None
+    assert _check(ours, chain, {"w": donor.theta["w"]}, donor.momentum) == "the snapshot names other tensors"
+
+
+def test_the_state_of_another_chain_does_not_match_these_records():
+    ours, donor, chain = _fork()
+    other = copy.deepcopy(ours)
+    _merge(other, 50)  # a state one round past ours, on our own branch: not where the donor's records lead
+    assert _check(ours, chain, other.theta, other.momentum) is not None
+
+
+def test_the_check_leaves_the_replica_as_it_was():
+    ours, donor, chain = _fork()
+    before = {k: v.clone() for k, v in ours.theta.items()}, {k: v.clone() for k, v in ours.momentum.items()}
+    _check(ours, chain, donor.theta, donor.momentum)
+    for now, then in zip((ours.theta, ours.momentum), before):
+        assert all(torch.equal(now[k], then[k]) for k in then)
+
+
+def test_enough_witnesses_private_one_other_member_public_a_majority_of_those_asked():
+    assert enough_witnesses(0, 0, public=True)  # nobody else to ask: the donor's word is all there is
+    assert enough_witnesses(1, 3, public=False)
+    assert not enough_witnesses(0, 3, public=False)
+    assert not enough_witnesses(1, 3, public=True)
+    assert enough_witnesses(2, 3, public=True)
+    assert enough_witnesses(1, 1, public=True) and not enough_witnesses(0, 1, public=True)
+
+
+def test_the_head_reply_parser_takes_a_hash_and_nothing_else():
+    assert parse_head_reply(b'{"hash": "ab12"}') == "ab12"
+    for junk in (
+        b"",
+        b"null",
+        b'{"hash": null}',
+        b'{"hash": 3}',
+        b"[1]",
+        b"\xff",
+        b'{"hash": "' + b"a" * 200 + b'"}',
+    ):
+        assert parse_head_reply(junk) is None
+    assert parse_head_reply(b"[" * 100_000) is None
