@@ -40,7 +40,9 @@ def test_a_large_swarm_gets_contributors_candidates_and_a_bounded_sample():
     got = node._record_targets(0, sr)
     assert len(got) == len(set(got)) == RECORD_FANOUT
     assert {"p0001", "p0002", "p0003", "p1500"} <= set(got)  # contributors, suspect or not
-    assert {"p0007", "p0008", "p0009", "p0010"} <= set(got) and "me" not in got  # the next candidates, not itself
+    assert {"p0007", "p0008", "p0009", "p0010"} <= set(
+        got
+    ) and "me" not in got  # the next candidates, not itself
     assert "p0100" not in got  # client mode: takes no inbound call
     rest = set(got) - {"p0001", "p0002", "p0003", "p1500", "p0007", "p0008", "p0009", "p0010"}
     assert rest and all(int(pid[1:]) < 20 for pid in rest)  # the sample avoids peers under suspicion
