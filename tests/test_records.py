@@ -47,14 +47,15 @@ def test_live_view_drops_bad_and_misfiled_records():
     assert set(dropped) == {ids[0].peer_id, "junk"}
 
 
-def test_eligible_excludes_client_mode_and_stale_heads():
-    ids = [Identity.generate() for _ in range(3)]
+def test_eligible_excludes_client_mode_and_heads_over_a_round_behind():
+    ids = [Identity.generate() for _ in range(4)]
     ms = [
         member(ids[0], heads={"0": [5, "x"]}),
-        member(ids[1], heads={"0": [4, "y"]}),
+        member(ids[1], heads={"0": [4, "y"]}),  # a round behind: its record may predate its last apply
         replace(member(ids[2], heads={"0": [5, "x"]}), client_mode=True),
+        member(ids[3], heads={"0": [3, "z"]}),
     ]
-    assert eligible(ms, 0) == [ids[0].peer_id]
+    assert eligible(ms, 0) == [ids[0].peer_id, ids[1].peer_id]
     assert eligible([ms[2]], 0) == []
 
 
