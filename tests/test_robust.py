@@ -66,6 +66,16 @@ def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
     g.check_replay("a:0:3")
 
 
+def test_a_ban_on_evidence_is_at_once_counted_once_and_ends_like_any_ban():
+    g = Guard(ban_after=3, ban_s=10)
+    assert g.ban("p", 0.0) and not g.ban("p", 1.0)  # a second piece of evidence changes nothing
+    assert g.bans == 1
+    with pytest.raises(ProtocolError):
+        g.check("p", 9.0)
+    g.check("p", 10.5)
+    assert g.ban("p", 11.0) and g.bans == 2
+
+
 def test_the_first_copy_of_a_merged_contribution_is_a_resend_and_the_second_a_replay():
     g = Guard()
     assert not g.first_resend("a:0:1")  # never merged: an ordinary contribution

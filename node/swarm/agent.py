@@ -46,6 +46,7 @@ from node.learner.task import load_task
 from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
 from node.swarm.contributions import Contributions, OwnCids
+from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
 from node.swarm.memory import release_free_memory
@@ -88,7 +89,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Persistence, Contributions):
+class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -196,6 +197,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Persistence, Contributions
             "contributions_accepted": 0,
             "contributions_dropped": 0,
             "failovers": 0,
+            "convictions": 0,  # members banned for a signed lie, seen here or handed over as evidence
             "stalls": 0,  # rounds a synchroniser took from us and did not merge in time
             "forks": 0,
             "resyncs": 0,
@@ -281,9 +283,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Persistence, Contributions
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        ops = ("contribute", self._h_contribute), ("record", self._h_record), ("records", self._h_records)
-        for op, h in (*ops, ("snapshot", self._h_snapshot), ("ping", self._h_ping), ("head", self._h_head)):
-            self.transport.register(op, h)
+        for op in ("contribute", "record", "records", "snapshot", "ping", "head", "evidence"):
+            self.transport.register(op, getattr(self, f"_h_{op}"))  # the handlers: _h_contribute, ...
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
         await self.status_p2p.start()

@@ -304,6 +304,9 @@ class CatchUp:
                     except ProtocolError as e:
                         if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
                             raise
+                        lie = self.proven_lie(sr)  # a lie any node can check: its signer is banned everywhere
+                        if lie is not None:
+                            self.convict(sr, lie, self.peer_id)
                         # A record this node's own checks doubt: a snapshot of a head the swarm's majority
                         # holds (hash-checked) wins over the local heuristic; of any other, nothing is taken.
                         logger.warning("fragment %d: a record from %s failed our checks (%s)", p, pid, e)

@@ -78,12 +78,16 @@ class Guard:
             return False
         score = self.scores.get(peer, 0.0) - 1.0
         self.scores[peer] = score
-        if score <= -self.ban_after and peer not in self.banned_until:
-            self.banned_until[peer] = now + self.ban_s
-            self.bans += 1
-            logger.warning("banned %s for %.0f s: score %.1f after refused messages", peer, self.ban_s, score)
-            return True
-        return False
+        return score <= -self.ban_after and self.ban(peer, now, f"score {score:.1f} after refused messages")
+
+    def ban(self, peer: str, now: float, why: str = "evidence of a lie it signed") -> bool:
+        """Ban ``peer`` for ``ban_s`` from ``now``; True if it was not banned already."""
+        if self.banned(peer, now):
+            return False
+        self.banned_until[peer] = now + self.ban_s
+        self.bans += 1
+        logger.warning("banned %s for %.0f s: %s", peer, self.ban_s, why)
+        return True
 
     def reward(self, peer: str) -> None:
         if self.scores.get(peer, 0.0) < 0:

@@ -267,6 +267,10 @@ class Replication:
             sr = decode_record(raw, self.settings.swarm, self.spec)
             if sr.signer != self.peer_id and sr.signer not in self.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
+            lie = self.proven_lie(sr)  # node.swarm.evidence: a lie every node can check bans its signer here
+            if lie is not None:
+                self.convict(sr, lie, caller)
+                raise lie
             # A contributor we have never seen may have joined since our last read of the view (start-up:
             # the first rounds hold every node): look before ``_vouch`` calls the record forged.
             unseen = {c[0] for c in sr.record.contributors} - (self.members.keys() | self._peer_book.keys())

@@ -1,0 +1,83 @@
+"""Bans that travel (issue 31, item 5; docs/security.md). A merge record is signed by its synchroniser, so a
+record that breaks a rule every node checks the same way proves its signer lied: contributors' weights that
+do not follow their counters, no contributor, a merged gradient that is not finite or over ``max_rms``
+(``FragmentReplica.check_record`` without the local ``refuse_factor`` bound, which depends on what each node
+has seen). A node that receives such a record bans its signer at once and hands the signed record to the
+other members (``evidence`` op); each checks it alone, bans the signer and passes it on once. A peer that
+sends as evidence a record that proves nothing is scored (``malformed``). Honest merges of contributions
+that passed the decoders cannot break these rules, whatever the model does.
+
+A mixin of ``node.swarm.agent.Node``, like ``node.swarm.replication``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import replace
+
+from node.swarm.transport import Reply, TransportError
+from node.swarm.wire import SignedRecord, decode_record
+from protocol.errors import ProtocolError, RejectCode
+
+EVIDENCE_FANOUT = 16  # members one node hands a piece of evidence to (each passes it on once)
+
+
+class Evidence:
+    def proven_lie(self, sr: SignedRecord) -> ProtocolError | None:
+        """What ``sr`` proves its signer did wrong, by the checks every node makes alike; None: nothing."""
+        if sr.signer == self.peer_id:
+            return None
+        cfg = self.__dict__.get("_proof_cfg")
+        if cfg is None:
+            cfg = self._proof_cfg = replace(self.pcfg, refuse_factor=0.0)
+        try:
+            self.replicas[sr.record.fragment].check_record(sr.record, cfg)
+        except ProtocolError as e:
+            return e
+        return None
+
+    def convict(self, sr: SignedRecord, lie: ProtocolError, source: str) -> bool:
+        """Ban ``sr``'s signer for the lie it signed and pass the record on; True if the ban is new."""
+        now = time.monotonic()
+        if not self.guard.ban(sr.signer, now):
+            return False
+        self.counters["convictions"] += 1
+        self.events.emit(
+            "ban",
+            t=time.time(),
+            peer=sr.signer,
+            seconds=self.guard.ban_s,
+            last=lie.code.value,
+            evidence=source,
+        )
+        members = self.live_members()
+        targets = [
+            q for q, m in members.items() if q not in (self.peer_id, sr.signer, source) and not m.client_mode
+        ]
+        targets = random.sample(targets, min(len(targets), EVIDENCE_FANOUT))
+        self._spawn(self._hand_over(bytes(sr.raw), targets))
+        return True
+
+    async def _hand_over(self, raw: bytes, targets: list[str]) -> None:
+        async def one(q: str) -> None:
+            try:
+                await self.transport.call(q, "evidence", raw)
+            except TransportError:
+                pass  # it learns of the lie when the liar pushes to it, or from another member
+
+        await asyncio.gather(*(one(q) for q in targets))
+
+    async def _h_evidence(self, caller: str, raw: bytes) -> Reply:
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        try:
+            sr = decode_record(raw, self.settings.swarm, self.spec)
+            lie = self.proven_lie(sr)
+            if lie is None:
+                raise ProtocolError(RejectCode.MALFORMED, f"evidence against {sr.signer} proves no lie")
+        except ProtocolError as e:
+            self.penalise(caller, e.code)
+            return Reply(False, e.code.value, str(e))
+        self.convict(sr, lie, caller)
+        return Reply(True)
