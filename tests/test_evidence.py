@@ -48,7 +48,7 @@ def test_a_signed_lie_pushed_to_one_node_gets_its_signer_banned_by_all_and_false
         assert honest, "node 0's log held no record of its head"
         reply = bad.call(peers[1], "evidence", honest)
         assert (reply.ok, reply.code) == (False, "malformed"), reply
-        assert swarm.status()[1]["refused"].get("malformed", 0) >= 1
+        wait_until(lambda: swarm.status()[1]["refused"].get("malformed", 0) >= 1, 10, "the refusal counted")
         # the lie: a record whose contributor weighs 100 times what its counters give, pushed to node 0 only
         spec = _spec()
         tiny = {n: torch.full(s, 1e-6) for n, s in spec[0].items()}
