@@ -169,25 +169,31 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
         wait_until(lambda: bad.call(node0, "snapshot", b'{"fragments": [0]}').ok, 30, "the attacker admitted")
         spec = _spec()
         st = decode_snapshot(bad.call(node0, "snapshot", b'{"fragments": [0]}').body, spec)[0]
-        # the issue's attack: a merged gradient of RMS 5, its own work as the only contribution
-        huge = {n: torch.randn(t.shape) * 5 for n, t in st.theta.items()}
-        own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
-        replies = [bad.call(pid, "record", _forged(bad, st, huge, own)) for pid in (node0, node1)]
-        assert [r.code for r in replies] == ["record_too_large", "record_too_large"], replies
-        # a small gradient, but credited to a contribution of node 0's that node 0 never sent
+        # a small gradient, but credited to a contribution of node 0's that node 0 never sent: only node 0
+        # can refute it, so it costs a point of score there, and is no evidence for the others
         small = {n: torch.randn(t.shape) * 1e-4 for n, t in st.theta.items()}
         late = int((time.time() + 3600) * 1000)  # after node 0's first contribution of this life: it knows
         theirs = [(node0, f"{node0[-10:]}:0:8:{late}", contribution_weight(2048, 8), 8, 2048)]
         forged = bad.call(node0, "record", _forged(bad, st, small, theirs))
         assert not forged.ok and forged.code == "forged_record", forged
+        # the issue's attack: a merged gradient of RMS 5 (over max_rms), its own work as the only contribution.
+        # Any node can check that: node 0 bans its signer and hands the record to node 1, which bans it too
+        huge = {n: torch.randn(t.shape) * 5 for n, t in st.theta.items()}
+        own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
+        reply = bad.call(node0, "record", _forged(bad, st, huge, own))
+        assert reply.code == "record_too_large", reply
+        wait_until(
+            lambda: all(bad.ident.peer_id in s["guard"]["banned"] for s in swarm.status().values()),
+            30,
+            "both nodes banning the signer",
+        )
+        assert bad.call(node1, "record", _forged(bad, st, huge, own)).code == "banned"
         after = swarm.status()
         assert {s["model_hash"] for s in after.values()} == {before[0]["model_hash"]}
         assert after[0]["refused"].get("record_too_large", 0) >= 1
         assert after[0]["refused"].get("forged_record", 0) >= 1
-        assert after[1]["refused"].get("record_too_large", 0) >= 1
         # each refusal cost the member that signed and pushed the record (issue 31)
         assert after[0]["guard"]["scores"].get(bad.ident.peer_id, 0) <= -2, after[0]["guard"]
-        assert after[1]["guard"]["scores"].get(bad.ident.peer_id, 0) <= -1, after[1]["guard"]
         # the honest swarm trains on and agrees
         for i in range(2):
             swarm.control(i, "resume")
