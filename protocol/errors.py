@@ -46,7 +46,6 @@ class RejectCode(enum.Enum):
     PEER_BUSY = "peer_busy"  # the sender already has its budget of request bytes being read; retry later
     RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
     FORGED_SNAPSHOT = "forged_snapshot"  # a snapshot that is not the state its donor's own records reach
-    UNVOUCHED = "unvouched"  # a snapshot whose head too few other members hold, and no record chain reaches
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

@@ -1,14 +1,10 @@
 """Issue 31, "a head a little ahead is trusted": a member publishes, for every fragment, a head one round past
 the honest nodes' (inside the slack a claim needs no backing for) and serves an all-zero snapshot whose hash
-matches its claim. Before item 3 every node installed it by catch-up. Now a snapshot comes in only where
-other members, each answering for itself, hold its head, or where the donor's own records reach it:
-
-  * with no records behind it, it is refused as ``unvouched`` (no score: an honest donor can be alone for a
-    moment);
-  * with forged records from the honest chain's previous round to the zero state, the nodes rebuild the
-    state those records reach and refuse it as ``forged_snapshot``, which scores the liar;
-
-and no node takes it, nothing changes while the learners are paused, and the swarm trains on to one hash.
+matches its claim, with two signed records that lead to it from the honest chain's round before its head
+(a fork, as an honest one looks). The nodes rebuild the state those records reach from their own history
+and refuse the snapshot as ``forged_snapshot``, which scores the liar: no node takes it, nothing changes
+while the learners are paused, and the swarm trains on to one hash. (A zero snapshot with no records
+behind it is still taken on the donor's word: docs/security.md, "Known limits".)
 Real node processes; the attacker has its own identity, DHT and p2p daemon (``Attacker``)."""
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ def _refused(swarm: Swarm, code: str) -> int:
     return sum(s["refused"].get(code, 0) for s in swarm.status().values())
 
 
-def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_refused_with_or_without_forged_records(tmp_path):
+def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_is_refused(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None
     try:
@@ -79,12 +75,6 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_refused_with_or_witho
         async def records(caller: str, raw: bytes) -> Reply:
             return Reply(True, body=pack_list(forged.get(json.loads(raw)["fragment"], [])))
 
-        bad.serve("snapshot", snapshot)
-        bad.serve("records", records)
-        bad.publish({str(p): [head[p] + 1, zero_hash[p], 3, 1e9] for p in spec})
-        # 1: the zero snapshot alone
-        wait_until(lambda: _refused(swarm, "unvouched") >= 3, 60, "nodes refusing the unvouched snapshot")
-        # 2: and two signed records leading to it from the honest chain's round before its head (a fork)
         own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
         for p, shapes in spec.items():
             tiny = {n: torch.full(s, 1e-6) for n, s in shapes.items()}
@@ -94,13 +84,20 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_refused_with_or_witho
                 encode_record(SWARM, MergeRecord(p, r, before, after, tuple(own), tiny), bad.ident)
                 for r, before, after in chain
             ]
-        wait_until(lambda: _refused(swarm, "forged_snapshot") >= 1, 60, "a node refusing the forged snapshot")
+        bad.serve("snapshot", snapshot)
+        bad.serve("records", records)
+        bad.publish({str(p): [head[p] + 1, zero_hash[p], 3, 1e9] for p in spec})
+        wait_until(
+            lambda: _refused(swarm, "forged_snapshot") >= 3, 60, "the nodes refusing the forged snapshot"
+        )
         now = swarm.status()
         assert {s["model_hash"] for s in now.values()} == {at_rest[0]["model_hash"]}, "a node changed at rest"
         for i in range(3):
             taken = [e for e in swarm.events(i) if e["kind"] == "resync" and e["donor"] == bad.ident.peer_id]
             assert not taken, f"node {i} installed the liar's snapshot: {taken}"
         assert bad.calls.get("snapshot", 0) >= 3, bad.calls
+        scores = [s["guard"]["scores"].get(bad.ident.peer_id, 0) for s in swarm.status().values()]
+        assert sum(scores) <= -3, scores  # each refusal cost the donor a point of score
         for i in range(3):
             swarm.control(i, "resume")
         every_fragment_merges(swarm, 2, "after the liar's snapshots")

@@ -1,13 +1,12 @@
 """What a snapshot must pass before it enters a replica (issue 31, item 3), unit by unit:
-``protocol.chain.snapshot_mismatch`` (the state a donor's records reach from a round this replica keeps),
-``node.swarm.vouch.enough_witnesses`` and the ``head`` reply's parser. The swarm-level test, a member a round
-ahead serving an all-zero snapshot, is in ``tests/test_hostile_state.py``."""
+``protocol.chain.snapshot_mismatch``, the state a donor's records reach from a round this replica keeps.
+The swarm-level test, a member a round ahead serving an all-zero snapshot and forged records leading to it,
+is ``tests/test_hostile_snapshots.py``."""
 
 import copy
 
 import torch
 
-from node.swarm.vouch import enough_witnesses, parse_head_reply
 from protocol.chain import snapshot_mismatch
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
@@ -84,27 +83,3 @@ def test_the_check_leaves_the_replica_as_it_was():
     _check(ours, chain, donor.theta, donor.momentum)
     for now, then in zip((ours.theta, ours.momentum), before):
         assert all(torch.equal(now[k], then[k]) for k in then)
-
-
-def test_enough_witnesses_private_one_other_member_public_a_majority_of_those_asked():
-    assert enough_witnesses(0, 0, public=True)  # nobody else to ask: the donor's word is all there is
-    assert enough_witnesses(1, 3, public=False)
-    assert not enough_witnesses(0, 3, public=False)
-    assert not enough_witnesses(1, 3, public=True)
-    assert enough_witnesses(2, 3, public=True)
-    assert enough_witnesses(1, 1, public=True) and not enough_witnesses(0, 1, public=True)
-
-
-def test_the_head_reply_parser_takes_a_hash_and_nothing_else():
-    assert parse_head_reply(b'{"hash": "ab12"}') == "ab12"
-    for junk in (
-        b"",
-        b"null",
-        b'{"hash": null}',
-        b'{"hash": 3}',
-        b"[1]",
-        b"\xff",
-        b'{"hash": "' + b"a" * 200 + b'"}',
-    ):
-        assert parse_head_reply(junk) is None
-    assert parse_head_reply(b"[" * 100_000) is None

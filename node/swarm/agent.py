@@ -283,7 +283,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        for op in ("contribute", "record", "records", "snapshot", "ping", "head", "evidence"):
+        for op in ("contribute", "record", "records", "snapshot", "ping", "evidence"):
             self.transport.register(op, getattr(self, f"_h_{op}"))  # the handlers: _h_contribute, ...
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

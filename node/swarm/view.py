@@ -22,7 +22,6 @@ from protocol.synchroniser import on_membership
 logger = logging.getLogger(__name__)
 VERSION = "ddiloco/0.3"
 HEAD_SLACK = 2  # rounds a published head may be ahead of ours without other members' word for it
-APART_HEARTBEATS = 4  # how long most members must hold another chain before a lone node yields to it
 RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no longer relinked
 
 
@@ -128,29 +127,12 @@ class SwarmView:
                 holders.append(pid)
         return best_head, holders
 
-    def _apart(self, p: int, ours, others: dict[str, Member]) -> bool:
-        """Whether most of the other members have published, for ``APART_HEARTBEATS`` heartbeats, heads on
-        another chain than ours: a hash other than ours at a round this node knows. An honest split deeper
-        than what a snapshot check can bridge (``node.swarm.vouch``: the side that loses the fork choice
-        cannot confirm the winner's head, which only the winner holds) ends with the lone side yielding."""
-        off = 0
-        for m in others.values():
-            h = m.heads[str(p)]
-            known = self.hash_at(p, int(h[0])) if len(h) >= 2 and int(h[0]) <= int(ours[0]) else None
-            off += known is not None and known != h[1]
-        since, now = self.__dict__.setdefault("_apart_since", {}), time.monotonic()
-        if 2 * off <= len(others):
-            since.pop(p, None)
-            return False
-        return now - since.setdefault(p, now) >= APART_HEARTBEATS * self.settings.heartbeat_s
-
     def outvoted(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
         """The majority's head of fragment p when this node's own is a lone outlier on another chain (it
-        raced ahead of a majority that then merged rounds of its own, or most others hold another chain and
-        cannot follow ours: ``_apart``): the majority does not follow a head it does not back, so this node
-        yields to theirs, or the swarm would stay split. (None, []) when our head is backed and not apart,
-        when the others are merely behind on our own chain (they catch up by records), or with fewer than
-        two others to ask."""
+        raced ahead of a majority that then merged rounds of its own): the majority does not follow a head
+        it does not back, so this node yields to theirs, or the swarm would stay split. (None, []) when our
+        head is backed, when the others are merely behind on our own chain (they catch up by records), or
+        with fewer than two others to ask."""
         ours = self.heads[p]
         r = int(ours[0])
         others = {
@@ -158,7 +140,7 @@ class SwarmView:
             for q, m in members.items()
             if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
         }
-        if len(others) < 2 or (self.backed(p, self.peer_id, r, members) and not self._apart(p, ours, others)):
+        if len(others) < 2 or self.backed(p, self.peer_id, r, members):
             return None, []
         best, holders = None, []
         for q, m in sorted(others.items()):
