@@ -63,6 +63,17 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
                     head[p], parent[p] = r, recs[0].parent_hash
                     break
         assert len(head) == len(spec), "no node's log held its head's record"
+        # The fork must leave from a round every node still keeps: not one a node took by snapshot (its history
+        # starts there). Fragments where a node re-synced at the head's round or the one before are left out:
+        # on them a zero snapshot with no chain to check is still taken (docs/security.md, known limits).
+        late = {
+            e["fragment"]
+            for i in range(3)
+            for e in swarm.events(i)
+            if e["kind"] == "resync" and e["round"] >= head[e["fragment"]] - 1
+        }
+        target = sorted(set(spec) - late)
+        assert target, f"every fragment was re-synced near its head: {late}"
         forged: dict[int, list[bytes]] = {}
 
         async def snapshot(caller: str, raw: bytes) -> Reply:
@@ -76,7 +87,8 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
             return Reply(True, body=pack_list(forged.get(json.loads(raw)["fragment"], [])))
 
         own = [(bad.ident.peer_id, "bad:0:1", contribution_weight(2048, 8), 8, 2048)]
-        for p, shapes in spec.items():
+        for p in target:
+            shapes = spec[p]
             tiny = {n: torch.full(s, 1e-6) for n, s in shapes.items()}
             fake = tensors_hash({n: torch.full(s, 7.0) for n, s in shapes.items()})
             chain = [(head[p], parent[p], fake), (head[p] + 1, fake, zero_hash[p])]
@@ -86,16 +98,18 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
             ]
         bad.serve("snapshot", snapshot)
         bad.serve("records", records)
-        bad.publish({str(p): [head[p] + 1, zero_hash[p], 3, 1e9] for p in spec})
+        bad.publish({str(p): [head[p] + 1, zero_hash[p], 3, 1e9] for p in target})
         wait_until(
-            lambda: _refused(swarm, "forged_snapshot") >= 3, 60, "the nodes refusing the forged snapshot"
+            lambda: _refused(swarm, "forged_snapshot") >= 3 * len(target),
+            60,
+            "the nodes refusing the snapshots",
         )
         now = swarm.status()
         assert {s["model_hash"] for s in now.values()} == {at_rest[0]["model_hash"]}, "a node changed at rest"
         for i in range(3):
             taken = [e for e in swarm.events(i) if e["kind"] == "resync" and e["donor"] == bad.ident.peer_id]
             assert not taken, f"node {i} installed the liar's snapshot: {taken}"
-        assert bad.calls.get("snapshot", 0) >= 3, bad.calls
+        assert bad.calls.get("snapshot", 0) >= 3 * len(target), bad.calls
         scores = [s["guard"]["scores"].get(bad.ident.peer_id, 0) for s in swarm.status().values()]
         assert sum(scores) <= -3, scores  # each refusal cost the donor a point of score
         for i in range(3):
