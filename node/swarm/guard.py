@@ -4,7 +4,9 @@ Every refusal of a message that an honest peer would not send (malformed, wrong 
 bad signature, a replay, ...) lowers the sender's score by one; accepted work raises it back slowly (never
 above zero). A peer whose score reaches ``-ban_after`` is banned for ``ban_s`` seconds: everything it sends
 is refused with ``banned`` before it is decoded, and it leaves this node's view (never elected, never
-pushed to). A forged or oversized merge record counts only against the peer that signed and pushed it.
+pushed to). A forged or oversized merge record counts only against the peer that signed and pushed it;
+one that breaks a rule every node checks alike bans its signer at once, here and, as evidence handed on,
+on the other members (``node.swarm.evidence``).
 Refusals that honest peers meet in normal operation (routing, a stale or future base, a record
 that does not follow ours yet) cost nothing.
 

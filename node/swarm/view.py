@@ -157,7 +157,7 @@ class SwarmView:
         return best, holders
 
     def candidates(self, p: int, dead: Collection[str] = ()) -> list[str]:
-        """Fragment p's synchroniser and its failovers, in order. Eligibility (the newest head) is judged
+        """Fragment p's synchroniser and its failovers, in order. Eligibility (``dht.records.eligible``) is judged
         without the peers found dead (``dead``, from a sender) or suspected here: a member that claims the
         newest head but takes no contribution (a hung process, or one that answers ``unknown_op``) would
         otherwise stay the only candidate, and the fragment would merge nothing until its record expired."""
