@@ -15,7 +15,7 @@ from node.swarm.wire import encode_record, unpack_list
 from protocol.merge import contribution_weight
 from protocol.replica import MergeRecord
 from tests.swarm_util import Swarm, wait_until
-from tests.test_hostile_state import SWARM, Attacker, _nodes_merging
+from tests.test_hostile_state import SWARM, hostile_swarm
 from tests.test_wire_refusals import _spec
 
 
@@ -26,11 +26,7 @@ def _bans(swarm: Swarm, i: int, peer: str) -> list[dict]:
 def test_a_signed_lie_pushed_to_one_node_gets_its_signer_banned_by_all_and_false_evidence_is_refused(
     tmp_path,
 ):
-    swarm = Swarm(tmp_path / "swarm")
-    bad = None
-    try:
-        _nodes_merging(swarm, 3, 2)
-        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+    with hostile_swarm(tmp_path, 3, 2) as (swarm, bad):
         bad.publish()
         bad.run(bad.tr.start())
         time.sleep(2.0)  # the nodes' views take in its record
@@ -66,7 +62,3 @@ def test_a_signed_lie_pushed_to_one_node_gets_its_signer_banned_by_all_and_false
             assert swarm.status()[i]["counters"]["convictions"] == 1
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
-    finally:
-        swarm.stop()
-        if bad is not None:
-            bad.close()

@@ -27,7 +27,7 @@ from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight
 from protocol.replica import MergeRecord
 from tests.swarm_util import Swarm, wait_until
-from tests.test_hostile_state import SWARM, Attacker, _nodes_merging, _paused_at_rest, every_fragment_merges
+from tests.test_hostile_state import SWARM, _paused_at_rest, every_fragment_merges, hostile_swarm
 from tests.test_wire_refusals import _spec
 
 
@@ -40,12 +40,8 @@ def _refused(swarm: Swarm, code: str) -> int:
 
 
 def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_is_refused(tmp_path):
-    swarm = Swarm(tmp_path / "swarm")
-    bad = None
-    try:
-        _nodes_merging(swarm, 3, 2)
+    with hostile_swarm(tmp_path, 3, 2) as (swarm, bad):
         at_rest = _paused_at_rest(swarm, 3)
-        bad = Attacker(tmp_path, swarm.children[0].maddrs)
         bad.publish()
         spec = _spec()
         zeros = {p: {n: torch.zeros(s) for n, s in shapes.items()} for p, shapes in spec.items()}
@@ -118,7 +114,3 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(f["round"] > head[f["fragment"]] for s in final.values() for f in s["fragments"])
-    finally:
-        swarm.stop()
-        if bad is not None:
-            bad.close()

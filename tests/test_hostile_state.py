@@ -12,6 +12,7 @@ that has its own identity, DHT and p2p daemon (this test process):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -123,6 +124,21 @@ def _nodes_merging(swarm: Swarm, n: int, rounds: int) -> None:
     swarm.start_many(n)
     merged = lambda: all(s["fragments"][0]["round"] >= rounds for s in swarm.status().values())  # noqa: E731
     wait_until(merged, 120, "rounds merging")
+
+
+@contextlib.contextmanager
+def hostile_swarm(tmp_path, n: int, rounds: int):
+    """``n`` real nodes merging ``rounds`` rounds, then an ``Attacker`` bootstrapped from node 0; both torn
+    down (every node stopped, the attacker's daemon and loop closed) however the test ends."""
+    swarm, bad = Swarm(tmp_path / "swarm"), None
+    try:
+        _nodes_merging(swarm, n, rounds)
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        yield swarm, bad
+    finally:
+        swarm.stop()
+        if bad is not None:
+            bad.close()
 
 
 def every_fragment_merges(swarm: Swarm, rounds: int, what: str, timeout_s: float = 90) -> None:
