@@ -1,6 +1,6 @@
 """Bans that travel (issue 31, item 5; docs/security.md). A merge record is signed by its synchroniser, so a
 record that breaks a rule every node checks the same way proves its signer lied: contributors' weights that
-do not follow their counters, no contributor, a merged gradient that is not finite or over ``max_rms``
+do not follow their counters, no contributor, a merged gradient that is not finite or over twice ``max_rms``
 (``FragmentReplica.check_record`` without the local ``refuse_factor`` bound, which depends on what each node
 has seen). A node that receives such a record bans its signer at once and hands the signed record to the
 other members (``evidence`` op); each checks it alone, bans the signer and passes it on once. A peer that
@@ -21,6 +21,10 @@ from node.swarm.wire import SignedRecord, decode_record
 from protocol.errors import ProtocolError, RejectCode
 
 EVIDENCE_FANOUT = 16  # members one node hands a piece of evidence to (each passes it on once)
+# A merge of contributions that each passed max_rms stays under it, but the record codec's rounding can
+# lift it a little: an honest synchroniser that merged a hostile learner's contribution at the bound must
+# not be convicted everywhere for it. Evidence needs twice the bound.
+EVIDENCE_RMS_SLACK = 2.0
 
 
 class Evidence:
@@ -30,7 +34,9 @@ class Evidence:
             return None
         cfg = self.__dict__.get("_proof_cfg")
         if cfg is None:
-            cfg = self._proof_cfg = replace(self.pcfg, refuse_factor=0.0)
+            cfg = self._proof_cfg = replace(
+                self.pcfg, refuse_factor=0.0, max_rms=self.pcfg.max_rms * EVIDENCE_RMS_SLACK
+            )
         try:
             self.replicas[sr.record.fragment].check_record(sr.record, cfg)
         except ProtocolError as e:
