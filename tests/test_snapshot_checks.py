@@ -83,3 +83,30 @@ def test_the_check_leaves_the_replica_as_it_was():
     _check(ours, chain, donor.theta, donor.momentum)
     for now, then in zip((ours.theta, ours.momentum), before):
         assert all(torch.equal(now[k], then[k]) for k in then)
+
+
+def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rms():
+    """``Evidence.proven_lie``: a record over twice ``max_rms`` or with a weight its counters do not give is
+    proof; one a little over ``max_rms`` (the record codec's rounding of an honest merge at the bound) is not,
+    nor is one over the local ``refuse_factor`` bound, which depends on what each node has seen."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from node.swarm.evidence import Evidence
+
+    cfg = replace(CFG, max_rms=1.0)
+    rep = _replica()
+    for learner in ("a", "b", "c"):  # a learners' typical norm that makes the refuse_factor bound local
+        rep.norms.add(learner, 1e-6)
+    node = SimpleNamespace(peer_id="me", pcfg=cfg, replicas=[rep])
+    lie = lambda rec: Evidence.proven_lie(node, SimpleNamespace(signer="x", record=rec))  # noqa: E731
+    honest = _merge(copy.deepcopy(rep), 7, scale=1e-3)
+    assert lie(honest) is None  # over refuse_factor x this node's reference, but that is not proof
+    ones = {k: torch.ones_like(v) for k, v in rep.theta.items()}
+    assert lie(replace(honest, grad={k: v * 1.2 for k, v in ones.items()})) is None
+    over = lie(replace(honest, grad={k: v * 3 for k, v in ones.items()}))
+    assert over is not None and over.code.value == "record_too_large"
+    learner, cid, w, steps, tokens = honest.contributors[0]
+    inflated = replace(honest, contributors=((learner, cid, w * 9, steps, tokens),))
+    assert lie(inflated).code.value == "forged_record"
+    assert Evidence.proven_lie(node, SimpleNamespace(signer="me", record=inflated)) is None  # never ourselves
