@@ -4,10 +4,12 @@ The swarm-level test, a member a round ahead serving an all-zero snapshot and fo
 is ``tests/test_hostile_snapshots.py``."""
 
 import copy
+from dataclasses import replace
 
 import torch
 
 from protocol.chain import snapshot_mismatch
+from protocol.codecs import RANGE, Decoded
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
@@ -23,13 +25,13 @@ def _replica() -> FragmentReplica:
     )
 
 
-def _merge(rep: FragmentReplica, seed: int, scale: float = 1e-2):
+def _merge(rep: FragmentReplica, seed: int, scale: float = 1e-2, cfg: ProtocolConfig = CFG):
     g = torch.Generator().manual_seed(seed)
     delta = {k: torch.randn(v.shape, generator=g) * scale for k, v in rep.theta.items()}
     rec = rep.make_record(
-        rep.round + 1, [Contribution("a", 0, rep.round, 4, 400, 1.0, delta, f"a:0:{seed}")], CFG
+        rep.round + 1, [Contribution("a", 0, rep.round, 4, 400, 1.0, delta, f"a:0:{seed}")], cfg
     )
-    rep.apply_record(rec, CFG)
+    rep.apply_record(rec, cfg)
     return rec
 
 
@@ -70,6 +72,22 @@ def test_a_zero_snapshot_a_scaled_momentum_or_a_small_shift_is_refused():
     assert _check(ours, chain, {"w": donor.theta["w"]}, donor.momentum) == "the snapshot names other tensors"
 
 
+def test_records_in_their_int4_wire_form_are_read_a_range_at_a_time_across_a_large_tensor():
+    cfg = replace(CFG, record_codec="int4")
+    g = torch.Generator().manual_seed(0)
+    ours = FragmentReplica(0, {"big": torch.randn(3 * RANGE + 77, generator=g) * 0.02}, False, 4)
+    for seed in (1, 2):
+        _merge(ours, seed, cfg=cfg)
+    donor = copy.deepcopy(ours)
+    _merge(ours, 30, cfg=cfg)
+    chain = [_merge(donor, 40, cfg=cfg), _merge(donor, 41, cfg=cfg)]
+    assert isinstance(chain[0].grad, Decoded)  # the path the node takes: never decoded whole
+    assert _check(ours, chain, donor.theta, donor.momentum) is None
+    tail = donor.theta["big"].clone()
+    tail[-50:] = 0.0  # a lie confined to the last range is still found
+    assert "parameters of big" in _check(ours, chain, {"big": tail}, donor.momentum)
+
+
 def test_the_state_of_another_chain_does_not_match_these_records():
     ours, donor, chain = _fork()
     other = copy.deepcopy(ours)
@@ -89,7 +107,6 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     """``Evidence.proven_lie``: a record over twice ``max_rms`` or with a weight its counters do not give is
     proof; one a little over ``max_rms`` (the record codec's rounding of an honest merge at the bound) is not,
     nor is one over the local ``refuse_factor`` bound, which depends on what each node has seen."""
-    from dataclasses import replace
     from types import SimpleNamespace
 
     from node.swarm.evidence import Evidence
