@@ -81,6 +81,21 @@ class ProtocolConfig:
             "allows since its last merged contribution (3+ members publishing rates; 0: off)"
         },
     )
+    robust: str = field(
+        default="off",
+        metadata={
+            "help": "merge where learners are not trusted: off | centered-clip (weighted CenteredClip of each "
+            "tensor's contributions, RDA's directions for RDA tensors; a minority of the weight moves a merge "
+            "by a bounded amount whatever it sends; docs/security.md)"
+        },
+    )
+    share_cap: float = field(
+        default=1.0,
+        metadata={
+            "help": "robust merge: a contribution's weight is at most this multiple of the low median weight "
+            "of its merge (0: no cap)"
+        },
+    )
     max_rms: float = field(
         default=1.0,
         metadata={
@@ -124,6 +139,12 @@ class ProtocolConfig:
             raise bad("alpha", self.alpha, "must be in [0, 1); 0 means overwrite")
         if self.merge not in MERGE_METHODS:
             raise bad("merge", self.merge, f"choose one of {', '.join(MERGE_METHODS)}")
+        from protocol.robust import ROBUST_RULES
+
+        if self.robust not in ROBUST_RULES:
+            raise bad("robust", self.robust, f"choose one of {', '.join(ROBUST_RULES)}")
+        if not self.share_cap >= 0:
+            raise bad("share_cap", self.share_cap, "must be >= 0 (0: no cap)")
         if self.codec not in CODECS:
             raise bad("codec", self.codec, f"unknown codec; choose one of {', '.join(sorted(CODECS))}")
         if self.record_codec not in CODECS:

@@ -207,13 +207,7 @@ def mean_step(
     for a, b in ranges(th.numel(), align):
         acc = None
         for (src, base, scale), w in zip(parts, ws):
-            d = read_range(src, a, b)
-            if scale != 1.0:
-                d = d * scale
-            elif base is None and not fresh(src):
-                d = d.clone()  # a view of what the contribution holds
-            if base is not None:
-                d = (th[a:b] - base.reshape(-1)[a:b]).add_(d)
+            d = anchored_range(src, base, scale, th, a, b, writable=True)
             acc = _summed(acc, d.mul_(w))
             del d
         if share < 1.0:
@@ -232,6 +226,28 @@ def mean_step(
         return torch.cat(pieces).view(theta.shape), new_theta
     wire = {p: torch.cat([e.parts[p] for e in pieces]) for p in pieces[0].parts}
     return Encoded(codec.name, tuple(theta.shape), wire), new_theta
+
+
+def anchored_range(
+    src: torch.Tensor | Encoded,
+    base: torch.Tensor | None,
+    scale: float,
+    th: torch.Tensor,
+    a: int,
+    b: int,
+    writable: bool = False,
+) -> torch.Tensor:
+    """Values [a, b) of one contribution's outer gradient, clipped by ``scale`` and re-anchored at the current
+    global ``th`` (flattened) from the ``base`` it was taken on (None: ``th`` itself), in fp32. ``writable``:
+    a tensor of the caller's own, never a view of what the contribution holds."""
+    d = read_range(src, a, b)
+    if scale != 1.0:
+        d = d * scale
+    elif writable and base is None and not fresh(src):
+        d = d.clone()  # a view of what the contribution holds
+    if base is not None:
+        d = (th[a:b] - base.reshape(-1)[a:b]).add_(d)
+    return d
 
 
 def adopt(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ from protocol.merge import (
     stepped_momentum,
 )
 from protocol.norms import NormBook, global_norm, sq_norm
+from protocol.robust import robust_parts
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution, round_share
 
@@ -286,13 +287,15 @@ class FragmentReplica:
         lr, mu = cfg.outer_lr, cfg.outer_momentum
         grad, new_theta = {}, {}
         for k, theta in self.theta.items():
-            if self.is_embedding or cfg.merge == "mean":  # a range at a time, whatever the tensor's size
+            mean = self.is_embedding or cfg.merge == "mean"  # a range at a time, whatever the tensor's size
+            if mean or cfg.robust != "off":
                 parts = [
                     (c.delta[k], None if b is self.theta else b[k], s)
                     for c, b, s in zip(contributions, bases, scales)
                 ]
+                parts, ws = robust_parts(theta, parts, weights, cfg, radial=not mean)
                 grad[k], new_theta[k] = mean_step(
-                    theta, self.momentum[k], parts, weights, share, codec, cfg.codec_block, lr, mu
+                    theta, self.momentum[k], parts, ws, share, codec, cfg.codec_block, lr, mu
                 )
                 continue
             g = rda(anchored(k), weights, owned=True)  # RDA needs each contribution's whole tensor

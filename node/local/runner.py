@@ -249,7 +249,8 @@ class VirtualSwarm:
                 c_steps=c.c_steps,
                 c_tokens=c.c_tokens,
             )
-            contrib = (lrn.name, p, c.base_round, c.c_steps, c.c_tokens, s.step_s or 0.0, enc, cid)
+            tokens = c.c_tokens * s.plan.inflate
+            contrib = (lrn.name, p, c.base_round, c.c_steps, tokens, s.step_s or 0.0, enc, cid)
             self._push(now + dur + self.run_cfg.net.transfer_s(nbytes), "contrib", contrib)
             if self.blocking:
                 s.awaiting[p] = (cid, lrn.book.step + self.cfg.overlap)

@@ -1,0 +1,123 @@
+"""The merge of contributions from learners nobody vouches for (issue 32, item 2): weighted CenteredClip.
+
+The plain merge is a weighted mean (or RDA, its radius and direction averaged apart): one learner that sends
+the negative of the honest direction, at honest size and inside every bound, pulls it as far as its weight
+lets it, and its weight is its own word (``protocol.work`` bounds it to 16x an honest learner's, not less).
+The robust merge bounds what any minority of the weight can do, whatever it sends:
+
+- **Weights.** Each contribution's weight is capped at ``share_cap`` times the low median of the merge's
+  weights. A learner that claims more work than a typical one in the same merge gets a typical one's say;
+  two liars of six hold at most a third of the weight (share_cap 1), whatever counters they send.
+- **CenteredClip** (Karimireddy, He and Jaggi 2021, the rule BTARD runs on hivemind), tensor by tensor:
+  start at v = 0 and, ``ITERS`` times, move v by the weighted mean of (x_i - v), each clipped to the radius
+  tau = the weighted median of the distances |x_i - v|. The honest majority of the weight sets tau; a
+  contribution further out pulls with a force of tau at most, so a minority of weight delta moves the
+  result by about tau * delta / (1 - delta) in any direction it likes, and no further.
+
+Each pass reads every contribution a range at a time (their wire forms decoded range by range, re-anchored
+as ``protocol.merge.mean_step`` does); what it holds beyond the inputs is the result, one fp32 tensor, and a
+range of each contribution. ``ITERS + 1`` passes: the first measures the distances from 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import torch
+
+from protocol.codecs import Encoded, range_align, ranges
+from protocol.merge import anchored_range
+
+ROBUST_RULES = ("off", "centered-clip")
+ITERS = 3  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
+
+Part = tuple["torch.Tensor | Encoded", "torch.Tensor | None", float]  # (outer gradient, its base, clip scale)
+
+
+def capped_weights(weights: Sequence[float], share_cap: float) -> list[float]:
+    """``weights``, each at most ``share_cap`` times their low median (0: no cap). The low median of two is
+    the smaller: a liar beside one honest learner gets that learner's weight, not the mean of both."""
+    if share_cap <= 0 or len(weights) < 2:
+        return [float(w) for w in weights]
+    cap = share_cap * statistics.median_low(weights)
+    return [min(float(w), cap) for w in weights]
+
+
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The smallest value at which the weights of the values up to it reach half of all the weight."""
+    total = math.fsum(weights)
+    acc = 0.0
+    for v, w in sorted(zip(values, weights)):
+        acc += w
+        if acc >= total / 2:
+            return v
+    return max(values)
+
+
+def robust_parts(
+    theta: torch.Tensor, parts: list[Part], weights: Sequence[float], cfg, radial: bool
+) -> tuple[list[Part], list[float]]:
+    """What ``protocol.merge.mean_step`` merges for one tensor under ``cfg.robust``: the parts and weights
+    as they are (``off``), or the one robust outer gradient with weight 1."""
+    if cfg.robust == "off":
+        return parts, list(weights)
+    ws = capped_weights(weights, cfg.share_cap)
+    return [(centered_clip(theta, parts, ws, radial=radial), None, 1.0)], [1.0]
+
+
+def _sq(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
+def centered_clip(
+    theta: torch.Tensor,
+    parts: Sequence[Part],
+    weights: Sequence[float],
+    radial: bool = False,
+    iters: int = ITERS,
+) -> torch.Tensor:
+    """Weighted CenteredClip of one tensor's contributions, anchored at the current global ``theta``: an
+    fp32 tensor of ``theta``'s shape. ``weights``: as merged (capped by the caller), positive. ``radial``:
+    RDA's split (``protocol.merge.rda``) made robust: CenteredClip of the contributions' unit directions,
+    scaled to the weighted median of their norms."""
+    total = math.fsum(weights)
+    ws = [w / total for w in weights]
+    th = theta.reshape(-1)
+    numel = th.numel()
+    align = range_align(*(src for src, _, _ in parts))
+    sq = [0.0] * len(parts)
+    for a, b in ranges(numel, align):  # distances from v = 0: the norms
+        for i, (src, base, scale) in enumerate(parts):
+            sq[i] += _sq(anchored_range(src, base, scale, th, a, b))
+    norms = [math.sqrt(x) for x in sq]
+    unit = [1.0 / n if radial and n > 0 else 1.0 for n in norms]
+    if radial:
+        sq = [1.0 if n > 0 else 0.0 for n in norms]
+    v = torch.zeros(numel, dtype=torch.float32)
+    for it in range(iters):
+        dist = [math.sqrt(x) for x in sq]
+        tau = weighted_median(dist, ws)
+        pull = [w * (1.0 if d <= tau else tau / d) for w, d in zip(ws, dist)]
+        sq = [0.0] * len(parts)
+        for a, b in ranges(numel, align):
+            vr = v[a:b]
+            xs = [anchored_range(*p, th, a, b) for p in parts]
+            if radial:
+                xs = [x * u for x, u in zip(xs, unit)]
+            step = None
+            for x, c in zip(xs, pull):
+                if c:
+                    term = (x - vr).mul_(c)
+                    step = term if step is None else step.add_(term)
+            if step is not None:
+                vr.add_(step)
+            if it + 1 < iters:  # the next pass's distances
+                for i, x in enumerate(xs):
+                    sq[i] += _sq(x - vr)
+            del xs, step
+    if radial:
+        n = torch.linalg.vector_norm(v)
+        v = v.mul_(weighted_median(norms, ws) / n) if n > 0 else v
+    return v.view(theta.shape)
