@@ -82,11 +82,12 @@ class ProtocolConfig:
         },
     )
     robust: str = field(
-        default="off",
+        default="auto",
         metadata={
-            "help": "merge where learners are not trusted: off | centered-clip (weighted CenteredClip of each "
-            "tensor's contributions, RDA's directions for RDA tensors; a minority of the weight moves a merge "
-            "by a bounded amount whatever it sends; docs/security.md)"
+            "help": "merge where learners are not trusted: auto (centered-clip in a public swarm, off in a "
+            "private one and in train-local) | off | centered-clip (weighted CenteredClip of each tensor's "
+            "contributions, of their directions for RDA tensors: a minority of the weight moves a merge a "
+            "bounded amount whatever it sends; docs/security.md)"
         },
     )
     share_cap: float = field(

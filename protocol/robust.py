@@ -30,7 +30,7 @@ import torch
 from protocol.codecs import Encoded, range_align, ranges
 from protocol.merge import anchored_range
 
-ROBUST_RULES = ("off", "centered-clip")
+ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
 ITERS = 3  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
 
 Part = tuple["torch.Tensor | Encoded", "torch.Tensor | None", float]  # (outer gradient, its base, clip scale)
@@ -61,7 +61,7 @@ def robust_parts(
 ) -> tuple[list[Part], list[float]]:
     """What ``protocol.merge.mean_step`` merges for one tensor under ``cfg.robust``: the parts and weights
     as they are (``off``), or the one robust outer gradient with weight 1."""
-    if cfg.robust == "off":
+    if cfg.robust in ("off", "auto"):  # auto, unresolved: the in-process runner's trusted learners
         return parts, list(weights)
     ws = capped_weights(weights, cfg.share_cap)
     return [(centered_clip(theta, parts, ws, radial=radial), None, 1.0)], [1.0]

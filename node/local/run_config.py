@@ -19,7 +19,9 @@ class LearnerPlan:
     jitter: float = 0.0  # each step's time is scaled by a uniform factor in [1 - jitter, 1 + jitter]
     down: tuple[tuple[float, float], ...] = ()  # (crash, return) in virtual seconds
     scale: float = 1.0  # multiplies the learner's outer gradients: >1 plays a hostile learner (robust merge)
-    inflate: int = 1  # multiplies the tokens its contributions claim (weight: tokens^2/steps): a hostile learner
+    inflate: int = (
+        1  # multiplies the tokens its contributions claim (weight: tokens^2/steps): a hostile learner
+    )
     start_s: float = 0.0  # joins at this virtual time (downloading the global model), as a late node does
     # the virtual seconds its first steps take, as given, before speed and jitter apply (bench.parity: a
     # node's steps while the other nodes were still starting on the same host, which starve it)

@@ -96,7 +96,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.settings = s = cfg.node
         # A baseline system is the same core with other settings (node.runner.system_protocol): every live
         # learner is the quorum (K above any swarm's size waits for min(K, live)), and the learners block.
-        pcfg, self.blocking = system_protocol(s.system, cfg.protocol, ALL_LEARNERS)
+        pcfg, self.blocking = system_protocol(s.system, cfg.protocol, ALL_LEARNERS, trusted=bool(s.authority))
         self.cfg = cfg = replace(cfg, protocol=pcfg)
         self.pcfg = pcfg
         self.state_dir = Path(s.state_dir)

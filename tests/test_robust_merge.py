@@ -1,0 +1,162 @@
+"""The robust merge (issue 32, item 2): weighted CenteredClip with capped token weights bounds what a minority
+of the weight moves a merge by, whatever it sends; it is on in public swarms, off in private ones and in the
+baselines."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from protocol import codecs
+from protocol.codecs import encode_tensors
+from protocol.config import ProtocolConfig
+from protocol.errors import ConfigError
+from protocol.merge import weighted_mean
+from protocol.replica import FragmentReplica
+from protocol.robust import capped_weights, centered_clip, weighted_median
+from protocol.synchroniser import Contribution
+from protocol.systems import system_protocol
+
+
+def _honest(n: int, numel: int, noise: float, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(numel, generator=g)
+    return mean, [mean + noise * torch.randn(numel, generator=g) for _ in range(n)]
+
+
+def _cc(xs, ws, **kw):
+    return centered_clip(torch.zeros_like(xs[0]), [(x, None, 1.0) for x in xs], ws, **kw)
+
+
+def test_weights_are_capped_at_a_multiple_of_their_low_median():
+    assert capped_weights([1.0, 1.0, 1.0, 16.0], 1.0) == [1.0, 1.0, 1.0, 1.0]
+    assert capped_weights([1.0, 16.0], 1.0) == [1.0, 1.0]  # the low median of two is the smaller
+    assert capped_weights([1.0, 2.0, 3.0, 100.0], 2.0) == [1.0, 2.0, 3.0, 4.0]
+    assert capped_weights([1.0, 16.0], 0.0) == [1.0, 16.0]  # 0: no cap
+    assert capped_weights([5.0], 1.0) == [5.0]
+
+
+def test_weighted_median_is_where_half_the_weight_is_reached():
+    assert weighted_median([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0
+    assert weighted_median([1.0, 2.0, 3.0], [1.0, 1.0, 5.0]) == 3.0
+    assert weighted_median([1.0, 2.0], [1.0, 1.0]) == 1.0
+
+
+def test_without_a_liar_centered_clip_is_the_weighted_mean():
+    mean, xs = _honest(4, 20_000, noise=1.0)
+    plain = weighted_mean(xs, [1.0, 2.0, 1.0, 1.0])
+    got = _cc(xs, [1.0, 2.0, 1.0, 1.0])
+    assert torch.linalg.vector_norm(got - plain) < 0.02 * torch.linalg.vector_norm(plain)
+    same = _cc([mean, mean.clone(), mean.clone()], [1.0, 1.0, 1.0])
+    assert torch.allclose(same, mean, atol=1e-6)  # every learner agrees: exactly their value
+
+
+@pytest.mark.parametrize("lie", ["flip", "flip-x1000", "orthogonal-x30"])
+def test_one_liar_of_five_moves_the_merge_a_bounded_amount(lie):
+    mean, xs = _honest(4, 20_000, noise=1.0)
+    honest = _cc(xs, [1.0] * 4)
+    spread = statistics_spread(xs, honest)
+    if lie == "flip":
+        bad = -honest
+    elif lie == "flip-x1000":
+        bad = -1000 * honest
+    else:
+        g = torch.Generator().manual_seed(9)
+        bad = 30 * torch.linalg.vector_norm(honest) * codecs_unit(torch.randn(honest.numel(), generator=g))
+    robust = _cc([*xs, bad], [1.0] * 5)
+    plain = weighted_mean([*xs, bad], [1.0] * 5)
+    moved = float(torch.linalg.vector_norm(robust - honest))
+    # a fifth of the weight, each pull clipped to the median distance: about spread * 0.2 / 0.8
+    assert moved < 0.5 * spread
+    assert float(torch.linalg.vector_norm(plain - honest)) > 1.5 * moved  # the plain mean is moved further
+    cos = float(robust @ honest / (torch.linalg.vector_norm(robust) * torch.linalg.vector_norm(honest)))
+    assert cos > 0.9
+
+
+def statistics_spread(xs, centre):
+    ds = sorted(float(torch.linalg.vector_norm(x - centre)) for x in xs)
+    return ds[len(ds) // 2]
+
+
+def codecs_unit(x):
+    return x / torch.linalg.vector_norm(x)
+
+
+def test_radial_keeps_rda_radius_and_a_robust_direction():
+    _, xs = _honest(4, 5_000, noise=0.5)
+    norms = sorted(float(torch.linalg.vector_norm(x)) for x in xs)
+    got = _cc(xs, [1.0] * 4, radial=True)
+    assert math.isclose(float(torch.linalg.vector_norm(got)), norms[1], rel_tol=1e-5)  # the weighted median
+    flipped = _cc([*xs, -1000 * got], [1.0] * 5, radial=True)
+    cos = float(flipped @ got / (torch.linalg.vector_norm(flipped) * torch.linalg.vector_norm(got)))
+    assert cos > 0.95
+    assert float(torch.linalg.vector_norm(flipped)) < 1.5 * norms[-1]  # its norm is not a vote
+
+
+def test_ranges_of_wire_forms_give_the_whole_tensors_values(monkeypatch):
+    """Read a range at a time from int4 wire forms and re-anchored on an older base: the same as the whole
+    decoded, re-anchored tensors."""
+    monkeypatch.setattr(codecs, "RANGE", 256)
+    _, xs = _honest(3, 3_000, noise=1.0, seed=4)
+    theta, base = torch.randn(3_000), torch.randn(3_000)
+    wire = [encode_tensors({"w": x}, "int4", 64)["w"] for x in xs]
+    decoded = [codecs.get_codec("int4").decode(w) for w in wire]
+    parts = [(wire[0], None, 1.0), (wire[1], base, 1.0), (wire[2], None, 0.5)]
+    got = centered_clip(theta, parts, [1.0, 1.0, 2.0])
+    whole = [decoded[0], (theta - base) + decoded[1], decoded[2] * 0.5]
+    monkeypatch.setattr(codecs, "RANGE", 1 << 20)
+    want = centered_clip(theta, [(x, None, 1.0) for x in whole], [1.0, 1.0, 2.0])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def _replica_and_contributions(liar_tokens: int):
+    torch.manual_seed(0)
+    theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    mean = {k: 0.01 * torch.randn_like(v) for k, v in theta.items()}
+    cs = []
+    for i in range(4):
+        delta = {k: m + 0.01 * torch.randn_like(m) for k, m in mean.items()}
+        cs.append(Contribution(f"h{i}", 0, 0, 8, 800, 0.1, encode_tensors(delta, "int4", 64), f"h{i}:0:8"))
+    lie = {k: -m for k, m in mean.items()}
+    cs.append(Contribution("liar", 0, 0, 8, liar_tokens, 0.1, encode_tensors(lie, "int4", 64), "liar:0:8"))
+    return theta, mean, cs
+
+
+@pytest.mark.parametrize("merge", ["rda", "mean"])
+def test_a_record_of_the_robust_merge_resists_an_inflated_flipped_learner_and_applies_everywhere(merge):
+    theta, _, cs = _replica_and_contributions(liar_tokens=3200)  # 16x a learner's weight
+    cfg = ProtocolConfig(robust="centered-clip", merge=merge, clip_factor=0.0)
+    plain_cfg = replace(cfg, robust="off")
+    made = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs, cfg)
+    plain = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs, plain_cfg)
+    got = torch.cat([made.grad[k].reshape(-1) for k in ("w", "b")])
+    bad = torch.cat([plain.grad[k].reshape(-1) for k in ("w", "b")])
+    fair = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs[:4], plain_cfg)  # no liar
+    want = torch.cat([fair.grad[k].reshape(-1) for k in ("w", "b")])
+
+    def cos(a, b):
+        return float(a @ b / (torch.linalg.vector_norm(a) * torch.linalg.vector_norm(b)))
+
+    assert cos(got, want) > 0.9
+    assert cos(bad, want) < 0  # the same contributions, merged plainly, go the liar's way
+    # the record carries the uncapped weights its counters give (every replica checks them) and lands alike
+    other = FragmentReplica(0, theta, is_embedding=False)
+    other.check_record(made, cfg)
+    other.apply_record(made, cfg)
+    assert other.hash == made.new_hash
+
+
+def test_auto_is_robust_in_a_public_swarm_only_and_never_in_the_baselines():
+    cfg = ProtocolConfig()
+    assert cfg.robust == "auto"
+    assert system_protocol("decoupled", cfg, 4, trusted=False)[0].robust == "centered-clip"
+    assert system_protocol("decoupled", cfg, 4, trusted=True)[0].robust == "off"
+    for baseline in ("streaming", "sync-diloco"):
+        assert system_protocol(baseline, cfg, 4, trusted=False)[0].robust == "off"
+    forced = replace(cfg, robust="centered-clip")
+    assert system_protocol("decoupled", forced, 4, trusted=True)[0].robust == "centered-clip"
+    with pytest.raises(ConfigError, match="robust"):
+        ProtocolConfig(robust="median")
+    with pytest.raises(ConfigError, match="share_cap"):
+        ProtocolConfig(share_cap=float("nan"))
