@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     data = args.data or (str(DEFAULT_DATA) if DEFAULT_DATA.exists() else None)
     model = ModelConfig(dim=args.dim, layers=2, heads=4, seq_len=args.seq_len)
-    task = load_task(None, TaskConfig(data=data, batch_size=args.batch_size, eval_batches=8, model=model))
+
+    def task_for(seed: int):  # the seed picks the initial weights and the data order
+        return load_task(
+            None, TaskConfig(data=data, batch_size=args.batch_size, eval_batches=8, seed=seed, model=model)
+        )
+
     attacks = args.attacks.split(",")
     rules = args.rules.split(",")
     if "none" not in attacks:
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[tuple[str, str], list[float]] = {}
     t0 = time.monotonic()
     for seed in range(args.seeds):
+        task = task_for(seed)
         for rule in rules:
             for attack in attacks:
                 loss = _run(task, args, rule, attack, seed)

@@ -335,7 +335,7 @@ class ChaosRun:
             )
             hashes = {x["model_hash"] for x in live} if ok else None
             agreed = ok and len(hashes) == 1
-            # one hash, the same on consecutive polls (``node.local.launcher._quiet_period``)
+            # one hash, the same on consecutive polls (``node.local.launcher.quiet_period``)
             streak = streak + 1 if agreed and hashes == last else (1 if agreed else 0)
             last = hashes if agreed else None
             if streak >= 2:

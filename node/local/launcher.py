@@ -165,7 +165,7 @@ def columns(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows)
 
 
-def _quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> tuple[bool, dict]:
+def quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> tuple[bool, dict]:
     """Learners are paused; wait until every node is idle with no merge under way and all hold one model hash,
     the same on two polls in a row (a hash that still changes means merges are still landing). Returns
     whether that happened, and per node what the last poll saw (hash, learner idle, work in flight)."""
@@ -329,7 +329,7 @@ def up(
                             send_control(c.url, "pause", token=read_control_token(c.state_dir))
                         except StatusError:
                             pass
-                settled, quiet_seen = _quiet_period(children, 10.0 if interrupted else 45.0, quiet)
+                settled, quiet_seen = quiet_period(children, 10.0 if interrupted else 45.0, quiet)
             else:
                 settled = False
         except KeyboardInterrupt:

@@ -1,0 +1,134 @@
+"""Hostile learners against a public swarm of real nodes (issue 32, item 5, in part: the learner-side attacks).
+
+Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' tiny model and fast rounds) and
+``--hostile`` members running ``bench/hostile_node.py`` (the project's node with its learner's contributions
+tampered with: see that file for the attacks), all in one public swarm on loopback. After ``--seconds`` of
+training it pauses every learner, waits for one model hash, stops the nodes and reads each honest node's
+final eval loss (``final.json``). The unattacked run (``none``) has the same number of nodes, all honest,
+for the same time. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm
+runs: ``centered-clip``). Cells: the honest nodes' eval loss, mean over ``--repeats`` runs (each a fresh
+swarm: new identities, so new data orders), its ratio to the unattacked run of the same rule, the tokens
+the swarm merged, and how many runs ended on one hash.
+
+    python bench/attacks.py                              # 4 honest + 1 hostile, every attack, 3 repeats
+    python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
+    python bench/attacks.py --attacks flip --repeats 1 --seconds 30   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from node.common.status_client import StatusError, read_control_token, send_control
+from node.local.launcher import Child, private_tmp, quiet_period, start_node, stop_all, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = (
+    "--dim 32 --layers 2 --heads 2 --seq-len 32 --batch-size 8 --eval-batches 8 --fragments 4 "
+    "--sync-every 8 --eval-every-s 30 --heartbeat-s 0.5 --ttl-s 3 --failover-s 6 --rpc-timeout-s 5 "
+    "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
+).split()
+ATTACKS = ("none", "flip", "flip-x2.5", "inflate", "random")
+
+
+def _hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
+    d = run_dir / f"node-{index}"
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "node.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "hostile_node.py"), attack, "--state-dir", str(d)]
+    cmd += ["--exit-with-parent", *flags, "--initial-peers", ",".join(peers)]
+    tmp = private_tmp(index)
+    env = dict(os.environ, TMPDIR=tmp, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env, cwd=ROOT)
+    return Child(index, d, proc, log, tmp=tmp)
+
+
+def run_once(args, attack: str, rule: str) -> dict:
+    flags = FLAGS + ["--robust", rule] + (["--data", args.data] if args.data else [])
+    n_hostile = 0 if attack == "none" else args.hostile
+    keep = args.keep and Path(tempfile.mkdtemp(prefix=f"{rule}-{attack}-", dir=args.keep))
+    with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="attacks-") as tmp:
+        run_dir = Path(tmp)
+        children = [start_node(0, run_dir, flags, [])]
+        try:
+            wait_ready(children, 120)
+            peers = children[0].maddrs
+            for i in range(1, args.honest + (args.hostile if attack == "none" else 0)):
+                children.append(start_node(i, run_dir, flags, peers))
+            for _ in range(n_hostile):
+                children.append(_hostile(len(children), run_dir, attack, flags, peers))
+            wait_ready(children, 120)
+            time.sleep(args.seconds)
+            for c in children:
+                try:
+                    send_control(c.url, "pause", token=read_control_token(c.state_dir))
+                except StatusError:
+                    pass
+            settled, _ = quiet_period(children, 60.0, quiet=True)
+        finally:
+            stop_all(children)
+        honest = range(len(children) - n_hostile)
+        finals = [json.loads((run_dir / f"node-{i}" / "final.json").read_text()) for i in honest]
+        hashes = {f.get("model_hash") for f in finals}
+        return {
+            "eval_loss": statistics.mean(f["eval_loss"] for f in finals),
+            "tokens": min(f.get("tokens_merged", 0) for f in finals),
+            "one_hash": len(hashes) == 1 and settled,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/attacks.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--honest", type=int, default=4)
+    p.add_argument("--hostile", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=90.0, help="training time of each run")
+    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--rules", default="auto,off", help="--robust values to compare (auto: a public swarm's)")
+    p.add_argument("--keep", help="make each run's folder under this one, and keep it (default: removed)")
+    p.add_argument("--data", help="a text file for every node (default: the nodes' generated text)")
+    args = p.parse_args(argv)
+    attacks = [a for a in args.attacks.split(",") if a != "none"]
+    rules = args.rules.split(",")
+    rows: dict[tuple[str, str], list[dict]] = {}
+    t0 = time.monotonic()
+    for r in range(args.repeats):
+        for rule in rules:
+            for attack in ["none", *attacks]:
+                res = run_once(args, attack, rule)
+                rows.setdefault((rule, attack), []).append(res)
+                print(
+                    f"[{time.monotonic() - t0:6.0f}s] repeat {r} --robust {rule} {attack}: {json.dumps(res)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        f"\n{args.honest} honest + {args.hostile} hostile nodes, {args.seconds:g} s each, {args.repeats} repeats; "
+        f"eval loss of the honest nodes (x the unattacked run of the same rule), tokens merged, runs on one hash"
+    )
+    print(f"{'attack':12s}" + "".join(f"{'--robust ' + r:>40s}" for r in rules))
+    for attack in ["none", *attacks]:
+        cells = []
+        for rule in rules:
+            xs = rows[(rule, attack)]
+            loss = statistics.mean(x["eval_loss"] for x in xs)
+            base = statistics.mean(x["eval_loss"] for x in rows[(rule, "none")])
+            tokens = statistics.mean(x["tokens"] for x in xs)
+            one = sum(x["one_hash"] for x in xs)
+            cells.append(f"{loss:8.4f} ({loss / base:6.3f}x) {tokens / 1e3:6.0f}k {one}/{len(xs)}")
+        print(f"{attack:12s}" + "".join(f"{c:>40s}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
