@@ -15,6 +15,12 @@ the authority's peer id, the secret and its own certificate, and then
   accept;
 - drops peers listed in the revocation file (one peer id per line, re-read when it changes).
 
+A swarm made with ``--open-learners`` (issue 32, item 3: the hybrid volunteer projects run) admits anyone as
+a learner: a member without a certificate is in every view as a ``learner`` (it trains and contributes, is
+never elected, and a merge record it signs is refused), while synchronisers hold certificates. Nothing is
+sealed there (anyone may join, so a secret would be no secret), and the robust merge is on
+(``protocol.robust``): its learners are not trusted.
+
 Role ``learner`` admits a peer that trains and contributes but is never elected synchroniser. Role
 ``observer`` admits a tool, not a node: it may read a member's status over libp2p (``ddiloco status
 --peer``), but its membership records are dropped from every view, so it is never elected, its
@@ -24,6 +30,7 @@ contributions and state requests are refused (``unknown_peer``), and a node refu
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -107,18 +114,20 @@ class Certificate:
 
 
 # ------------------------------------------------------------------------------------------- the authority
-def init_swarm(folder: str | Path, swarm: str) -> dict:
-    """Create a swarm folder: authority key, secret, swarm.json and an empty revocation list."""
+def init_swarm(folder: str | Path, swarm: str, open_learners: bool = False) -> dict:
+    """Create a swarm folder: authority key, secret (none with ``open_learners``: nothing is sealed),
+    swarm.json and an empty revocation list."""
     d = Path(folder)
     if (d / "swarm.json").exists():
         raise ConfigError(f"{d}/swarm.json exists: this folder already holds a swarm (choose another --dir)")
     d.mkdir(parents=True, exist_ok=True)
     authority = Identity.generate()
     authority.save(d / "authority.key")
-    fd = os.open(d / "secret.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(os.urandom(32).hex() + "\n")
-    doc = {"swarm": swarm, "authority": authority.peer_id}
+    if not open_learners:
+        fd = os.open(d / "secret.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(os.urandom(32).hex() + "\n")
+    doc = {"swarm": swarm, "authority": authority.peer_id, "open_learners": open_learners}
     (d / "swarm.json").write_text(json.dumps(doc, indent=1) + "\n")
     (d / "revoked.txt").touch()
     return doc
@@ -166,42 +175,77 @@ def revoke(folder: str | Path, peer_id: str) -> Path:
 
 # ------------------------------------------------------------------------------------------- a member
 class Admission:
-    """A node's view of its private swarm: who is admitted, and the sealing key."""
+    """A node's view of its swarm: who is admitted, and the sealing key (None: an open-learners swarm, not
+    sealed). ``certificate``: this node's (None: an open learner)."""
 
     def __init__(
-        self, swarm: str, authority: str, secret: bytes, certificate: Certificate, revoked_file: str = ""
+        self,
+        swarm: str,
+        authority: str,
+        secret: bytes | None,
+        certificate: Certificate | None,
+        revoked_file: str = "",
+        open_learners: bool = False,
     ) -> None:
-        if len(secret) < 16:
+        self.open_learners = open_learners
+        if open_learners and secret is not None:
+            raise ConfigError("an open-learners swarm is not sealed: give no swarm secret")
+        if not open_learners and (secret is None or certificate is None):
+            raise ConfigError("a private swarm needs its secret and this node's certificate")
+        if secret is not None and len(secret) < 16:
             raise ConfigError(
                 "the swarm secret must be at least 16 bytes (use the file 'ddiloco swarm init' wrote)"
             )
         self.swarm, self.authority, self.certificate = swarm, authority, certificate
-        self._aead = AESGCM(
-            HKDF(
-                algorithm=hashes.SHA256(), length=32, salt=None, info=f"{_DOMAIN}|seal|{swarm}".encode()
-            ).derive(secret)
-        )
+        self._aead = None
+        if secret is not None:
+            self._aead = AESGCM(
+                HKDF(
+                    algorithm=hashes.SHA256(), length=32, salt=None, info=f"{_DOMAIN}|seal|{swarm}".encode()
+                ).derive(secret)
+            )
         self.revoked_file = revoked_file
         self._revoked: frozenset[str] = frozenset()
         self._revoked_mtime = -1.0
 
+    @property
+    def sealed(self) -> bool:
+        return self._aead is not None
+
     @classmethod
     def load(
-        cls, swarm: str, authority: str, secret_file: str, certificate_file: str, revoked_file: str = ""
+        cls,
+        swarm: str,
+        authority: str,
+        secret_file: str,
+        certificate_file: str,
+        revoked_file: str = "",
+        open_learners: bool = False,
     ) -> Admission:
-        try:
-            secret = bytes.fromhex(Path(secret_file).read_text().strip())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"swarm_secret={secret_file!r} cannot be read as a hex secret: {e}") from e
-        try:
-            cert = Certificate.from_json(Path(certificate_file).read_text())
-        except OSError as e:
-            raise ConfigError(f"certificate={certificate_file!r} cannot be read: {e}") from e
-        except AdmissionError as e:
-            raise ConfigError(f"certificate={certificate_file!r}: {e}") from e
-        return cls(swarm, authority, secret, cert, revoked_file)
+        secret = cert = None
+        if secret_file:
+            try:
+                secret = bytes.fromhex(Path(secret_file).read_text().strip())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"swarm_secret={secret_file!r} cannot be read as a hex secret: {e}") from e
+        if certificate_file:
+            try:
+                cert = Certificate.from_json(Path(certificate_file).read_text())
+            except OSError as e:
+                raise ConfigError(f"certificate={certificate_file!r} cannot be read: {e}") from e
+            except AdmissionError as e:
+                raise ConfigError(f"certificate={certificate_file!r}: {e}") from e
+        return cls(swarm, authority, secret, cert, revoked_file, open_learners)
+
+    @classmethod
+    def from_settings(cls, s) -> Admission:
+        """From a node's settings (``node.swarm.settings.NodeSettings``: authority, swarm_secret, certificate,
+        revoked, open_learners)."""
+        return cls.load(s.swarm, s.authority, s.swarm_secret, s.certificate, s.revoked, s.open_learners)
 
     def check_own(self, peer_id: str) -> None:
+        if self.certificate is None:  # an open learner (the constructor refused it elsewhere)
+            return
         try:
             self.certificate.verify(self.swarm, self.authority, peer_id, time.time())
         except AdmissionError as e:
@@ -227,6 +271,8 @@ class Admission:
         """The certificate that admits ``peer_id``; AdmissionError with the reason otherwise."""
         if peer_id in self.revoked():
             raise AdmissionError(f"{peer_id} is revoked")
+        if not cert_json and self.open_learners:  # anyone may learn; only a certificate synchronises
+            return Certificate(self.swarm, peer_id, "learner", 0.0, math.inf, self.authority)
         if not cert_json:
             raise AdmissionError(f"{peer_id} presents no admission certificate")
         cert = Certificate.from_json(cert_json)
@@ -234,10 +280,14 @@ class Admission:
         return cert
 
     def seal(self, data: bytes, context: str) -> bytes:
+        if self._aead is None:
+            raise ConfigError("this swarm is not sealed (open learners)")
         nonce = os.urandom(12)
         return nonce + self._aead.encrypt(nonce, data, context.encode())
 
     def open(self, data: bytes, context: str) -> bytes:
+        if self._aead is None:
+            raise ConfigError("this swarm is not sealed (open learners)")
         if len(data) < 28:
             raise AdmissionError(f"sealed {context} is {len(data)} bytes: too short to be sealed")
         try:

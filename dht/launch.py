@@ -295,7 +295,7 @@ class OwnerValidator(RecordValidatorBase):
             return False
         try:
             raw = MSGPackSerializer.loads(record.value)
-            if self.admission is not None:
+            if self.admission is not None and self.admission.sealed:
                 raw = self.admission.open(raw, f"dht|{self.swarm}|{owner}")
             m = parse_member(self.swarm, raw, now=float("-inf"))
         except Exception as e:  # noqa: BLE001 - garbage of any kind is refused

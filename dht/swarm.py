@@ -74,7 +74,7 @@ class Membership:
                 f"record of {member.peer_id} already expired at {member.expires_at:.1f} (now {now:.1f})"
             )
         raw = sign_member(self.swarm, self.identity, member)
-        if self.admission is not None:
+        if self.admission is not None and self.admission.sealed:
             raw = self.admission.seal(raw, f"dht|{self.swarm}|{member.peer_id}")
         key = members_key(self.swarm, bucket_of(member.peer_id))
         ok = self._result(
@@ -123,7 +123,7 @@ class Membership:
         raws = {}
         for subkey, value in items.items():
             if isinstance(subkey, str) and len(subkey) <= MAX_PEER_ID and isinstance(value, bytes):
-                if self.admission is None:
+                if self.admission is None or not self.admission.sealed:
                     raws[subkey] = value
                     continue
                 try:

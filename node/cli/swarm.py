@@ -20,6 +20,13 @@ def add_parser(sub) -> None:
     i = ss.add_parser("init", help="create a swarm folder (authority key, secret, swarm.json)")
     i.add_argument("--dir", required=True, help="folder to create; keep authority.key and secret.key private")
     i.add_argument("--name", required=True, help="the swarm's name (every node's --swarm)")
+    i.add_argument(
+        "--open-learners",
+        action="store_true",
+        help="a public swarm with certified synchronisers: anyone may join as a learner without a "
+        "certificate (never elected), only admitted peers synchronise; nothing is sealed (no secret), and "
+        "merges are robust. The way to run a public swarm (docs/security.md)",
+    )
     a = ss.add_parser("admit", help="sign an admission certificate for a peer id")
     a.add_argument("peer_id", help="the node's peer id (12D3KooW...)")
     a.add_argument("--dir", required=True, help="the swarm folder made by 'swarm init'")
@@ -41,8 +48,15 @@ def run(args: argparse.Namespace) -> int:
 
     d = Path(args.dir)
     if args.swarm_command == "init":
-        doc = init_swarm(d, args.name)
+        doc = init_swarm(d, args.name, open_learners=args.open_learners)
         print(f"swarm {doc['swarm']!r} created in {d}; authority {doc['authority']}")
+        if args.open_learners:
+            flags = f"--swarm {doc['swarm']} --authority {doc['authority']} --open-learners"
+            print(
+                f"synchronisers: {flags} --certificate CERT (from 'ddiloco swarm admit PEER_ID --dir {d} "
+                f"--out CERT')\nlearners, anyone: {flags}"
+            )
+            return 0
         print(
             f"nodes: --swarm {doc['swarm']} --authority {doc['authority']} --swarm-secret {d / 'secret.key'} "
             f"--certificate CERT (from 'ddiloco swarm admit PEER_ID --dir {d} --out CERT')"

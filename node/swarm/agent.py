@@ -96,7 +96,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.settings = s = cfg.node
         # A baseline system is the same core with other settings (node.runner.system_protocol): every live
         # learner is the quorum (K above any swarm's size waits for min(K, live)), and the learners block.
-        pcfg, self.blocking = system_protocol(s.system, cfg.protocol, ALL_LEARNERS, trusted=bool(s.authority))
+        pcfg, self.blocking = system_protocol(s.system, cfg.protocol, ALL_LEARNERS, trusted=s.trusted)
         self.cfg = cfg = replace(cfg, protocol=pcfg)
         self.pcfg = pcfg
         self.state_dir = Path(s.state_dir)
@@ -109,7 +109,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         if s.authority:
             from dht.admission import Admission
 
-            self.admission = Admission.load(s.swarm, s.authority, s.swarm_secret, s.certificate, s.revoked)
+            self.admission = Admission.from_settings(s)
             self.admission.check_own(self.peer_id)
         # The DHT process starts (p2pd, bootstrap) while this process builds the model and loads its state.
         self._dht_launch = self._launch_dht()
@@ -279,7 +279,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.transport = Transport(
             p2p, most, timeout_s=s.rpc_timeout_s, admit=self._admit, peer_budget=budget
         )
-        if self.admission is not None:
+        if self.admission is not None and self.admission.sealed:
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)

@@ -127,6 +127,12 @@ class Replication:
 
         if sr.signer not in known:
             raise unseen(f"round {rec.round} signed by {sr.signer}, never a member")
+        signer = self.members.get(sr.signer)
+        if self.admission is not None and signer is not None and signer.client_mode:
+            # a learner-role member (an open learner: dht.admission) is never elected; what it signs is a lie
+            raise ProtocolError(
+                RejectCode.FORGED_RECORD, f"round {rec.round} signed by {sr.signer}, admitted as a learner only"
+            )
         for learner, cid, *_ in rec.contributors:
             if learner not in known:
                 raise unseen(f"round {rec.round} names {learner}, never a member, as a contributor")

@@ -89,6 +89,14 @@ class NodeSettings:
         default="", metadata={"help": "private swarm: this node's admission certificate"}
     )
     swarm_secret: str = field(default="", metadata={"help": "private swarm: the swarm secret file"})
+    open_learners: bool = field(
+        default=False,
+        metadata={
+            "help": "a swarm made with 'ddiloco swarm init --open-learners': anyone may join as a learner (no "
+            "certificate, never elected), synchronisers hold certificates, nothing is sealed (no "
+            "--swarm-secret), and merges are robust"
+        },
+    )
     revoked: str = field(
         default="",
         metadata={"help": "private swarm: file of revoked peer ids, one a line (re-read on change)"},
@@ -193,7 +201,12 @@ class NodeSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.authority and not (self.certificate and self.swarm_secret):
+        if self.open_learners and (not self.authority or self.swarm_secret):
+            raise ConfigError(
+                "open_learners: a swarm of open learners needs its --authority (certified synchronisers) and no "
+                "--swarm-secret (nothing is sealed where anyone may join)"
+            )
+        if self.authority and not self.open_learners and not (self.certificate and self.swarm_secret):
             raise ConfigError(
                 "authority is set (a private swarm) but certificate or swarm_secret is not: a member needs "
                 "its admission certificate ('ddiloco swarm admit') and the swarm secret file"
@@ -254,6 +267,12 @@ class NodeSettings:
             raise ConfigError(f"jitter={self.jitter} is invalid: must be in [0, 1)")
         if not self.swarm or "/" in self.swarm:
             raise ConfigError(f"swarm={self.swarm!r} is invalid: a non-empty name without '/'")
+
+    @property
+    def trusted(self) -> bool:
+        """Every learner is vouched for: a private swarm, sealed, each member with a certificate (``robust``
+        ``auto`` then leaves the merge plain)."""
+        return bool(self.authority) and not self.open_learners
 
     @staticmethod
     def split(v: str) -> list[str]:

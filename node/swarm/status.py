@@ -96,6 +96,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "peer_id": node.peer_id,
         "swarm": node.settings.swarm,
         "client_mode": node.settings.client_mode,
+        "merge_rule": node.pcfg.robust,  # centered-clip where learners are not trusted (protocol.robust)
         "uptime_s": now - node.started_at,
         "joined_by": node.joined_by,
         "maddrs": node._addrs,

@@ -43,6 +43,13 @@ class SwarmView:
             return now
         return min(now, max(self._last_good_read, now - VIEW_HOLD_TTLS * self.settings.ttl_s))
 
+    def learner_only(self) -> bool:
+        """Admitted to learn, never to synchronise (an open learner, or a ``learner`` certificate): its own
+        view and its record say so, as every other member's view does (``dht.records.live_view``). Its own
+        view said it was electable: it took rounds that every other member then refused."""
+        adm = self.admission
+        return adm is not None and (adm.certificate is None or adm.certificate.role == "learner")
+
     def self_member(self, now: float) -> Member:
         return Member(
             peer_id=self.peer_id,
@@ -51,11 +58,11 @@ class SwarmView:
             issued_at=now,
             expires_at=now + self.settings.ttl_s,
             tokens_per_s=self.learner_loop.tokens_per_s(),
-            client_mode=self.settings.client_mode,
+            client_mode=self.settings.client_mode or self.learner_only(),
             heads={str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
             steps_per_s=self.learner_loop.steps_per_s(),
-            cert=self.admission.certificate.to_json() if self.admission is not None else "",
+            cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
         )
 
