@@ -288,7 +288,7 @@ class FragmentReplica:
         grad, new_theta = {}, {}
         for k, theta in self.theta.items():
             mean = self.is_embedding or cfg.merge == "mean"  # a range at a time, whatever the tensor's size
-            if mean or cfg.robust != "off":
+            if mean or cfg.robust == "centered-clip":
                 parts = [
                     (c.delta[k], None if b is self.theta else b[k], s)
                     for c, b, s in zip(contributions, bases, scales)

@@ -61,7 +61,7 @@ def robust_parts(
 ) -> tuple[list[Part], list[float]]:
     """What ``protocol.merge.mean_step`` merges for one tensor under ``cfg.robust``: the parts and weights
     as they are (``off``), or the one robust outer gradient with weight 1."""
-    if cfg.robust in ("off", "auto"):  # auto, unresolved: the in-process runner's trusted learners
+    if cfg.robust != "centered-clip":  # auto, unresolved: trusted learners (protocol.systems resolves it)
         return parts, list(weights)
     ws = capped_weights(weights, cfg.share_cap)
     return [(centered_clip(theta, parts, ws, radial=radial), None, 1.0)], [1.0]
