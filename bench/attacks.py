@@ -5,7 +5,8 @@ Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' t
 tampered with: see that file for the attacks), all in one public swarm on loopback. After ``--seconds`` of
 training it pauses every learner, waits for one model hash, stops the nodes and reads each honest node's
 final eval loss (``final.json``). The unattacked run (``none``) has the same number of nodes, all honest,
-for the same time. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm
+for the same time; ``absent`` has the honest nodes alone: what a defence that threw away exactly the
+hostile members' work would reach. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm
 runs: ``centered-clip``). Cells: the honest nodes' eval loss, mean over ``--repeats`` runs (each a fresh
 swarm: new identities, so new data orders), its ratio to the unattacked run of the same rule, the tokens
 the swarm merged, and how many runs ended on one hash.
@@ -37,7 +38,7 @@ FLAGS = (
     "--sync-every 8 --eval-every-s 30 --heartbeat-s 0.5 --ttl-s 3 --failover-s 6 --rpc-timeout-s 5 "
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
-ATTACKS = ("none", "flip", "flip-x2.5", "inflate", "random")
+ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random")
 
 
 def _hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
@@ -55,7 +56,7 @@ def _hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: li
 
 def run_once(args, attack: str, rule: str) -> dict:
     flags = FLAGS + ["--robust", rule] + (["--data", args.data] if args.data else [])
-    n_hostile = 0 if attack == "none" else args.hostile
+    n_hostile = 0 if attack in ("none", "absent") else args.hostile
     keep = args.keep and Path(tempfile.mkdtemp(prefix=f"{rule}-{attack}-", dir=args.keep))
     with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="attacks-") as tmp:
         run_dir = Path(tmp)

@@ -5,6 +5,8 @@ Each run trains the same model from the same weights on the same data to the sam
 stays inside the bounds a node enforces (``clip_factor``, ``max_rms``, ``work_factor``):
 
   none        no hostile learner: the unattacked run of the same length (the same number of learners, all honest)
+  absent      the honest learners alone, for their own share of the tokens: what a defence that threw away
+              exactly the hostile learners' work would reach
   flip        the negated outer gradient, at honest size
   flip-x2.5   the negated outer gradient, 2.5x honest size (under clip_factor 3, so never clipped)
   inflate     the negated outer gradient, claiming 4x the tokens a step (the work_factor bound): 16x the weight
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 ATTACKS = {
     "none": None,
+    "absent": None,
     "flip": LearnerPlan(scale=-1.0),
     "flip-x2.5": LearnerPlan(scale=-2.5),
     "inflate": LearnerPlan(scale=-1.0, inflate=4),
@@ -65,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(task, args, rule: str, attack: str, seed: int) -> float:
-    m = args.honest + args.hostile
+    m = args.honest + (0 if attack == "absent" else args.hostile)
     hostile = ATTACKS[attack]
     plans = tuple(LearnerPlan() if i < args.honest or hostile is None else hostile for i in range(m))
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, robust=rule)
