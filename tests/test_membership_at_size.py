@@ -16,6 +16,7 @@ from hivemind.utils import get_dht_time
 from dht.identity import Identity
 from dht.launch import start_dht
 from dht.records import Member, bucket_of, members_key, sign_member
+from node.swarm.status import PEERS_LISTED
 from tests.swarm_util import TINY, Swarm, wait_until
 from tests.test_hostile_state import SWARM, _nodes_merging
 
@@ -98,11 +99,18 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
 
         def views() -> list[int]:  # every node's view size (0 for a node whose status did not answer)
             st = swarm.status()
-            return [len(st[i]["peers"]) if i in st else 0 for i in range(3)]
+            return [st[i]["peer_count"] if i in st else 0 for i in range(3)]
 
         wait_until(lambda: min(views()) >= 3 + CROWD * 0.99, 60, "every node's view to take in the crowd")
-        # a node's status (2,000 peers listed) may miss the 5 s deadline on a loaded machine: a read counts
-        # only when all three answered
+        # a document counts the 2,000 and lists a few: this node and the synchronisers first
+        for i, st in swarm.status().items():
+            assert len(st["peers"]) == PEERS_LISTED, i
+            assert st["peer_id"] in {p["peer_id"] for p in st["peers"]}
+            assert {f["synchroniser"] for f in st["fragments"]} - {None} <= {
+                p["peer_id"] for p in st["peers"]
+            }
+        # a node's status may miss the 5 s deadline on a loaded machine: a read counts only when all three
+        # answered
         r0 = _rounds(swarm)
         assert r0 is not None, "no status read that all three nodes answered within 60 s"
         wait_until(

@@ -83,7 +83,7 @@ def _status_table(s: dict) -> str:
         "counters: " + "  ".join(f"{k} {v}" for k, v in s["counters"].items()),
         memory_summary(s.get("memory")),
         "",
-        f"peers ({len(s['peers'])}):",
+        f"peers ({s.get('peer_count', len(s['peers']))}, {len(s['peers'])} listed):",
     ]
     for m in s["peers"]:
         lines.append(

@@ -41,7 +41,9 @@ def render(s: dict, url: str) -> Group:
     )
     if lr["paused"]:
         head.append("  PAUSED", style="bold yellow")
-    peers = Table(title=f"peers ({len(s['peers'])})", title_justify="left")
+    count = s.get("peer_count", len(s["peers"]))
+    title = f"peers ({count})" if count == len(s["peers"]) else f"peers ({count}, {len(s['peers'])} listed)"
+    peers = Table(title=title, title_justify="left")
     for col in ("peer", "role", "reachable", "step", "tok/s", "rounds"):
         peers.add_column(col, justify="right" if col in ("step", "tok/s", "rounds") else "left")
     for m in s["peers"]:

@@ -60,13 +60,16 @@ class StatusCollector(Collector):
             v = _at(doc, path)
             if v is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_, value=float(v))
+        listed = doc["peers"]  # a document lists some members and counts all (older nodes: listed all)
         yield GaugeMetricFamily(
-            f"{PREFIX}_peers", "live members this node sees, itself included", len(doc["peers"])
+            f"{PREFIX}_peers",
+            "live members this node sees, itself included",
+            doc.get("peer_count", len(listed)),
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_peers_reachable",
             "live members this node can reach now",
-            sum(1 for p in doc["peers"] if p["reachable"]),
+            doc.get("reachable_count", sum(1 for p in listed if p["reachable"])),
         )
         yield CounterMetricFamily(f"{PREFIX}_bytes_sent", "bytes sent to peers", value=doc["bytes_sent"])
         yield CounterMetricFamily(

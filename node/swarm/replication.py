@@ -131,7 +131,8 @@ class Replication:
         if self.admission is not None and signer is not None and signer.client_mode:
             # a learner-role member (an open learner: dht.admission) is never elected; what it signs is a lie
             raise ProtocolError(
-                RejectCode.FORGED_RECORD, f"round {rec.round} signed by {sr.signer}, admitted as a learner only"
+                RejectCode.FORGED_RECORD,
+                f"round {rec.round} signed by {sr.signer}, admitted as a learner only",
             )
         for learner, cid, *_ in rec.contributors:
             if learner not in known:

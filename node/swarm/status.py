@@ -27,6 +27,7 @@ from protocol.synchroniser import has_quorum
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024  # the largest request body the endpoint reads
+PEERS_LISTED = 64  # members a status document lists ("peer_count" counts them all)
 
 
 class BadRequest(DDiLoCoError, ValueError):
@@ -88,6 +89,12 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         )
     now = time.time()
     mono = time.monotonic()
+
+    def reachable(pid: str) -> bool:
+        return pid not in node.blocked and node.suspect.get(pid, 0.0) <= mono
+
+    first = sorted(members, key=lambda pid: (pid != node.peer_id, pid not in synchronises, pid))
+    listed = [(pid, members[pid]) for pid in sorted(first[:PEERS_LISTED])]
     goodput, since = held_goodput(
         node.events, node.started_at, now, node.peer_id, node.shares, node.pcfg.overlap
     )
@@ -128,6 +135,10 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
             1 for st in node.syncs if st.phase.value != "collecting" or has_quorum(node.pcfg, st)
         )
         + (node.outbox.qsize() if hasattr(node, "outbox") else 0),
+        "peer_count": len(members),
+        "reachable_count": sum(1 for pid in members if reachable(pid)),
+        # at most PEERS_LISTED: this node, the fragments' synchronisers, then the others by peer id (a view of
+        # 2,000 members made every document a list of 2,000)
         "peers": [
             {
                 "peer_id": pid,
@@ -139,9 +150,9 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 # roles and reachability: the fragments it synchronises now; False while a call to it
                 # failed within ttl_s (it is skipped as synchroniser) or the block test hook cuts it off
                 "synchronises": synchronises.get(pid, []),
-                "reachable": pid not in node.blocked and node.suspect.get(pid, 0.0) <= mono,
+                "reachable": reachable(pid),
             }
-            for pid, m in sorted(members.items())
+            for pid, m in listed
         ],
         # what the node holds by part, against resident memory and the fp32 weights (node.swarm.memory)
         "memory": memory_breakdown(node),

@@ -87,6 +87,9 @@ function render(s, h) {
   chart("rate-chart", [{ name: "tokens/s", points: h.steps.map((p) => [p.step, p.tokens_per_s]) }], "step");
   const t0 = h.samples.length ? h.samples[0].t : 0;
   chart("goodput-chart", [{ name: "goodput", points: h.samples.map((p) => [p.t - t0, p.goodput]) }], "s");
+  const count = s.peer_count ?? s.peers.length;
+  document.getElementById("peers-title").textContent =
+    count > s.peers.length ? `peers (${count}, ${s.peers.length} listed)` : `peers (${count})`;
   table("peers", ["peer", "role", "reachable", "step", "tok/s", "rounds", "record expires"],
     s.peers.map((p) => ({
       cls: p.peer_id === s.peer_id ? "me" : "",
