@@ -32,6 +32,7 @@ from protocol.merge import anchored_range
 
 ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
 ITERS = 3  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
+TAU = 1.0  # the clipping radius, as a multiple of the weighted median distance
 
 Part = tuple["torch.Tensor | Encoded", "torch.Tensor | None", float]  # (outer gradient, its base, clip scale)
 
@@ -64,7 +65,7 @@ def robust_parts(
     if cfg.robust != "centered-clip":  # auto, unresolved: trusted learners (protocol.systems resolves it)
         return parts, list(weights)
     ws = capped_weights(weights, cfg.share_cap)
-    return [(centered_clip(theta, parts, ws, radial=radial), None, 1.0)], [1.0]
+    return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS), None, 1.0)], [1.0]
 
 
 def _sq(x: torch.Tensor) -> float:
@@ -98,7 +99,7 @@ def centered_clip(
     v = torch.zeros(numel, dtype=torch.float32)
     for it in range(iters):
         dist = [math.sqrt(x) for x in sq]
-        tau = weighted_median(dist, ws)
+        tau = TAU * weighted_median(dist, ws)
         pull = [w * (1.0 if d <= tau else tau / d) for w, d in zip(ws, dist)]
         sq = [0.0] * len(parts)
         for a, b in ranges(numel, align):
