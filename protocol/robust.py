@@ -31,7 +31,7 @@ from protocol.codecs import Encoded, range_align, ranges
 from protocol.merge import anchored_range
 
 ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
-ITERS = 3  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
+ITERS = 5  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
 TAU = 1.0  # the clipping radius, as a multiple of the weighted median distance
 
 Part = tuple["torch.Tensor | Encoded", "torch.Tensor | None", float]  # (outer gradient, its base, clip scale)

@@ -116,9 +116,17 @@ class Decision:
     reason: str = ""
 
 
+ROBUST_QUORUM = 3  # learners a robust merge waits for, when as many are live (protocol.robust)
+
+
 def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
-    """K, but never more than the live learners (a dead learner leaves the membership, not the quorum)."""
-    return max(1, min(cfg.quorum, len(state.live))) if state.live else cfg.quorum
+    """K, but never more than the live learners (a dead learner leaves the membership, not the quorum). A
+    robust merge (``protocol.robust``) compares contributions: a round of one is that contribution, whatever
+    it holds, so it waits for ``ROBUST_QUORUM`` learners where as many are live."""
+    if not state.live:
+        return cfg.quorum
+    k = max(cfg.quorum, ROBUST_QUORUM) if cfg.robust == "centered-clip" else cfg.quorum
+    return max(1, min(k, len(state.live)))
 
 
 def pending_learners(state: SyncState) -> set[str]:

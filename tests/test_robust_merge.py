@@ -160,3 +160,18 @@ def test_auto_is_robust_in_a_public_swarm_only_and_never_in_the_baselines():
         ProtocolConfig(robust="median")
     with pytest.raises(ConfigError, match="share_cap"):
         ProtocolConfig(share_cap=float("nan"))
+
+
+def test_a_robust_round_waits_for_three_learners_where_three_are_live():
+    """A round of one contribution is that contribution, whatever it holds: the robust merge waits for a
+    majority to compare it with (real nodes on a loaded machine merged a fifth of their rounds from one or
+    two learners, and a flipped learner's own rounds went through whole)."""
+    from protocol.synchroniser import SyncState, effective_quorum
+
+    robust, plain = ProtocolConfig(robust="centered-clip"), ProtocolConfig(robust="off")
+    five, two = frozenset("abcde"), frozenset("ab")
+    assert effective_quorum(robust, SyncState(0, live=five)) == 3
+    assert effective_quorum(robust, SyncState(0, live=two)) == 2  # never more than are live
+    assert effective_quorum(replace(robust, quorum=4), SyncState(0, live=five)) == 4
+    assert effective_quorum(plain, SyncState(0, live=five)) == 1
+    assert effective_quorum(robust, SyncState(0)) == 1  # no live set known yet: K
