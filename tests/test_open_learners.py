@@ -6,8 +6,6 @@ Only peers the authority admitted synchronise. Nothing is sealed, and the merge 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,6 +20,7 @@ from protocol.errors import ConfigError
 from protocol.merge import contribution_weight
 from tests.swarm_util import Swarm, wait_until
 from tests.test_hostile_state import SWARM, Attacker, _forged
+from tests.test_private_swarm import _cli
 from tests.test_wire_refusals import _spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -72,12 +71,6 @@ def test_settings_of_an_open_learners_swarm():
         NodeSettings(open_learners=True)  # no authority: nobody could synchronise
     with pytest.raises(ConfigError, match="open_learners"):
         NodeSettings(authority="12D3KooWx", open_learners=True, swarm_secret="k")
-
-
-def _cli(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
 
 
 def test_an_open_learner_trains_but_never_synchronises_and_its_records_are_refused(tmp_path):
