@@ -122,11 +122,28 @@ ROBUST_QUORUM = 3  # learners a robust merge waits for, when as many are live (p
 def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
     """K, but never more than the live learners (a dead learner leaves the membership, not the quorum). A
     robust merge (``protocol.robust``) compares contributions: a round of one is that contribution, whatever
-    it holds, so it waits for ``ROBUST_QUORUM`` learners where as many are live."""
+    it holds, so on the swarm's schedule it waits for ``ROBUST_QUORUM`` learners where as many are live, up
+    to ``robust_wait_over``."""
     if not state.live:
         return cfg.quorum
-    k = max(cfg.quorum, ROBUST_QUORUM) if cfg.robust == "centered-clip" else cfg.quorum
+    robust = cfg.robust == "centered-clip" and state.due_at is not None and state.due_every > 0
+    k = max(cfg.quorum, ROBUST_QUORUM) if robust else cfg.quorum
     return max(1, min(k, len(state.live)))
+
+
+def robust_wait_over(cfg: ProtocolConfig, state: SyncState) -> float | None:
+    """When a robust round stops waiting for ``ROBUST_QUORUM`` learners and merges whoever is in (K of them
+    at least): a full period of the schedule after its slot, or after its first contribution if that came
+    later. A live learner that stopped contributing (paused, stuck) costs each round a period, and does
+    not stop the rounds. None: no such wait."""
+    if (
+        cfg.robust != "centered-clip"
+        or state.due_at is None
+        or state.due_every <= 0
+        or state.first_at is None
+    ):
+        return None
+    return max(state.first_at, state.due_at) + state.due_every
 
 
 def pending_learners(state: SyncState) -> set[str]:
@@ -305,11 +322,13 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
     # Only live learners count toward the quorum; a departed learner's contribution is still merged (its
     # work is real) but cannot stand in for a live one.
     n = live_pending(state)
-    if n < k:
+    over = robust_wait_over(cfg, state) if n >= min(cfg.quorum, k) else None
+    if n < k and (over is None or now < over):
         return Decision(
             replace(state, phase=Phase.COLLECTING),
-            (),
-            f"{note}; waiting for quorum {n}/{k} in round {state.open_round}",
+            () if over is None else (WakeAt(over),),
+            f"{note}; waiting for quorum {n}/{k} in round {state.open_round}"
+            + ("" if over is None else f" until {over:.3f}"),
         )
     if state.quorum_at is None:
         first = state.first_at if state.first_at is not None else now

@@ -162,16 +162,33 @@ def test_auto_is_robust_in_a_public_swarm_only_and_never_in_the_baselines():
         ProtocolConfig(share_cap=float("nan"))
 
 
-def test_a_robust_round_waits_for_three_learners_where_three_are_live():
-    """A round of one contribution is that contribution, whatever it holds: the robust merge waits for a
-    majority to compare it with (real nodes on a loaded machine merged a fifth of their rounds from one or
-    two learners, and a flipped learner's own rounds went through whole)."""
-    from protocol.synchroniser import SyncState, effective_quorum
+def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is_in():
+    """A round of one contribution is that contribution, whatever it holds: on the swarm's schedule the robust
+    merge waits for a majority to compare it with (real nodes on a loaded machine merged a fifth of their
+    rounds from one or two learners, and a flipped learner's own rounds went through whole), but only for a
+    period: a live learner that stopped contributing must not stop the rounds."""
+    from protocol.synchroniser import Merge, SyncState, effective_quorum, on_contribution, on_tick
 
     robust, plain = ProtocolConfig(robust="centered-clip"), ProtocolConfig(robust="off")
-    five, two = frozenset("abcde"), frozenset("ab")
-    assert effective_quorum(robust, SyncState(0, live=five)) == 3
-    assert effective_quorum(robust, SyncState(0, live=two)) == 2  # never more than are live
-    assert effective_quorum(replace(robust, quorum=4), SyncState(0, live=five)) == 4
-    assert effective_quorum(plain, SyncState(0, live=five)) == 1
-    assert effective_quorum(robust, SyncState(0)) == 1  # no live set known yet: K
+    five = frozenset("abcde")
+    sched = SyncState(0, live=five, due_at=10.0, due_every=4.0)
+    assert effective_quorum(robust, sched) == 3
+    assert effective_quorum(robust, replace(sched, live=frozenset("ab"))) == 2  # never more than are live
+    assert effective_quorum(replace(robust, quorum=4), sched) == 4
+    assert effective_quorum(plain, sched) == 1
+    assert effective_quorum(robust, SyncState(0, live=five)) == 1  # no schedule yet: K
+
+    def contrib(learner):
+        return Contribution(learner, 0, 0, 8, 800, 0.1, None, f"{learner}:0:8")
+
+    st = sched
+    for learner, t in (("a", 9.9), ("b", 10.0)):
+        d = on_contribution(robust, st, contrib(learner), t)
+        st = d.state
+    assert not any(isinstance(a, Merge) for a in d.actions) and "waiting for quorum 2/3" in d.reason
+    assert not any(isinstance(a, Merge) for a in on_tick(robust, st, 13.9).actions)
+    late = on_tick(robust, st, 14.0)  # a period after its slot: whoever is in
+    assert any(isinstance(a, Merge) for a in late.actions) or late.state.quorum_at is not None, late.reason
+    three = on_contribution(robust, st, contrib("c"), 10.1)
+    assert three.state.quorum_at is not None  # the third learner: quorum at once
+    assert on_contribution(plain, sched, contrib("a"), 9.9).state.quorum_at is not None  # plain: K = 1
