@@ -174,6 +174,7 @@ class _Receiver(Replication):
 
     def __init__(self, signer: str, joiner: str) -> None:
         self.peer_id, self.members, self._peer_book = "me", {signer: object()}, {}
+        self.admission = None  # a public swarm
         self.joiner, self.reads, self.applied = joiner, 0, []
         self.settings = SimpleNamespace(swarm="s")
         self.spec = {0: {"w": (16, 16)}}
@@ -227,6 +228,7 @@ class _Restarted(Replication):
 
     def __init__(self, me: str, rep: FragmentReplica, folder) -> None:
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
+        self.admission = None  # a public swarm
         self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
