@@ -173,7 +173,9 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     five = frozenset("abcde")
     sched = SyncState(0, live=five, due_at=10.0, due_every=4.0)
     assert effective_quorum(robust, sched) == 3
-    assert effective_quorum(robust, replace(sched, live=frozenset("ab"))) == 2  # never more than are live
+    assert effective_quorum(robust, replace(sched, live=frozenset("abc"))) == 2  # never every live learner
+    assert effective_quorum(robust, replace(sched, live=frozenset("abcd"))) == 3
+    assert effective_quorum(robust, replace(sched, live=frozenset("ab"))) == 1
     assert effective_quorum(replace(robust, quorum=4), sched) == 4
     assert effective_quorum(plain, sched) == 1
     assert effective_quorum(robust, SyncState(0, live=five)) == 1  # no schedule yet: K
