@@ -9,9 +9,10 @@ from pathlib import Path
 def add_parser(sub) -> None:
     sw = sub.add_parser(
         "swarm",
-        help="private swarms: create an authority, admit and revoke peers",
-        description="The authority of a private swarm. 'init' creates a folder with the authority key, the "
-        "swarm secret and swarm.json; 'admit PEER_ID' signs an admission certificate for a node's peer id "
+        help="swarms with an authority (private, or open learners): create it, admit and revoke peers",
+        description="The authority of a private swarm, or of a public one whose synchronisers it certifies "
+        "('init --open-learners'). 'init' creates a folder with the authority key, the swarm secret (none with "
+        "--open-learners) and swarm.json; 'admit PEER_ID' signs an admission certificate for a node's peer id "
         "(from 'ddiloco keygen'); 'revoke PEER_ID' lists a peer id in revoked.txt, which nodes read through "
         "--revoked. Nodes run with --swarm NAME --authority AUTHORITY_PEER_ID --swarm-secret DIR/secret.key "
         "--certificate CERT.",
