@@ -101,7 +101,8 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
             st = swarm.status()
             return [st[i]["peer_count"] if i in st else 0 for i in range(3)]
 
-        wait_until(lambda: min(views()) >= 3 + CROWD * 0.99, 60, "every node's view to take in the crowd")
+        # 150 s: on a loaded machine (the other worker running a 5-node test) one CI run missed 60 s
+        wait_until(lambda: min(views()) >= 3 + CROWD * 0.99, 150, "every node's view to take in the crowd")
         # a document counts the 2,000 and lists a few: this node and the synchronisers first
         for i, st in swarm.status().items():
             assert len(st["peers"]) == PEERS_LISTED, i
