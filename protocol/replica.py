@@ -36,6 +36,7 @@ from protocol.merge import (
     stepped_momentum,
 )
 from protocol.norms import NormBook, global_norm, sq_norm
+from protocol.record_checks import check_record, readable
 from protocol.robust import robust_parts
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution, round_share
@@ -55,6 +56,12 @@ class MergeRecord:
     clipped: tuple[str, ...] = ()  # contribution ids scaled down by the robust merge (local, not signed)
     due: float = 0.0  # when this round was taken, on the swarm's clock (protocol.schedule); signed
     period: float = 0.0  # the swarm's step period then (0: no schedule); the next round is due H periods on
+    # Signed, for an audit to recompute the merge (protocol.audit): per contributor, the sha256 of the message
+    # its learner signed ("" where the merge had none: the in-process runner) and the scale the merge gave it
+    # (below 1: clipped against the norms the synchroniser had seen); and the round's share (``carry``).
+    digests: tuple[str, ...] = ()
+    scales: tuple[float, ...] = ()
+    share: float = 1.0
 
 
 GradSource = Mapping[str, "torch.Tensor | Encoded"] | Callable[[], Mapping[str, torch.Tensor]]
@@ -66,12 +73,6 @@ def _grad_of(src: GradSource) -> Mapping[str, torch.Tensor]:
     if any(isinstance(v, Encoded) for v in src.values()):
         return Decoded(src)  # each tensor decoded as it is read
     return src
-
-
-def _readable(grad: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor | Encoded]:
-    """A record's gradient as the ranged readers take it: its wire form where it is kept in one (``Decoded``:
-    not decoded whole), else its tensors."""
-    return grad.encoded if isinstance(grad, Decoded) else grad
 
 
 def _fp32(v: torch.Tensor | Encoded) -> torch.Tensor:
@@ -172,15 +173,27 @@ class FragmentReplica:
     def base(self, round_: int) -> dict[str, torch.Tensor]:
         """Global round ``round_`` of this fragment: the current state, or rebuilt by walking the outer
         steps of the rounds since back (fp32; within a few ulps of the state that round had)."""
-        if round_ == self.round:
-            return self.theta
+        return self.theta if round_ == self.round else self.walk_back(round_)[0]
+
+    def walk_back(self, round_: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Theta and the outer momentum at round ``round_``, walked back from now through the outer steps."""
         theta, mom = dict(self.theta), dict(self.momentum)
         for grad, lr, mu in self.past_steps(round_):
             for k, g in grad.items():
                 theta[k] = theta[k] + lr * (g + mu * mom[k])
-                if mu != 0:
-                    mom[k] = (mom[k] - g) / mu
-        return theta
+                mom[k] = (mom[k] - g) / mu if mu != 0 else torch.zeros_like(mom[k])
+        return theta, mom
+
+    def rewind(self, round_: int) -> None:
+        """Undo the rounds after ``round_`` (a convicted record and those on top of it): the state is walked back
+        through their outer steps (within a few ulps of the state that round had, so under its own hash);
+        history keeps the rounds up to it."""
+        theta, mom = self.walk_back(round_)
+        self.theta, self.momentum, self.round = theta, mom, round_
+        self._hash, self._made = tensors_hash(theta), None
+        for r in [r for r in self._past if r > round_]:
+            del self._past[r]
+        self.clock = None
 
     def past_steps(self, round_: int) -> list[tuple[Mapping[str, torch.Tensor], float, float]]:
         """The outer steps from round ``round_`` to now, newest first: (merged gradient, each tensor decoded
@@ -240,6 +253,7 @@ class FragmentReplica:
         live: int = 0,
         due: float = 0.0,
         period: float = 0.0,
+        given: MergeRecord | None = None,
     ) -> MergeRecord:
         """Merge ``contributions`` into round ``round_`` (DESIGN §1 steps 3-6). With ``cfg.carry`` and
         ``live`` learners known, the merged outer gradient is scaled by ``round_share``. ``due`` and
@@ -247,7 +261,9 @@ class FragmentReplica:
 
         The robust merge measures each learner's own outer gradient (against the base it was taken on) and
         scales that part alone: Theta_now - theta_m = (Theta_now - base) + s * delta. The part the global
-        itself moved since that base is no learner's to clip."""
+        itself moved since that base is no learner's to clip.
+
+        ``given``: an audit's recompute of that record (``protocol.audit``): its scales and share, not ours."""
         if round_ != self.round + 1:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
@@ -256,7 +272,7 @@ class FragmentReplica:
         clipped = []
         ref = self.norm_reference() if cfg.clip_factor > 0 else None
         scales = []
-        for c in contributions:
+        for c in contributions if given is None else ():
             n = c.norm if c.norm is not None else global_norm(c.delta)
             scale = 1.0
             if ref is not None and n > cfg.clip_factor * ref:
@@ -264,6 +280,8 @@ class FragmentReplica:
                 clipped.append(c.cid)
             scales.append(scale)
             self.norms.add(c.learner, n / math.sqrt(max(1, self.numel)))
+        if given is not None:
+            scales = list(given.scales)
 
         def anchored(k: str) -> Iterator[torch.Tensor]:
             """Each contribution's outer gradient of tensor ``k`` at the current global, decoded one at a
@@ -280,7 +298,9 @@ class FragmentReplica:
                 del d
 
         check_weights(len(contributions), weights)
-        share = round_share(contributions, cfg, live) if cfg.carry else 1.0
+        share = (
+            given.share if given is not None else round_share(contributions, cfg, live) if cfg.carry else 1.0
+        )
         # Quantised once here; every replica, this one included, steps with the decoded values, so the new
         # hash is the same everywhere.
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
@@ -319,48 +339,16 @@ class FragmentReplica:
             clipped=tuple(clipped),
             due=float(due),
             period=float(period),
+            digests=tuple(c.digest for c in contributions),
+            scales=tuple(float(s) for s in scales),
+            share=float(share),
         )
         self._made = (rec, new_theta)  # the momentum steps when the record is applied
         return rec
 
     def check_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
-        """What a replica checks of another node's merge record before applying it, beyond the parent and
-        the new hash (which only show the signer did its arithmetic): the contributors' weights follow from
-        their counters, and the merged outer gradient is finite, of the fragment's shapes, and bounded as a
-        merge of bounded contributions is: under ``max_rms``, and under ``refuse_factor`` times the learners'
-        typical outer gradient. (Not against the fragment's recent records: honest rounds differ from their
-        predecessors by 300x and more, and such a bound refused them in a parity run.)
-        A forged record that would throw the model far fails here; one inside these bounds moves it no
-        further than an honest merge can (docs/security.md)."""
-        if not rec.contributors:
-            raise ProtocolError(RejectCode.FORGED_RECORD, f"round {rec.round} names no contribution")
-        for learner, cid, w, steps, tokens in rec.contributors:
-            if steps <= 0 or tokens <= 0 or not math.isfinite(w):
-                raise ProtocolError(
-                    RejectCode.FORGED_RECORD, f"contribution {cid} has counters {steps}/{tokens}"
-                )
-            if not math.isclose(w, contribution_weight(tokens, steps), rel_tol=1e-6):
-                raise ProtocolError(
-                    RejectCode.FORGED_RECORD,
-                    f"contribution {cid} of {learner}: weight {w:.6g} does not follow from its counters",
-                )
-        try:
-            n = self.check_delta(_readable(rec.grad))
-        except ProtocolError as e:
-            raise ProtocolError(
-                RejectCode.RECORD_TOO_LARGE if e.code is RejectCode.NOT_FINITE else e.code, str(e)
-            ) from None
-        rms = n / math.sqrt(max(1, self.numel))
-        if cfg.max_rms > 0 and rms > cfg.max_rms:
-            raise ProtocolError(
-                RejectCode.RECORD_TOO_LARGE, f"merged gradient RMS {rms:.3g} exceeds max_rms {cfg.max_rms:g}"
-            )
-        ref = self.norm_reference() if cfg.refuse_factor > 0 else None
-        if ref is not None and n > cfg.refuse_factor * ref:
-            raise ProtocolError(
-                RejectCode.RECORD_TOO_LARGE,
-                f"merged gradient norm {n:.3g} is {n / ref:.0f}x a learner's typical {ref:.3g}",
-            )
+        """What a replica checks of another node's merge record before applying it (``protocol.record_checks``)."""
+        check_record(self, rec, cfg)
 
     def apply_record(self, rec: MergeRecord, cfg: ProtocolConfig, source: GradSource | None = None) -> None:
         """Apply ``rec`` (raises ProtocolError if it does not follow this replica or misses its hash).
@@ -372,7 +360,7 @@ class FragmentReplica:
                 f"record for round {rec.round} (parent "
                 f"{rec.parent_hash[:8]}) does not follow round {self.round} ({self._hash[:8]})",
             )
-        grad, lr, mu = _readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
+        grad, lr, mu = readable(rec.grad), cfg.outer_lr, cfg.outer_momentum
         if self._made is not None and self._made[0] is rec:
             theta, new_hash = self._made[1], rec.new_hash
         else:
@@ -390,7 +378,7 @@ class FragmentReplica:
         self.theta, self.momentum, self.round, self._hash = theta, mom, rec.round, new_hash
         self._made = None
         if source is None:
-            source = dict(rec.wire) if rec.wire is not None else dict(_readable(rec.grad))
+            source = dict(rec.wire) if rec.wire is not None else dict(readable(rec.grad))
         self._past[rec.round] = (source, cfg.outer_lr, cfg.outer_momentum)
         self.clock = next_clock(rec.round, rec.due, rec.period, cfg.sync_every, before=self.clock)
         while len(self._past) > self._history_len:

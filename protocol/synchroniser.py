@@ -58,6 +58,7 @@ class Contribution:
     delta: Any  # dict[str, Tensor | Encoded]; typed loosely so the state machine never touches tensors
     cid: str = ""
     norm: float | None = None
+    digest: str = ""  # sha256 of the signed message it came in (a merge record names it: protocol.audit)
 
 
 @dataclass(frozen=True)

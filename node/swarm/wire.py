@@ -17,13 +17,14 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dht.identity import Identity, verify
+from node.swarm.audit_wire import audit_doc, audit_fields
 from protocol.codecs import Decoded, encode_tensors
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
@@ -75,6 +76,7 @@ def _record_doc(swarm: str, rec: MergeRecord) -> str:
             "block": rec.block,
             "due": rec.due,
             "period": rec.period,
+            **audit_doc(rec),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -178,6 +180,7 @@ def decode_record(raw: bytes, swarm: str, spec: dict[int, dict[str, tuple[int, .
     rec = MergeRecord(
         p, r, parent, new, contributors, grad, codec, block, due=float(due), period=float(period)
     )
+    rec = replace(rec, **audit_fields(doc, len(contributors)))
     return SignedRecord(rec, str(signer), raw)
 
 
@@ -238,12 +241,6 @@ def parse_route(raw: bytes) -> set[str]:
     if not (isinstance(dead, list) and all(isinstance(x, str) for x in dead)):
         raise ProtocolError(RejectCode.MALFORMED, f"bad routing header: dead {_short(dead)}")
     return set(dead)
-
-
-def unpack_contribution(payload: bytes) -> tuple[set[str], bytes]:
-    """A ``contribute`` request: the routing header's dead peers and the contribution message."""
-    dead, raw, _ = unpack_signed_contribution(payload)
-    return dead, raw
 
 
 def unpack_signed_contribution(payload: bytes) -> tuple[set[str], bytes, bytes]:

@@ -305,16 +305,16 @@ def mutate_envelope(rng: random.Random, raw: bytes) -> bytes:
     return wire.pack_list(rng.choice([[route, msg], [route], [route, msg, msg], [msg, route]]))
 
 
-def _check_envelope(result: tuple[set[str], bytes]) -> None:
-    dead, msg = result
+def _check_envelope(result: tuple[set[str], bytes, bytes]) -> None:
+    dead, msg, sig = result
     _check_types(dead, str)
-    assert isinstance(msg, bytes)
+    assert isinstance(msg, bytes) and isinstance(sig, bytes)
 
 
 ENVELOPE = Target(
     "contribute_envelope",
     envelope_seeds,
-    wire.unpack_contribution,
+    wire.unpack_signed_contribution,
     (ProtocolError,),
     _check_envelope,
     [mutate_envelope] * 4 + BYTE_MUTATORS,
