@@ -1,11 +1,13 @@
-"""A node that runs the project's own code with its learner's contributions tampered with: the hostile member
-of ``bench/attacks.py``. Everything else (membership, elections, merges when it is elected) is honest.
+"""A node that runs the project's own code with its learner's contributions, or its merges, tampered with: the
+hostile member of ``bench/attacks.py`` and ``tests/test_audit.py``. Everything else is honest.
 
     python bench/hostile_node.py ATTACK [ddiloco node flags...]
 
-ATTACK: ``flip`` (the negated outer gradient, at honest size), ``flip-x2.5`` (2.5x that: under the default
-``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step: the ``work_factor`` bound, 16x the
-weight), ``random`` (a random direction at 3x honest size).
+Learner attacks: ``flip`` (the negated outer gradient, at honest size), ``flip-x2.5`` (2.5x that: under the
+default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step: the ``work_factor`` bound,
+16x the weight), ``random`` (a random direction at 3x honest size).
+Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
+consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5).
 """
 
 from __future__ import annotations
@@ -21,6 +23,30 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
     "inflate": (-1.0, 4, False),
     "random": (3.0, 1, True),
 }
+SYNC_ATTACKS = {"sync-flip": -1.0, "sync-x1.5": 1.5}  # scale of each contribution the record merges
+
+
+def tamper_merges(attack: str) -> None:
+    from dataclasses import replace as dc_replace
+
+    from protocol.codecs import Encoded, get_codec
+    from protocol.replica import FragmentReplica
+
+    scale = SYNC_ATTACKS[attack]
+    honest_make = FragmentReplica.make_record
+
+    def fp32(v):
+        return get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
+
+    def make_record(self, round_, contributions, cfg, *args, **kwargs):
+        if kwargs.get("given") is None:  # its own merges, not its audits of others'
+            contributions = [
+                dc_replace(c, delta={k: fp32(v) * scale for k, v in c.delta.items()}, norm=None)
+                for c in contributions
+            ]
+        return honest_make(self, round_, contributions, cfg, *args, **kwargs)
+
+    FragmentReplica.make_record = make_record
 
 
 def tamper(attack: str) -> None:
@@ -48,10 +74,13 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ATTACKS:
-        print(f"usage: hostile_node.py {{{'|'.join(ATTACKS)}}} [node flags...]", file=sys.stderr)
+    if len(sys.argv) < 2 or sys.argv[1] not in {**ATTACKS, **SYNC_ATTACKS}:
+        print(
+            f"usage: hostile_node.py {{{'|'.join([*ATTACKS, *SYNC_ATTACKS])}}} [node flags...]",
+            file=sys.stderr,
+        )
         return 2
-    tamper(sys.argv[1])
+    (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
     from node.cli.main import main as ddiloco
 
     return ddiloco(["node", *sys.argv[2:]])

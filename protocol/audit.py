@@ -36,28 +36,29 @@ def _fp32(v):
     return get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
 
 
-def parent_view(rep: FragmentReplica, round_: int) -> FragmentReplica:
-    """A shallow copy of ``rep`` at ``round_`` (walked back where ``rep`` is past it), with norms of its own;
-    ``rep`` is left as it is. Raises ``stale_base`` where the history does not reach back."""
+def frozen_view(rep: FragmentReplica) -> FragmentReplica:
+    """A shallow copy of ``rep`` that records applied to ``rep`` later do not move (take it on the thread that
+    applies them; its tensors are shared, so ``rep``'s momentum must not step in place while it is used:
+    ``node.swarm.memory.momentum_lent``). It has norms of its own."""
     view = copy.copy(rep)
     view._past = OrderedDict(rep._past)
     view.norms = NormBook()
     view.lent = 1  # never step a tensor it shares with ``rep`` in place
-    if round_ < rep.round:
-        view.rewind(round_)
-    elif round_ > rep.round:
-        raise ProtocolError(RejectCode.FUTURE_BASE, f"round {round_} is ahead of ours ({rep.round})")
     return view
 
 
 def audit_gap(
-    rep: FragmentReplica, rec: MergeRecord, contributions: Sequence[Contribution], cfg: ProtocolConfig
+    view: FragmentReplica, rec: MergeRecord, contributions: Sequence[Contribution], cfg: ProtocolConfig
 ) -> float:
-    """||g_record - g_recomputed|| / ||g_recomputed||, with ``contributions`` in the record's order (each
-    already checked against the record's digest and its learner's signature by the caller)."""
+    """||g_record - g_recomputed|| / ||g_recomputed||, recomputed on ``view`` (a ``frozen_view``, walked back to
+    the record's parent here; raises ``stale_base`` where its history does not reach). ``contributions``: in
+    the record's order, each already checked against the record's digest and its learner's signature."""
     if [c.cid for c in contributions] != [c[1] for c in rec.contributors]:
         raise ProtocolError(RejectCode.MALFORMED, "the contributions are not the ones the record names")
-    view = parent_view(rep, rec.round - 1)
+    if rec.round - 1 > view.round:
+        raise ProtocolError(RejectCode.FUTURE_BASE, f"round {rec.round} is ahead of ours ({view.round})")
+    if rec.round - 1 < view.round:
+        view.rewind(rec.round - 1)
     mine = view.make_record(rec.round, contributions, cfg, given=rec)
     diff = ref = 0.0
     theirs = readable(rec.grad)

@@ -45,6 +45,7 @@ class RejectCode(enum.Enum):
     RECORD_TOO_LARGE = "record_too_large"  # a merge record's merged outer gradient out of all proportion
     PEER_BUSY = "peer_busy"  # the sender already has its budget of request bytes being read; retry later
     RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
+    UNDONE = "undone"  # a merge record on a chain the receiver undid (an audit convicted a record of it)
     FORGED_SNAPSHOT = "forged_snapshot"  # a snapshot that is not the state its donor's own records reach
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +13,6 @@ from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.merge import contribution_weight
 
-if TYPE_CHECKING:
-    from protocol.replica import FragmentReplica, MergeRecord
-
 
 def readable(grad: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor | Encoded]:
     """A record's gradient as the ranged readers take it: its wire form where it is kept in one (``Decoded``:
@@ -24,9 +20,9 @@ def readable(grad: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor | En
     return grad.encoded if isinstance(grad, Decoded) else grad
 
 
-def check_record(rep: FragmentReplica, rec: MergeRecord, cfg: ProtocolConfig) -> None:
-    """What a replica checks of another node's merge record before applying it, beyond the parent and
-    the new hash (which only show the signer did its arithmetic): the contributors' weights follow from
+def check_record(rep, rec, cfg: ProtocolConfig) -> None:
+    """What a replica ``rep`` (a ``FragmentReplica``) checks of another node's merge record ``rec`` before
+    applying it, beyond the parent and the new hash (which only show the signer did its arithmetic): the contributors' weights follow from
     their counters, and the merged outer gradient is finite, of the fragment's shapes, and bounded as a
     merge of bounded contributions is: under ``max_rms``, and under ``refuse_factor`` times the learners'
     typical outer gradient. (Not against the fragment's recent records: honest rounds differ from their

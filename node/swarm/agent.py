@@ -50,6 +50,7 @@ from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
 from node.swarm.memory import release_free_memory
+from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
@@ -190,20 +191,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
-        self.counters = {
-            "records_applied": 0,
-            "records_made": 0,
-            "contributions_sent": 0,
-            "contributions_accepted": 0,
-            "contributions_dropped": 0,
-            "failovers": 0,
-            "convictions": 0,  # members banned for a signed lie, seen here or handed over as evidence
-            "stalls": 0,  # rounds a synchroniser took from us and did not merge in time
-            "forks": 0,
-            "resyncs": 0,
-            "hash_mismatches": 0,
-            "checkpoints": 0,
-        }
+        self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
         self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
         self.published_self: Member | None = None  # this node's membership record as peers read it
         self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
@@ -283,7 +271,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        for op in ("contribute", "record", "records", "snapshot", "ping", "evidence"):
+        for op in ("contribute", "record", "records", "snapshot", "ping", "evidence", "kept", "proof"):
             self.transport.register(op, getattr(self, f"_h_{op}"))  # the handlers: _h_contribute, ...
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

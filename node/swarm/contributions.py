@@ -119,6 +119,7 @@ class Contributions:
             return
         raw = encode_contribution(header, enc)
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
+        self.keep_message(raw, sig)  # for the audit of the record that merges it
         deadline = self.loop.time() + self.settings.failover_s
         mono = time.monotonic()
         dead: set[str] = {q for q, until in self.suspect.items() if until > mono}  # named to the next one
@@ -285,8 +286,9 @@ class Contributions:
             self.guard.check_replay(h.cid)
             self._check_work(h)
             n = self.replicas[p].check_delta(delta, self.pcfg)  # decodes each tensor, checks it, lets it go
+            digest = self.keep_message(raw, sig)  # the record names it; audits fetch it (node.swarm.audit)
             c = Contribution(
-                h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n
+                h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
         except ProtocolError as e:

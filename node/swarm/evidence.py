@@ -16,6 +16,7 @@ import random
 import time
 from dataclasses import replace
 
+from node.swarm.audit import Audit
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import SignedRecord, decode_record
 from protocol.errors import ProtocolError, RejectCode
@@ -27,7 +28,7 @@ EVIDENCE_FANOUT = 16  # members one node hands a piece of evidence to (each pass
 EVIDENCE_RMS_SLACK = 2.0
 
 
-class Evidence:
+class Evidence(Audit):
     def proven_lie(self, sr: SignedRecord) -> ProtocolError | None:
         """What ``sr`` proves its signer did wrong, by the checks every node makes alike; None: nothing."""
         if sr.signer == self.peer_id:

@@ -22,6 +22,25 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# What a node counts (``Node.counters``; status and /metrics show them)
+NODE_COUNTERS = (
+    "records_applied",
+    "records_made",
+    "contributions_sent",
+    "contributions_accepted",
+    "contributions_dropped",
+    "failovers",
+    "convictions",  # members banned for a signed lie, seen here or handed over as evidence or proof
+    "stalls",  # rounds a synchroniser took from us and did not merge in time
+    "forks",
+    "resyncs",
+    "hash_mismatches",
+    "checkpoints",
+    "audits",  # records this node recomputed from their contributions (node.swarm.audit)
+    "audits_unfetched",  # audits whose signed contributions could not be fetched
+    "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
+)
+
 PREFIX = "ddiloco"
 PENDING_KEPT = 4096  # contributions awaiting their merge, for the latency histogram
 # (metric, help, path in the status document): gauges read at scrape time

@@ -64,6 +64,9 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if not made_here:
+            if rec.parent_hash in self.undone() or rec.new_hash in self.undone():
+                self.undone().add(rec.new_hash)  # node.swarm.audit
+                raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             self._vouch(sr)
             rep.check_record(rec, self.pcfg)
         raw = self.spool.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
@@ -104,6 +107,8 @@ class Replication:
         )
         if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
+            if self.audits(sr):
+                self._spawn(self._audit(sr))
         self._schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
@@ -303,7 +308,7 @@ class Replication:
             try:
                 self._apply(sr)
             except ProtocolError as e:
-                if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+                if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE, RejectCode.UNDONE):
                     self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
                 elif (lie := self.proven_lie(sr)) is not None:  # only on a refusal: no second pass otherwise
                     self.convict(sr, lie, caller)

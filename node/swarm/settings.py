@@ -97,6 +97,14 @@ class NodeSettings:
             "--swarm-secret), and merges are robust"
         },
     )
+    audit: str = field(
+        default="auto",
+        metadata={
+            "help": "share of merge records a drawn member recomputes from their signed contributions, 0 to 1 "
+            "(a record that does not follow from them bans its signer everywhere and is undone); auto: 1 "
+            "where learners are not vouched for (a public or open-learners swarm), else 0 (docs/security.md)"
+        },
+    )
     revoked: str = field(
         default="",
         metadata={"help": "private swarm: file of revoked peer ids, one a line (re-read on change)"},
@@ -211,6 +219,13 @@ class NodeSettings:
                 "authority is set (a private swarm) but certificate or swarm_secret is not: a member needs "
                 "its admission certificate ('ddiloco swarm admit') and the swarm secret file"
             )
+        if self.audit != "auto":
+            try:
+                ok = 0.0 <= float(self.audit) <= 1.0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError(f"audit={self.audit!r} is invalid: auto, or a share of records in [0, 1]")
         if not 0 <= self.agent_nice <= 19:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
         if not 0 <= self.learner_nice <= 19:
@@ -273,6 +288,11 @@ class NodeSettings:
         """Every learner is vouched for: a private swarm, sealed, each member with a certificate (``robust``
         ``auto`` then leaves the merge plain)."""
         return bool(self.authority) and not self.open_learners
+
+    @property
+    def audit_share(self) -> float:
+        """The share of merge records audited (``audit``, with auto resolved)."""
+        return (0.0 if self.trusted else 1.0) if self.audit == "auto" else float(self.audit)
 
     @staticmethod
     def split(v: str) -> list[str]:

@@ -1,0 +1,309 @@
+"""Audits of merge records (issue 32, item 1; docs/security.md, "Audited merges").
+
+A merge record names, per contributor, the sha256 of the message its learner signed (``protocol.audit``). The
+members that sent or merged a contribution keep its signed message for a while (``KeptMessages``) and serve
+it to any member (``kept`` op). For a share of records (``--audit``), the member drawn by the record's own hash
+among the electable members other than its signer fetches the messages (from their learners first, then the
+signer), checks each against the record's digest and its learner's signature, and merges them again on its
+replica walked back to the record's parent. A record that lands more than ``AUDIT_TOLERANCE`` from the
+recompute, or that names counters its learners did not sign, is a lie anyone can check: the signed record and
+the signed messages. The auditor bans the signer, undoes the record and every round on top of it
+(``FragmentReplica.rewind``), and hands the proof on (``proof`` op); each member checks it alone, does the
+same and hands it on once. A record on an undone chain is refused (``undone``) from then on.
+
+A mixin of ``node.swarm.agent.Node``, through ``node.swarm.evidence.Evidence``."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from collections import OrderedDict
+
+from node.swarm.memory import momentum_lent
+from node.swarm.transport import Reply, TransportError
+from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list, verify_contribution
+from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
+from protocol.errors import ProtocolError, RejectCode
+from protocol.messages import decode_contribution
+from protocol.synchroniser import Contribution
+
+logger = logging.getLogger(__name__)
+AUDITORS = 1  # members drawn to recompute an audited record
+FETCH_MAX = 64  # messages one ``kept`` request may ask for (a record names one per contributor)
+PROOF_FANOUT = 16  # members one node hands a proof to (each passes it on once)
+
+
+class KeptMessages:
+    """Signed contribution messages (message, signature) by sha256 of the message, newest kept, at most
+    ``max_bytes`` of them."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+
+    def put(self, raw: bytes, sig: bytes) -> str:
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest not in self.items:
+            self.items[digest] = (bytes(raw), bytes(sig))
+            self.bytes += len(raw) + len(sig)
+        while self.bytes > self.max_bytes and len(self.items) > 1:
+            _, (r, s) = self.items.popitem(last=False)
+            self.bytes -= len(r) + len(s)
+        return digest
+
+    def get(self, digest: str) -> tuple[bytes, bytes] | None:
+        return self.items.get(digest)
+
+
+def parse_kept_request(raw: bytes) -> list[str]:
+    try:
+        digests = json.loads(raw).get("digests")
+    except (ValueError, AttributeError, RecursionError) as e:
+        raise ProtocolError(RejectCode.MALFORMED, f"bad kept request: {type(e).__name__}") from e
+    if not (
+        isinstance(digests, list)
+        and len(digests) <= FETCH_MAX
+        and all(isinstance(d, str) and len(d) == 64 for d in digests)
+    ):
+        raise ProtocolError(RejectCode.MALFORMED, f"kept request: at most {FETCH_MAX} sha256 digests")
+    return digests
+
+
+class Audit:
+    def kept(self) -> KeptMessages:
+        """The signed messages this node sent or merged (empty where it audits nothing): twice the model's
+        parameters in bytes, about 3.5 rounds of every fragment's int4 contributions."""
+        k = self.__dict__.get("_kept")
+        if k is None:
+            k = self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel))
+        return k
+
+    def keep_message(self, raw: bytes, sig: bytes) -> str:
+        """Keep a signed contribution message for audits (where this swarm audits); returns its digest."""
+        if self.settings.audit_share > 0:
+            return self.kept().put(raw, sig)
+        return hashlib.sha256(raw).hexdigest()
+
+    def undone(self) -> set[str]:
+        """Hashes of records this node undid (convicted, or on top of one): a chain it no longer follows."""
+        return self.__dict__.setdefault("_undone", set())
+
+    # ---------------------------------------------------------------- who audits
+    def audits(self, sr: SignedRecord) -> bool:
+        """Whether this node audits ``sr``: a share of records chosen by their hash, and among the members that
+        may synchronise (not its signer) the ``AUDITORS`` first by sha256(record hash | peer id)."""
+        rec, share = sr.record, self.settings.audit_share
+        if share <= 0 or sr.signer == self.peer_id or not rec.digests or "" in rec.digests:
+            return False
+        if int(rec.new_hash[:8], 16) >= share * 0x100000000:
+            return False
+        if self.settings.client_mode or self.learner_only():
+            return False
+        pool = [q for q, m in self.live_members().items() if not m.client_mode and q != sr.signer]
+        pool.append(self.peer_id)
+
+        def rank(q: str) -> str:
+            return hashlib.sha256(f"{rec.new_hash}|{q}".encode()).hexdigest()
+
+        return self.peer_id in sorted(set(pool), key=rank)[:AUDITORS]
+
+    # ---------------------------------------------------------------- the audit
+    async def _audit(self, sr: SignedRecord) -> None:
+        rec = sr.record
+        t0 = time.monotonic()
+        try:
+            msgs = await self._fetch_messages(sr)
+        except (TransportError, ProtocolError) as e:
+            self.counters["audits_unfetched"] += 1
+            self.events.emit(
+                "audit", t=time.time(), fragment=rec.fragment, round=rec.round, signer=sr.signer, gap=None
+            )
+            logger.info(
+                "audit of fragment %d round %d: messages not fetched (%s)", rec.fragment, rec.round, e
+            )
+            return
+        gap = await self._recompute(sr, msgs)
+        if gap is None:
+            return
+        self.counters["audits"] += 1
+        self.events.emit(
+            "audit",
+            t=time.time(),
+            fragment=rec.fragment,
+            round=rec.round,
+            signer=sr.signer,
+            gap=gap,
+            seconds=round(time.monotonic() - t0, 3),
+        )
+        if gap > AUDIT_TOLERANCE:
+            self.convict_merge(sr, msgs, self.peer_id, gap)
+
+    async def _fetch_messages(self, sr: SignedRecord) -> list[tuple[bytes, bytes]]:
+        """The signed messages ``sr`` names, in its order: ours, then from their learners, then its signer."""
+        rec = sr.record
+        got = {d: self.kept().get(d) for d in rec.digests}
+        asked = [c[0] for c in rec.contributors] + [sr.signer]
+        for q in dict.fromkeys(asked):
+            want = [d for d, m in got.items() if m is None]
+            if not want:
+                break
+            if q == self.peer_id:
+                continue
+            try:
+                reply = await self.transport.call(q, "kept", json.dumps({"digests": want}).encode())
+            except TransportError:
+                continue
+            if not reply.ok:
+                continue
+            items = unpack_list(reply.body, max_items=2 * FETCH_MAX)
+            for raw, sig in zip(items[::2], items[1::2]):
+                d = hashlib.sha256(raw).hexdigest()
+                if d in got and got[d] is None:
+                    got[d] = (raw, sig)
+        missing = [d for d, m in got.items() if m is None]
+        if missing:
+            raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found")
+        return [got[d] for d in rec.digests]
+
+    def _contributions(
+        self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]]
+    ) -> tuple[list[Contribution], str]:
+        """The messages as the record's contributions, each checked against the record's digest and its
+        learner's signature (ProtocolError where not: they prove nothing), and what the record claims of
+        them that their signed headers refute ("" where nothing)."""
+        rec, p = sr.record, sr.record.fragment
+        if len(msgs) != len(rec.contributors):
+            raise ProtocolError(RejectCode.MALFORMED, f"{len(msgs)} messages for {len(rec.contributors)}")
+        out, lie = [], ""
+        for (learner, cid, _, steps, tokens), digest, (raw, sig) in zip(rec.contributors, rec.digests, msgs):
+            if hashlib.sha256(raw).hexdigest() != digest:
+                raise ProtocolError(RejectCode.MALFORMED, f"message of {cid} is not the one the record names")
+            verify_contribution(self.settings.swarm, learner, raw, sig)
+            h, delta = decode_contribution(raw, self.spec[p], decode=False)
+            if (h.learner, h.fragment, h.cid) != (learner, p, cid):
+                lie = lie or f"{cid}: the record names another learner, fragment or id than its message"
+            if (h.c_steps, h.c_tokens) != (steps, tokens):
+                lie = lie or f"{cid}: counters {steps}/{tokens}, signed {h.c_steps}/{h.c_tokens}"
+            self.replicas[p].check_delta(delta)  # shapes and finiteness: an honest merge refused it
+            c = Contribution(h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, cid)
+            out.append(c)
+        return out, lie
+
+    async def _recompute(self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]]) -> float | None:
+        """How far ``sr`` lands from its contributions merged again here (inf: it names what they refute);
+        None where this node cannot tell (its state does not reach the record's parent)."""
+        rec = sr.record
+        rep = self.replicas[rec.fragment]
+        cs, lie = self._contributions(sr, msgs)
+        if lie:
+            return float("inf")
+        at = self.logs[rec.fragment].get(rec.round - 1)
+        parent = rep.hash if rep.round == rec.round - 1 else at.record.new_hash if at is not None else None
+        if parent != rec.parent_hash or not rep.keeps(min([c.base_round for c in cs] + [rec.round - 1])):
+            return None
+        view = frozen_view(rep)
+        with momentum_lent([rep]):
+            try:
+                return await asyncio.to_thread(audit_gap, view, rec, cs, self.pcfg)
+            except ProtocolError as e:
+                logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
+                return None
+
+    # ---------------------------------------------------------------- conviction and undo
+    def convict_merge(
+        self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]], source: str, gap: float
+    ) -> None:
+        rec = sr.record
+        if rec.new_hash in self.undone():
+            return
+        self.undone().add(rec.new_hash)
+        if self.guard.ban(sr.signer, time.monotonic(), "a merge that does not follow from its contributions"):
+            self.counters["convictions"] += 1
+        self.events.emit(
+            "ban",
+            t=time.time(),
+            peer=sr.signer,
+            seconds=self.guard.ban_s,
+            last="unfaithful_merge",
+            evidence=source,
+            fragment=rec.fragment,
+            round=rec.round,
+            gap=gap,
+        )
+        self._undo(sr)
+        targets = [
+            q
+            for q, m in self.live_members().items()
+            if q not in (self.peer_id, sr.signer, source) and not m.client_mode
+        ]
+        body = pack_list([bytes(sr.raw), *(x for m in msgs for x in m)])
+        self._spawn(self._hand_proof(body, random.sample(targets, min(len(targets), PROOF_FANOUT))))
+
+    def _undo(self, sr: SignedRecord) -> None:
+        """Walk fragment p back to the convicted record's parent round, if this node applied the record."""
+        rec, p = sr.record, sr.record.fragment
+        rep, log = self.replicas[p], self.logs[p]
+        mine = log.get(rec.round)
+        if mine is None or mine.record.new_hash != rec.new_hash or not rep.keeps(rec.round - 1):
+            return
+        self.undone().update(log[r].record.new_hash for r in log if r >= rec.round)
+        rep.rewind(rec.round - 1)
+        for r in [r for r in log if r >= rec.round]:
+            del log[r]
+        prev = log.get(rec.round - 1)
+        n, w = (len(prev.record.contributors), prev.total_weight) if prev is not None else (0, 0.0)
+        self.heads[p] = (rep.round, rep.hash, n, w)
+        self.counters["rounds_undone"] += 1
+        self.events.emit("undo", t=time.time(), fragment=p, round=rec.round, signer=sr.signer, hash=rep.hash)
+        self._reset_sync(p)
+        if self.learner_loop.is_alive():
+            self.learner_loop.deliver(p, rep.round, rep.theta, True)
+
+    async def _hand_proof(self, body: bytes, targets: list[str]) -> None:
+        async def one(q: str) -> None:
+            try:
+                await self.transport.call(q, "proof", body)
+            except TransportError:
+                pass
+
+        await asyncio.gather(*(one(q) for q in targets))
+
+    # ---------------------------------------------------------------- ops (server side)
+    async def _h_kept(self, caller: str, raw: bytes) -> Reply:
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        try:
+            digests = parse_kept_request(raw)
+        except ProtocolError as e:
+            self.penalise(caller, e.code)
+            return Reply(False, e.code.value, str(e))
+        found = [m for m in (self.kept().get(d) for d in digests) if m is not None]
+        return Reply(True, body=pack_list([x for m in found for x in m]))
+
+    async def _h_proof(self, caller: str, body: bytes) -> Reply:
+        if not await self._known(caller):
+            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        try:
+            items = unpack_list(body, max_items=1 + 2 * FETCH_MAX)
+            if not items or len(items) % 2 != 1:
+                raise ProtocolError(RejectCode.MALFORMED, "a proof is [record, message, signature, ...]")
+            sr = decode_record(items[0], self.settings.swarm, self.spec)
+            if sr.record.new_hash in self.undone() or sr.signer == self.peer_id:
+                return Reply(True, message="known")
+            msgs = list(zip(items[1::2], items[2::2]))
+            gap = await self._recompute(sr, msgs)
+            if gap is None:
+                return Reply(True, message="cannot check: our state does not reach the record's parent")
+            if gap <= AUDIT_TOLERANCE:
+                raise ProtocolError(
+                    RejectCode.MALFORMED, f"proof against {sr.signer} proves no lie ({gap:.2g})"
+                )
+        except ProtocolError as e:
+            self.penalise(caller, e.code)
+            return Reply(False, e.code.value, str(e))
+        self.convict_merge(sr, msgs, caller, gap)
+        return Reply(True)

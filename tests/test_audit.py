@@ -1,0 +1,132 @@
+"""Audited merges (issue 32, item 1): a merge record recomputed from the contributions it names
+(``protocol.audit``), the record's signed audit fields on the wire, ``FragmentReplica.rewind``, and a lying
+synchroniser among real nodes of a public swarm, banned everywhere and undone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dht.identity import Identity
+from node.swarm.wire import decode_record, encode_record
+from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
+from protocol.codecs import encode_tensors
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import Contribution
+
+SPEC = {0: {"w": (64, 32), "b": (32,)}}
+
+
+def _replica(is_embedding: bool = False, history: int = 4) -> FragmentReplica:
+    g = torch.Generator().manual_seed(0)
+    theta = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+    return FragmentReplica(0, theta, is_embedding, history=history)
+
+
+def _contributions(base_round: int, seed: int, n: int = 4) -> list[Contribution]:
+    g = torch.Generator().manual_seed(seed)
+    mean = {"w": 0.01 * torch.randn(64, 32, generator=g), "b": 0.01 * torch.randn(32, generator=g)}
+    out = []
+    for i in range(n):
+        delta = {k: m + 0.01 * torch.randn(m.shape, generator=g) for k, m in mean.items()}
+        cid = f"l{i}:{seed}"
+        out.append(
+            Contribution(
+                f"l{i}",
+                0,
+                base_round,
+                8,
+                800 * (i + 1),
+                0.1,
+                encode_tensors(delta, "int4", 64),
+                cid,
+                None,
+                f"{i:064x}",
+            )
+        )
+    return out
+
+
+def _lie(cs: list[Contribution], scale: float) -> list[Contribution]:
+    from protocol.codecs import get_codec
+
+    return [
+        replace(c, delta={k: get_codec("int4").decode(v) * scale for k, v in c.delta.items()}) for c in cs
+    ]
+
+
+@pytest.mark.parametrize("robust", ["off", "centered-clip"])
+@pytest.mark.parametrize("embedding", [False, True])
+def test_an_honest_record_recomputes_within_tolerance_and_a_lie_does_not(robust, embedding):
+    cfg = ProtocolConfig(robust=robust, clip_factor=3.0)
+    rep = _replica(embedding)
+    # three rounds; the third merges contributions on round 1's base (re-anchored through round 2)
+    honest, lies = [], {}
+    for r, base in ((1, 0), (2, 1), (3, 1)):
+        cs = _contributions(base, seed=r)
+        for scale in (-1.0, 1.1):  # what a lying synchroniser could have signed instead, on the same state
+            liar = frozen_view(rep)
+            lies[(r, scale)] = (liar.make_record(r, _lie(cs, scale), cfg), cs)
+        rec = rep.make_record(r, cs, cfg)
+        rep.apply_record(rec, cfg)
+        honest.append((rec, cs))
+    round_now, hash_now = rep.round, rep.hash
+    for rec, cs in honest:  # audited after the fact: the replica is walked back to each record's parent
+        assert audit_gap(frozen_view(rep), rec, cs, cfg) < AUDIT_TOLERANCE / 50
+    for (r, scale), (rec, cs) in lies.items():
+        gap = audit_gap(frozen_view(rep), rec, cs, cfg)
+        assert gap > 0.09, (r, scale, gap)
+    assert (rep.round, rep.hash) == (round_now, hash_now)  # audits change nothing of the replica
+
+
+def test_recompute_refuses_other_contributions_and_a_history_that_does_not_reach():
+    cfg = ProtocolConfig()
+    rep = _replica(history=2)
+    cs = _contributions(0, seed=1)
+    rec = rep.make_record(1, cs, cfg)
+    rep.apply_record(rec, cfg)
+    with pytest.raises(ProtocolError, match="not the ones"):
+        audit_gap(frozen_view(rep), rec, cs[:-1], cfg)
+    for r in (2, 3):
+        rep.apply_record(rep.make_record(r, _contributions(r - 1, seed=r), cfg), cfg)
+    with pytest.raises(ProtocolError, match="no longer keeps"):
+        audit_gap(frozen_view(rep), rec, cs, cfg)
+
+
+def test_rewind_walks_back_to_the_parent_within_ulps():
+    cfg = ProtocolConfig()
+    rep = _replica()
+    before = {k: v.clone() for k, v in rep.theta.items()}
+    mom0 = {k: v.clone() for k, v in rep.momentum.items()}
+    for r in (1, 2):
+        rep.apply_record(rep.make_record(r, _contributions(r - 1, seed=r), cfg), cfg)
+    mid = {k: v.clone() for k, v in rep.theta.items()}
+    rep.rewind(0)
+    assert rep.round == 0 and rep.keeps(0) and not rep.keeps(1)
+    for k in before:
+        assert torch.allclose(rep.theta[k], before[k], atol=1e-5)
+        assert torch.allclose(rep.momentum[k], mom0[k], atol=1e-5)
+        assert not torch.equal(mid[k], before[k])  # the rounds did move it
+    # and it trains on from there
+    rep.apply_record(rep.make_record(1, _contributions(0, seed=7), cfg), cfg)
+    assert rep.round == 1
+
+
+def test_the_audit_fields_are_signed_and_checked():
+    cfg = ProtocolConfig()
+    rep = _replica()
+    rec = rep.make_record(1, _contributions(0, seed=1), cfg)
+    ident = Identity.generate()
+    sr = decode_record(encode_record("s", rec, ident), "s", SPEC)
+    assert sr.record.digests == rec.digests and sr.record.scales == rec.scales and sr.record.share == 1.0
+    assert len(rec.digests) == 4 and all(s == 1.0 for s in rec.scales)
+    other = _replica()
+    with pytest.raises(ProtocolError, match="scales"):  # a merge only scales down
+        other.check_record(replace(rec, scales=(1.0, 1.0, 1.0, 2.0)), cfg)
+    with pytest.raises(ProtocolError, match="digests"):
+        other.check_record(replace(rec, digests=rec.digests[:2]), cfg)
+    other.check_record(rec, cfg)
