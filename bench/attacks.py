@@ -41,7 +41,7 @@ FLAGS = (
 ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random")
 
 
-def _hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
+def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
     d = run_dir / f"node-{index}"
     d.mkdir(parents=True, exist_ok=True)
     log = d / "node.log"
@@ -67,7 +67,7 @@ def run_once(args, attack: str, rule: str) -> dict:
             for i in range(1, args.honest + (args.hostile if attack == "none" else 0)):
                 children.append(start_node(i, run_dir, flags, peers))
             for _ in range(n_hostile):
-                children.append(_hostile(len(children), run_dir, attack, flags, peers))
+                children.append(start_hostile(len(children), run_dir, attack, flags, peers))
             wait_ready(children, 120)
             time.sleep(args.seconds)
             for c in children:

@@ -4,6 +4,7 @@ synchroniser among real nodes of a public swarm, banned everywhere and undone.""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -130,3 +131,56 @@ def test_the_audit_fields_are_signed_and_checked():
     with pytest.raises(ProtocolError, match="digests"):
         other.check_record(replace(rec, digests=rec.digests[:2]), cfg)
     other.check_record(rec, cfg)
+
+
+def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undone(tmp_path):
+    """3 honest nodes and one running ``bench/hostile_node.py sync-flip`` in a public swarm: when elected it signs
+    records that merge the negated contributions (parent, new hash and counters all consistent; only an audit
+    can tell). Every honest node bans it, every record of it an honest node applied is convicted, at most 3 of
+    its rounds per fragment get in, and the honest nodes end on one hash."""
+    from bench.attacks import start_hostile
+    from node.local.launcher import wait_ready
+    from tests.swarm_util import TINY, Swarm, wait_until
+
+    swarm = Swarm(tmp_path, TINY)
+    try:
+        swarm.start_many(3)
+        liar = start_hostile(3, tmp_path, "sync-flip", swarm.flags, swarm.children[0].maddrs)
+        swarm.children[3] = liar
+        wait_ready([liar], 120)
+
+        def convictions(i: int) -> list[dict]:
+            return [e for e in swarm.events(i) if e["kind"] == "ban" and e.get("last") == "unfaithful_merge"]
+
+        wait_until(
+            lambda: all(any(e["peer"] == liar.peer_id for e in convictions(i)) for i in range(3)),
+            150,
+            "every honest node banned the lying synchroniser",
+        )
+        swarm.kill9(3)
+        del swarm.children[3]
+        time.sleep(2.0)  # proofs in flight land
+        swarm.settle(60)
+        convicted = {(e["fragment"], e["round"]) for i in range(3) for e in convictions(i)}
+        applied = {
+            (e["fragment"], e["round"])
+            for i in range(3)
+            for e in swarm.events(i)
+            if e["kind"] == "merge" and e.get("signer") == liar.peer_id
+        }
+        assert applied and applied <= convicted, (applied, convicted)
+        per_fragment = [sum(1 for f, _ in applied if f == p) for p in range(4)]
+        assert max(per_fragment) <= 3, per_fragment
+        for i in range(
+            3
+        ):  # what each applied of it was undone (or never stayed: a later snapshot replaced it)
+            undone = {(e["fragment"], e["round"]) for e in swarm.events(i) if e["kind"] == "undo"}
+            mine = {
+                (e["fragment"], e["round"])
+                for e in swarm.events(i)
+                if e["kind"] == "merge" and e.get("signer") == liar.peer_id
+            }
+            resynced = {e["fragment"] for e in swarm.events(i) if e["kind"] == "resync"}
+            assert all(k in undone or k[0] in resynced for k in mine), (i, mine, undone)
+    finally:
+        swarm.stop()
