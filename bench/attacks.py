@@ -1,18 +1,24 @@
-"""Hostile learners against a public swarm of real nodes (issue 32, item 5, in part: the learner-side attacks).
+"""Hostile members against a public swarm of real nodes (issue 32, item 5): lying learners and lying
+synchronisers.
 
 Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' tiny model and fast rounds) and
-``--hostile`` members running ``bench/hostile_node.py`` (the project's node with its learner's contributions
-tampered with: see that file for the attacks), all in one public swarm on loopback. After ``--seconds`` of
-training it pauses every learner, waits for one model hash, stops the nodes and reads each honest node's
-final eval loss (``final.json``). The unattacked run (``none``) has the same number of nodes, all honest,
-for the same time; ``absent`` has the honest nodes alone: what a defence that threw away exactly the
-hostile members' work would reach. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm
-runs: ``centered-clip``). Cells: the honest nodes' eval loss, mean over ``--repeats`` runs (each a fresh
-swarm: new identities, so new data orders), its ratio to the unattacked run of the same rule, the tokens
-the swarm merged, and how many runs ended on one hash.
+``--hostile`` members running ``bench/hostile_node.py`` (the project's node with its learner's contributions,
+or its merges when it is elected, tampered with: see that file for the attacks), all in one public swarm on
+loopback. After ``--seconds`` of training it reads the honest nodes' wire bytes and steps, pauses every
+learner, waits for one model hash, stops the nodes and reads each honest node's final eval loss
+(``final.json``). The unattacked run (``none``) has the same number of nodes, all honest, for the same time;
+``absent`` has the honest nodes alone: what a defence that threw away exactly the hostile members' work would
+reach. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm runs:
+``centered-clip``) and the audit share (``--audit``; ``auto``: every record where learners are not vouched
+for). Cells: the honest nodes' eval loss, mean over ``--repeats`` runs (each a fresh swarm: new identities,
+so new data orders), its ratio to the unattacked run of the same column, the tokens the swarm merged, and how
+many runs ended on one hash. Then the wire bytes per inner step of each column's unattacked runs, and for
+the synchroniser attacks how many of the liar's records got in, how many were convicted, and how long until
+every honest node had banned it.
 
     python bench/attacks.py                              # 4 honest + 1 hostile, every attack, 3 repeats
     python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
+    python bench/attacks.py --attacks sync-flip --rules auto --audits auto,0   # audits on and off
     python bench/attacks.py --attacks flip --repeats 1 --seconds 30   # a smoke run
 """
 
@@ -29,8 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from node.common.events import read_events
 from node.common.status_client import StatusError, read_control_token, send_control
-from node.local.launcher import Child, private_tmp, quiet_period, start_node, stop_all, wait_ready
+from node.local.launcher import Child, poll, private_tmp, quiet_period, start_node, stop_all, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = (
@@ -38,7 +45,7 @@ FLAGS = (
     "--sync-every 8 --eval-every-s 30 --heartbeat-s 0.5 --ttl-s 3 --failover-s 6 --rpc-timeout-s 5 "
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
-ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random")
+ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5")
 
 
 def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
@@ -54,8 +61,25 @@ def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peer
     return Child(index, d, proc, log, tmp=tmp)
 
 
-def run_once(args, attack: str, rule: str) -> dict:
-    flags = FLAGS + ["--robust", rule] + (["--data", args.data] if args.data else [])
+def _liar_rounds(run_dir: Path, honest: range, liars: set[str]) -> dict:
+    """What the hostile synchronisers got in: the distinct records of theirs the honest nodes applied, how many
+    of those were convicted (``unfaithful_merge``), and the seconds from the first to the last honest node's
+    ban of them."""
+    applied, convicted, first, bans = set(), set(), None, {}
+    for i in honest:
+        for e in read_events(run_dir / f"node-{i}" / "events.jsonl"):
+            if e["kind"] == "merge" and e.get("signer") in liars:
+                applied.add((e["fragment"], e["round"]))
+                first = e["t"] if first is None else min(first, e["t"])
+            elif e["kind"] == "ban" and e.get("last") == "unfaithful_merge" and e["peer"] in liars:
+                convicted.add((e["fragment"], e["round"]))
+                bans[i] = min(bans.get(i, e["t"]), e["t"])
+    every = max(bans.values()) - first if first is not None and len(bans) == len(honest) else None
+    return {"liar_records": len(applied), "convicted": len(applied & convicted), "all_banned_s": every}
+
+
+def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
+    flags = FLAGS + ["--robust", rule, "--audit", audit] + (["--data", args.data] if args.data else [])
     n_hostile = 0 if attack in ("none", "absent") else args.hostile
     keep = args.keep and Path(tempfile.mkdtemp(prefix=f"{rule}-{attack}-", dir=args.keep))
     with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="attacks-") as tmp:
@@ -70,6 +94,8 @@ def run_once(args, attack: str, rule: str) -> dict:
                 children.append(start_hostile(len(children), run_dir, attack, flags, peers))
             wait_ready(children, 120)
             time.sleep(args.seconds)
+            poll(children)  # wire bytes and steps of the honest nodes, before the pause
+            wire = [(c.last or {}) for c in children[: len(children) - n_hostile]]
             for c in children:
                 try:
                     send_control(c.url, "pause", token=read_control_token(c.state_dir))
@@ -81,10 +107,14 @@ def run_once(args, attack: str, rule: str) -> dict:
         honest = range(len(children) - n_hostile)
         finals = [json.loads((run_dir / f"node-{i}" / "final.json").read_text()) for i in honest]
         hashes = {f.get("model_hash") for f in finals}
+        steps = sum(w.get("learner", {}).get("steps", 0) for w in wire)
+        liars = {c.peer_id for c in children[len(children) - n_hostile :]}
         return {
             "eval_loss": statistics.mean(f["eval_loss"] for f in finals),
             "tokens": min(f.get("tokens_merged", 0) for f in finals),
             "one_hash": len(hashes) == 1 and settled,
+            "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
+            **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
         }
 
 
@@ -96,39 +126,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=90.0, help="training time of each run")
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--rules", default="auto,off", help="--robust values to compare (auto: a public swarm's)")
+    p.add_argument(
+        "--audits", default="auto", help="--audit values to compare (auto: a public swarm's, every record)"
+    )
     p.add_argument("--keep", help="make each run's folder under this one, and keep it (default: removed)")
     p.add_argument("--data", help="a text file for every node (default: the nodes' generated text)")
     args = p.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a != "none"]
-    rules = args.rules.split(",")
-    rows: dict[tuple[str, str], list[dict]] = {}
+    cols = [(r, a) for r in args.rules.split(",") for a in args.audits.split(",")]
+    rows: dict[tuple[str, str, str], list[dict]] = {}
     t0 = time.monotonic()
     for r in range(args.repeats):
-        for rule in rules:
+        for rule, audit in cols:
             for attack in ["none", *attacks]:
-                res = run_once(args, attack, rule)
-                rows.setdefault((rule, attack), []).append(res)
+                res = run_once(args, attack, rule, audit)
+                rows.setdefault((rule, audit, attack), []).append(res)
                 print(
-                    f"[{time.monotonic() - t0:6.0f}s] repeat {r} --robust {rule} {attack}: {json.dumps(res)}",
+                    f"[{time.monotonic() - t0:6.0f}s] repeat {r} --robust {rule} --audit {audit} {attack}: "
+                    f"{json.dumps(res)}",
                     file=sys.stderr,
                     flush=True,
                 )
     print(
         f"\n{args.honest} honest + {args.hostile} hostile nodes, {args.seconds:g} s each, {args.repeats} repeats; "
-        f"eval loss of the honest nodes (x the unattacked run of the same rule), tokens merged, runs on one hash"
+        f"eval loss of the honest nodes (x the unattacked run of the same column), tokens merged, runs on one hash"
     )
-    print(f"{'attack':12s}" + "".join(f"{'--robust ' + r:>40s}" for r in rules))
+    print(f"{'attack':12s}" + "".join(f"{'--robust ' + r + ' --audit ' + a:>40s}" for r, a in cols))
     for attack in ["none", *attacks]:
         cells = []
-        for rule in rules:
-            xs = rows[(rule, attack)]
+        for rule, audit in cols:
+            xs = rows[(rule, audit, attack)]
             loss = statistics.mean(x["eval_loss"] for x in xs)
-            base = statistics.mean(x["eval_loss"] for x in rows[(rule, "none")])
+            base = statistics.mean(x["eval_loss"] for x in rows[(rule, audit, "none")])
             tokens = statistics.mean(x["tokens"] for x in xs)
             one = sum(x["one_hash"] for x in xs)
             cells.append(f"{loss:8.4f} ({loss / base:6.3f}x) {tokens / 1e3:6.0f}k {one}/{len(xs)}")
         print(f"{attack:12s}" + "".join(f"{c:>40s}" for c in cells))
+    print("\nwire bytes sent per inner step, honest nodes (x the first column's, unattacked)")
+    ref = _mean([x["bytes_per_step"] for x in rows[(*cols[0], "none")]])
+    for rule, audit in cols:
+        b = _mean([x["bytes_per_step"] for x in rows[(rule, audit, "none")]])
+        print(
+            f"  --robust {rule} --audit {audit}: {b:,.0f} B/step ({b / ref:.3f}x)" if b and ref else "  n/a"
+        )
+    for attack in (a for a in attacks if a.startswith("sync-")):
+        for rule, audit in cols:
+            xs = rows[(rule, audit, attack)]
+            print(
+                f"{attack} --robust {rule} --audit {audit}: records of the liar applied per run "
+                f"{[x['liar_records'] for x in xs]}, convicted {[x['convicted'] for x in xs]}, "
+                f"seconds from its first record to every honest node's ban {[x['all_banned_s'] for x in xs]}"
+            )
     return 0
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
 from dht.records import Member
+from node.swarm.audit import Audit
 from node.swarm.contributions import OwnCids
 from node.swarm.guard import WorkBook
 from node.swarm.replication import Replication
@@ -222,13 +223,14 @@ def test_a_record_naming_a_peer_that_joined_since_our_last_view_read_is_not_call
     assert not reply.ok and reply.code == "forged_record" and node.reads == 1 and node.applied == []
 
 
-class _Restarted(Replication):
+class _Restarted(Replication, Audit):
     """The apply path of a node restarted from a checkpoint older than a round it synchronised and signed
     in its previous life: the record comes back from a peer during the catch-up."""
 
     def __init__(self, me: str, rep: FragmentReplica, folder) -> None:
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
         self.admission = None  # a public swarm
+        self.settings = SimpleNamespace(audit_share=0.0)
         self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}

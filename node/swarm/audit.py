@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 AUDITORS = 1  # members drawn to recompute an audited record
 FETCH_MAX = 64  # messages one ``kept`` request may ask for (a record names one per contributor)
 PROOF_FANOUT = 16  # members one node hands a proof to (each passes it on once)
+WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 
 
 class KeptMessages:
@@ -126,7 +127,11 @@ class Audit:
                 "audit of fragment %d round %d: messages not fetched (%s)", rec.fragment, rec.round, e
             )
             return
-        gap = await self._recompute(sr, msgs)
+        try:
+            gap = await self._recompute(sr, msgs)
+        except ProtocolError as e:  # a message that is not what the record names, or not its learner's
+            logger.info("audit of fragment %d round %d: %s", rec.fragment, rec.round, e)
+            gap = None
         if gap is None:
             return
         self.counters["audits"] += 1
@@ -201,9 +206,7 @@ class Audit:
         cs, lie = self._contributions(sr, msgs)
         if lie:
             return float("inf")
-        at = self.logs[rec.fragment].get(rec.round - 1)
-        parent = rep.hash if rep.round == rec.round - 1 else at.record.new_hash if at is not None else None
-        if parent != rec.parent_hash or not rep.keeps(min([c.base_round for c in cs] + [rec.round - 1])):
+        if not (self._holds_parent(rec) and rep.keeps(min([c.base_round for c in cs] + [rec.round - 1]))):
             return None
         view = frozen_view(rep)
         with momentum_lent([rep]):
@@ -212,6 +215,26 @@ class Audit:
             except ProtocolError as e:
                 logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
                 return None
+
+    def recheck(self, sr: SignedRecord) -> None:
+        """A record just applied here that a proof we could not check yet names: check it now."""
+        rec = sr.record
+        waiting = self.__dict__.get("_waiting_proofs")
+        got = waiting.pop((rec.fragment, rec.round, rec.new_hash), None) if waiting else None
+        if got is not None:
+            self._spawn(
+                self._h_proof(got[2], pack_list([bytes(got[0].raw), *(x for m in got[1] for x in m)]))
+            )
+
+    def _holds_parent(self, rec) -> bool:
+        """Whether this node's chain of the fragment passes through the record's parent."""
+        rep, log = self.replicas[rec.fragment], self.logs[rec.fragment]
+        if rep.round == rec.round - 1:
+            return rep.hash == rec.parent_hash
+        here, before = log.get(rec.round), log.get(rec.round - 1)
+        return (here is not None and here.record.parent_hash == rec.parent_hash) or (
+            before is not None and before.record.new_hash == rec.parent_hash
+        )
 
     # ---------------------------------------------------------------- conviction and undo
     def convict_merge(
@@ -296,8 +319,12 @@ class Audit:
                 return Reply(True, message="known")
             msgs = list(zip(items[1::2], items[2::2]))
             gap = await self._recompute(sr, msgs)
-            if gap is None:
-                return Reply(True, message="cannot check: our state does not reach the record's parent")
+            if gap is None:  # checked again if we apply that record later (``recheck``)
+                waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
+                waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
+                while len(waiting) > WAITING_PROOFS:
+                    waiting.popitem(last=False)
+                return Reply(True, message="cannot check yet: our state does not reach the record's parent")
             if gap <= AUDIT_TOLERANCE:
                 raise ProtocolError(
                     RejectCode.MALFORMED, f"proof against {sr.signer} proves no lie ({gap:.2g})"

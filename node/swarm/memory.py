@@ -151,6 +151,8 @@ def breakdown(node: Any) -> dict:
     raw = sum(in_memory(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw
+    kept = node.__dict__.get("_kept")  # signed contribution messages kept for audits (node.swarm.audit)
+    host["audit_kept"] = kept.bytes if kept is not None else 0
     weights = 4 * node.plan.total_numel
     counted = sum(host.values())
     doc = {

@@ -109,6 +109,7 @@ class Replication:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
             if self.audits(sr):
                 self._spawn(self._audit(sr))
+            self.recheck(sr)
         self._schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
