@@ -101,7 +101,8 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
                     send_control(c.url, "pause", token=read_control_token(c.state_dir))
                 except StatusError:
                     pass
-            settled, _ = quiet_period(children, 60.0, quiet=True)
+            # the honest nodes' agreement: a banned lying synchroniser stays on a chain of its own
+            settled, _ = quiet_period(children[: len(children) - n_hostile], 60.0, quiet=True)
         finally:
             stop_all(children)
         honest = range(len(children) - n_hostile)

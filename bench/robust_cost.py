@@ -29,16 +29,15 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one(fragment: str, rule: str, learners: int, repeats: int) -> dict:
+def inputs(fragment: str, learners: int, base_round: int = 0, seed: int = 0):
+    """One thread; the fragment's fp32 parameters and ``learners`` int4 contributions on ``base_round``."""
     import torch
 
     from protocol.codecs import encode_tensors
-    from protocol.config import ProtocolConfig
-    from protocol.replica import FragmentReplica
     from protocol.synchroniser import Contribution
 
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     shapes = FRAGMENTS[fragment]
     theta = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     cs = []
@@ -46,7 +45,16 @@ def one(fragment: str, rule: str, learners: int, repeats: int) -> dict:
         delta = {k: torch.randn(s, generator=g) * 1e-3 for k, s in shapes.items()}
         wire = encode_tensors(delta, "int4", 64)
         del delta
-        cs.append(Contribution(f"l{i}", 0, 0, 8, 800 * (i + 1), 0.1, wire, f"l{i}:0:8"))
+        cid = f"l{i}:{base_round}:8"
+        cs.append(Contribution(f"l{i}", 0, base_round, 8, 800 * (i + 1), 0.1, wire, cid))
+    return theta, cs
+
+
+def one(fragment: str, rule: str, learners: int, repeats: int) -> dict:
+    from protocol.config import ProtocolConfig
+    from protocol.replica import FragmentReplica
+
+    theta, cs = inputs(fragment, learners)
     cfg = ProtocolConfig(robust=rule, clip_factor=0.0)
     emb = fragment == "embedding"
     rep = FragmentReplica(0, theta, is_embedding=emb)

@@ -4,18 +4,29 @@ synchroniser among real nodes of a public swarm, banned everywhere and undone.""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dht.identity import Identity
-from node.swarm.wire import decode_record, encode_record
+from node.swarm.contributions import OwnCids
+from node.swarm.evidence import Evidence
+from node.swarm.guard import Guard, WorkBook
+from node.swarm.metrics import NODE_COUNTERS
+from node.swarm.replication import Replication
+from node.swarm.spool import Spool
+from node.swarm.wire import decode_record, encode_record, pack_list, sign_contribution
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
+from protocol.messages import ContributionHeader, decode_contribution, encode_contribution
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
@@ -184,3 +195,118 @@ def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undon
             assert all(k in undone or k[0] in resynced for k in mine), (i, mine, undone)
     finally:
         swarm.stop()
+
+
+class _Member(Evidence, Replication):
+    """The audit and record paths of a node over one fragment, with no network: proofs come in by ``_h_proof``."""
+
+    def __init__(self, folder) -> None:
+        self.peer_id, self.members, self._peer_book = "me", {}, {}
+        self.admission, self.suspect = None, {}
+        self.settings = SimpleNamespace(swarm="s", audit_share=1.0, client_mode=False)
+        self.spec = SPEC
+        self.pcfg = ProtocolConfig()
+        self.replicas, self.heads, self.merged_tokens = [_replica()], [None], [0]
+        self.logs = [OrderedDict()]
+        self.spool = Spool(folder / "records")
+        self.guard, self.work, self.own_cids = Guard(), WorkBook(), OwnCids("me")
+        self.counters = dict.fromkeys(NODE_COUNTERS, 0)
+        self.events = SimpleNamespace(emit=lambda *a, **k: None)
+        self.learner_loop = SimpleNamespace(is_alive=lambda: False)
+        self.penalised: list[str] = []
+        self.tasks: list = []
+
+    def penalise(self, peer, code, signed=False) -> None:
+        self.penalised.append(code.value)
+
+    async def _known(self, caller: str) -> bool:
+        return True
+
+    def live_members(self) -> dict:
+        return {}
+
+    def learner_only(self) -> bool:
+        return False
+
+    def _spawn(self, coro):
+        self.tasks.append(coro)
+        coro.close()
+
+    def _reset_sync(self, p, merged=frozenset()) -> None:
+        pass
+
+    def _schedule_unclocked(self) -> None:
+        pass
+
+
+def _signed_messages(learners: list[Identity], base_round: int, seed: int):
+    """Contribution messages signed by their learners, as ``Contribution``s with their digests."""
+    g = torch.Generator().manual_seed(seed)
+    msgs, cs = [], []
+    for i, ident in enumerate(learners):
+        delta = {k: 0.01 * torch.randn(s, generator=g) for k, s in SPEC[0].items()}
+        h = ContributionHeader(
+            ident.peer_id, 0, base_round, 8, 800 * (i + 1), 0.1, "int4", 64, f"c{i}:{seed}"
+        )
+        raw = encode_contribution(h, encode_tensors(delta, "int4", 64))
+        msgs.append((raw, sign_contribution("s", ident, raw)))
+        _, wire = decode_contribution(raw, SPEC[0], decode=False)
+        cs.append(
+            Contribution(
+                ident.peer_id,
+                0,
+                base_round,
+                8,
+                h.c_tokens,
+                0.1,
+                wire,
+                h.cid,
+                None,
+                hashlib.sha256(raw).hexdigest(),
+            )
+        )
+    return msgs, cs
+
+
+def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_refused(tmp_path):
+    learners = [Identity.generate() for _ in range(3)]
+    honest_sync, liar = Identity.generate(), Identity.generate()
+    node = _Member(tmp_path)
+    cfg = node.pcfg
+    msgs, cs = _signed_messages(learners, 0, seed=1)
+    maker = _replica()
+    rec = maker.make_record(1, cs, cfg)
+    sr = decode_record(encode_record("s", rec, honest_sync), "s", SPEC)
+    node.members = {honest_sync.peer_id: None, liar.peer_id: None, **{x.peer_id: None for x in learners}}
+    node._apply(sr)
+    proof = pack_list([sr.raw, *(x for m in msgs for x in m)])
+    reply = asyncio.run(node._h_proof("accuser", proof))
+    assert not reply.ok and "proves no lie" in reply.message and node.penalised == ["malformed"]
+    assert node.counters["convictions"] == 0 and node.replicas[0].round == 1
+
+    # round 2: the liar merges the negated contributions and signs a consistent record naming the honest ones
+    msgs2, cs2 = _signed_messages(learners, 1, seed=2)
+    lie = frozen_view(node.replicas[0]).make_record(2, _lie(cs2, -1.0), cfg)
+    lie = replace(lie, digests=tuple(c.digest for c in cs2))
+    bad = decode_record(encode_record("s", lie, liar), "s", SPEC)
+    parent = node.replicas[0].hash
+    node._apply(bad)
+    assert node.replicas[0].round == 2
+    reply = asyncio.run(node._h_proof("accuser", pack_list([bad.raw, *(x for m in msgs2 for x in m)])))
+    assert reply.ok, reply
+    assert node.guard.banned(liar.peer_id, time.monotonic()) and node.counters["convictions"] == 1
+    rep = node.replicas[0]
+    assert rep.round == 1 and 2 not in node.logs[0] and node.counters["rounds_undone"] == 1
+    assert rep.hash != bad.record.new_hash and parent == node.logs[0][1].record.new_hash
+    # a record on top of the undone one is refused, and the chain goes on from the parent
+    with pytest.raises(ProtocolError, match="undid"):
+        node._apply(
+            decode_record(
+                encode_record("s", replace(lie, round=3, parent_hash=lie.new_hash), liar), "s", SPEC
+            )
+        )
+    # a proof whose messages are not the ones the record names proves nothing
+    other = pack_list([bad.raw, *(x for m in msgs for x in m)])
+    node.undone().discard(bad.record.new_hash)
+    reply = asyncio.run(node._h_proof("accuser", other))
+    assert not reply.ok and reply.code == "malformed"
