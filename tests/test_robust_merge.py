@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from protocol import codecs
+from protocol import codecs, robust
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
@@ -96,8 +96,9 @@ def test_radial_keeps_rda_radius_and_a_robust_direction():
 
 def test_ranges_of_wire_forms_give_the_whole_tensors_values(monkeypatch):
     """Read a range at a time from int4 wire forms and re-anchored on an older base: the same as the whole
-    decoded, re-anchored tensors."""
+    decoded, re-anchored tensors (and the same as those held whole for the passes, ``WHOLE_BYTES``)."""
     monkeypatch.setattr(codecs, "RANGE", 256)
+    monkeypatch.setattr(robust, "WHOLE_BYTES", 0)
     _, xs = _honest(3, 3_000, noise=1.0, seed=4)
     theta, base = torch.randn(3_000), torch.randn(3_000)
     wire = [encode_tensors({"w": x}, "int4", 64)["w"] for x in xs]
@@ -106,6 +107,7 @@ def test_ranges_of_wire_forms_give_the_whole_tensors_values(monkeypatch):
     got = centered_clip(theta, parts, [1.0, 1.0, 2.0])
     whole = [decoded[0], (theta - base) + decoded[1], decoded[2] * 0.5]
     monkeypatch.setattr(codecs, "RANGE", 1 << 20)
+    monkeypatch.setattr(robust, "WHOLE_BYTES", 64 << 20)  # held whole for the passes
     want = centered_clip(theta, [(x, None, 1.0) for x in whole], [1.0, 1.0, 2.0])
     assert torch.allclose(got, want, atol=1e-5)
 
