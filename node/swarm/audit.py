@@ -3,7 +3,7 @@
 A merge record names, per contributor, the sha256 of the message its learner signed (``protocol.audit``). The
 members that sent or merged a contribution keep its signed message for a while (``KeptMessages``) and serve
 it to any member (``kept`` op). For a share of records (``--audit``), the member drawn by the record's own hash
-among the electable members other than its signer fetches the messages (from their learners first, then the
+among the electable members other than its signer (its contributors, where any is electable) fetches the messages (from their learners first, then the
 signer), checks each against the record's digest and its learner's signature, and merges them again on its
 replica walked back to the record's parent. A record that lands more than ``AUDIT_TOLERANCE`` from the
 recompute, or that names counters its learners did not sign, is a lie anyone can check: the signed record and
@@ -96,7 +96,8 @@ class Audit:
     # ---------------------------------------------------------------- who audits
     def audits(self, sr: SignedRecord) -> bool:
         """Whether this node audits ``sr``: a share of records chosen by their hash, and among the members that
-        may synchronise (not its signer) the ``AUDITORS`` first by sha256(record hash | peer id)."""
+        may synchronise (not its signer; those the record names as contributors, where any is) the
+        ``AUDITORS`` first by sha256(record hash | peer id)."""
         rec, share = sr.record, self.settings.audit_share
         if share <= 0 or sr.signer == self.peer_id or not rec.digests or "" in rec.digests:
             return False
@@ -104,13 +105,15 @@ class Audit:
             return False
         if self.settings.client_mode or self.learner_only():
             return False
-        pool = [q for q, m in self.live_members().items() if not m.client_mode and q != sr.signer]
-        pool.append(self.peer_id)
+        pool = {q for q, m in self.live_members().items() if not m.client_mode and q != sr.signer}
+        pool.add(self.peer_id)
+        # its contributors first: each holds its own message already (a quarter less to fetch, of 4)
+        pool = (pool & {c[0] for c in rec.contributors}) or pool
 
         def rank(q: str) -> str:
             return hashlib.sha256(f"{rec.new_hash}|{q}".encode()).hexdigest()
 
-        return self.peer_id in sorted(set(pool), key=rank)[:AUDITORS]
+        return self.peer_id in sorted(pool, key=rank)[:AUDITORS]
 
     # ---------------------------------------------------------------- the audit
     async def _audit(self, sr: SignedRecord) -> None:
