@@ -298,12 +298,13 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     rep = node.replicas[0]
     assert rep.round == 1 and 2 not in node.logs[0] and node.counters["rounds_undone"] == 1
     assert rep.hash != bad.record.new_hash and parent == node.logs[0][1].record.new_hash
-    # a record on top of the undone one is refused, and the chain goes on from the parent
+    # a record on top of the undone one is refused, whoever signs it; any record of the liar too
+    on_top = replace(lie, round=3, parent_hash=lie.new_hash)
     with pytest.raises(ProtocolError, match="undid"):
+        node._apply(decode_record(encode_record("s", on_top, honest_sync), "s", SPEC))
+    with pytest.raises(ProtocolError, match="banned"):
         node._apply(
-            decode_record(
-                encode_record("s", replace(lie, round=3, parent_hash=lie.new_hash), liar), "s", SPEC
-            )
+            decode_record(encode_record("s", replace(lie, round=2, parent_hash=rep.hash), liar), "s", SPEC)
         )
     # a proof whose messages are not the ones the record names proves nothing
     other = pack_list([bad.raw, *(x for m in msgs for x in m)])

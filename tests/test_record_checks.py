@@ -234,7 +234,7 @@ class _Restarted(Replication, Audit):
         self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
-        self.guard = SimpleNamespace(merged=lambda cids: None)
+        self.guard = SimpleNamespace(merged=lambda cids: None, banned=lambda peer, now: False)
         self.work = WorkBook()
         self.own_cids = OwnCids(me)
         self.counters = {"records_applied": 0}

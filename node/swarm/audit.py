@@ -36,6 +36,7 @@ AUDITORS = 1  # members drawn to recompute an audited record
 FETCH_MAX = 64  # messages one ``kept`` request may ask for (a record names one per contributor)
 PROOF_FANOUT = 16  # members one node hands a proof to (each passes it on once)
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
+SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
 
 
 class KeptMessages:
@@ -323,6 +324,9 @@ class Audit:
             msgs = list(zip(items[1::2], items[2::2]))
             gap = await self._recompute(sr, msgs)
             if gap is None:  # checked again if we apply that record later (``recheck``)
+                # meanwhile its signer, accused with a well-formed proof, is not elected here (not banned: a
+                # suspicion this node cannot check ends by itself, as a stall's does)
+                self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), time.monotonic() + SUSPECT_S)
                 waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
                 waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
                 while len(waiting) > WAITING_PROOFS:

@@ -64,6 +64,10 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if not made_here:
+            if self.guard.banned(sr.signer, time.monotonic()):  # relayed, or fetched by catch-up
+                raise ProtocolError(
+                    RejectCode.BANNED, f"round {rec.round} signed by {sr.signer}, banned here"
+                )
             if rec.parent_hash in self.undone() or rec.new_hash in self.undone():
                 self.undone().add(rec.new_hash)  # node.swarm.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
@@ -309,7 +313,12 @@ class Replication:
             try:
                 self._apply(sr)
             except ProtocolError as e:
-                if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE, RejectCode.UNDONE):
+                if e.code not in (
+                    RejectCode.FORGED_RECORD,
+                    RejectCode.RECORD_TOO_LARGE,
+                    RejectCode.UNDONE,
+                    RejectCode.BANNED,
+                ):
                     self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
                 elif (lie := self.proven_lie(sr)) is not None:  # only on a refusal: no second pass otherwise
                     self.convict(sr, lie, caller)
