@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.codecs import Decoded, Encoded, fresh, get_codec
+from protocol.codecs import Decoded, Encoded, fresh, get_codec, range_align, ranges, read_range
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
@@ -173,26 +173,41 @@ class FragmentReplica:
     def base(self, round_: int) -> dict[str, torch.Tensor]:
         """Global round ``round_`` of this fragment: the current state, or rebuilt by walking the outer
         steps of the rounds since back (fp32; within a few ulps of the state that round had)."""
-        return self.theta if round_ == self.round else self.walk_back(round_)[0]
+        return self.theta if round_ == self.round else self.walk_back(round_, momentum=False)[0]
 
-    def walk_back(self, round_: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Theta and the outer momentum at round ``round_``, walked back from now through the outer steps."""
-        theta, mom = dict(self.theta), dict(self.momentum)
-        for grad, lr, mu in self.past_steps(round_):
-            for k, g in grad.items():
-                theta[k] = theta[k] + lr * (g + mu * mom[k])
-                mom[k] = (mom[k] - g) / mu if mu != 0 else torch.zeros_like(mom[k])
+    def walk_back(
+        self, round_: int, momentum: bool = True
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Theta and the outer momentum at round ``round_``, walked back through the outer steps a range at a
+        time into a copy of each (whole tensors held 8x the fragment at 85M). ``momentum=False``: the
+        momentum is not walked through the last step."""
+        steps = self.past_steps(round_)
+        if not steps:
+            return dict(self.theta), dict(self.momentum)
+        theta = {k: v.clone(memory_format=torch.contiguous_format) for k, v in self.theta.items()}
+        own = momentum or len(steps) > 1  # the momentum is written: a copy of its own
+        mom = {
+            k: v.clone(memory_format=torch.contiguous_format) if own else v for k, v in self.momentum.items()
+        }
+        for i, (grad, lr, mu) in enumerate(steps):
+            walk_mom = momentum or i + 1 < len(steps)
+            for k, g in readable(grad).items():
+                th, mo = theta[k].view(-1), mom[k].reshape(-1)
+                for a, b in ranges(th.numel(), range_align(g)):
+                    gr = read_range(g, a, b)
+                    th[a:b].add_(mo[a:b], alpha=lr * mu).add_(gr, alpha=lr)  # + lr (g + mu v)
+                    if walk_mom:  # v <- (v - g) / mu
+                        mo[a:b].sub_(gr).div_(mu) if mu != 0 else mo[a:b].zero_()
         return theta, mom
 
-    def rewind(self, round_: int) -> None:
-        """Undo the rounds after ``round_`` (a convicted record and those on top of it): the state is walked back
-        through their outer steps (within a few ulps of the state that round had, so under its own hash);
-        history keeps the rounds up to it."""
-        theta, mom = self.walk_back(round_)
+    def rewind(self, round_: int, momentum: bool = True) -> None:
+        """Undo the rounds after ``round_`` (a convicted record and those on top of it), walking the state back
+        through their outer steps (within a few ulps, so under a hash of its own); history keeps the rounds up
+        to it. ``momentum=False`` (an audit's view, which never steps): see ``walk_back``."""
+        theta, mom = self.walk_back(round_, momentum)
         self.theta, self.momentum, self.round = theta, mom, round_
         self._hash, self._made = tensors_hash(theta), None
-        for r in [r for r in self._past if r > round_]:
-            del self._past[r]
+        self._past = OrderedDict((r, s) for r, s in self._past.items() if r <= round_)
         self.clock = None
 
     def past_steps(self, round_: int) -> list[tuple[Mapping[str, torch.Tensor], float, float]]:
