@@ -220,6 +220,10 @@ class Audit:
                 logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
                 return None
 
+    def accused(self, peer: str) -> bool:
+        """Whether a proof this node could not check yet accuses ``peer`` (its records do not lift that)."""
+        return self.__dict__.get("_accused", {}).get(peer, 0.0) > time.monotonic()
+
     def recheck(self, sr: SignedRecord) -> None:
         """A record just applied here that a proof we could not check yet names: check it now."""
         rec = sr.record
@@ -326,7 +330,9 @@ class Audit:
             if gap is None:  # checked again if we apply that record later (``recheck``)
                 # meanwhile its signer, accused with a well-formed proof, is not elected here (not banned: a
                 # suspicion this node cannot check ends by itself, as a stall's does)
-                self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), time.monotonic() + SUSPECT_S)
+                until = time.monotonic() + SUSPECT_S
+                self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), until)
+                self.__dict__.setdefault("_accused", {})[sr.signer] = until
                 waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
                 waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
                 while len(waiting) > WAITING_PROOFS:

@@ -84,7 +84,8 @@ class Replication:
                 )
             raise
         self.heads[p] = tuple(sr.head)
-        self.suspect.pop(sr.signer, None)  # it merges (a late round, or it came back): electable again
+        if not self.accused(sr.signer):  # it merges (a late round, or it came back): electable again
+            self.suspect.pop(sr.signer, None)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
         for c in rec.contributors:
