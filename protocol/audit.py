@@ -8,10 +8,10 @@ relative to the recomputed one's norm. The recompute runs on a shallow view of t
 nothing of it (nor of the norms it has seen).
 
 A recompute is not bit-exact: a replica past the record's round walks its state back through the outer steps
-(a few ulps), and the record codec then rounds a value on either side of a step now and then. Measured on the
-suite's swarms and ``bench/attacks.py``, honest records recompute to within about 1e-3 (docs/security.md);
-``AUDIT_TOLERANCE`` is 50 times that. A synchroniser that negates its merge stands at 2, one that scales it
-by 1.1 at 0.1.
+(a few ulps), and the record codec then rounds a value on either side of a step now and then. Honest records
+recomputed to within 3e-7 in the tests and on real nodes (docs/security.md, "Audited merges");
+``AUDIT_TOLERANCE`` is 0.05. A synchroniser that negates its merge stands at 1 to 2, one that scales it by
+1.1 at 0.1.
 """
 
 from __future__ import annotations
