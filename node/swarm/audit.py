@@ -34,7 +34,7 @@ from protocol.synchroniser import Contribution
 logger = logging.getLogger(__name__)
 AUDITORS = 1  # members drawn to recompute an audited record
 FETCH_MAX = 64  # messages one ``kept`` request may ask for (a record names one per contributor)
-PROOF_FANOUT = 16  # members one node hands a proof to (each passes it on once)
+FANOUT = 16  # members one node hands evidence or a proof to (each passes it on once)
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
 
@@ -252,27 +252,34 @@ class Audit:
         if rec.new_hash in self.undone():
             return
         self.undone().add(rec.new_hash)
-        if self.guard.ban(sr.signer, time.monotonic(), "a merge that does not follow from its contributions"):
+        body = pack_list([bytes(sr.raw), *(x for m in msgs for x in m)])
+        fields = {"fragment": rec.fragment, "round": rec.round, "gap": gap}
+        self._undo(sr)
+        self.ban_and_hand_on(sr, "unfaithful_merge", source, "proof", body, **fields)
+
+    def ban_and_hand_on(
+        self, sr: SignedRecord, why: str, source: str, op: str, body: bytes, **fields
+    ) -> bool:
+        """Ban ``sr``'s signer for what it signed, say so (a ``ban`` event), and hand ``body``, what proves it,
+        to up to ``FANOUT`` members over ``op`` (each checks it alone and passes it on once). True: a new ban."""
+        new = self.guard.ban(sr.signer, time.monotonic(), why)
+        if new:
             self.counters["convictions"] += 1
         self.events.emit(
             "ban",
             t=time.time(),
             peer=sr.signer,
             seconds=self.guard.ban_s,
-            last="unfaithful_merge",
+            last=why,
             evidence=source,
-            fragment=rec.fragment,
-            round=rec.round,
-            gap=gap,
+            **fields,
         )
-        self._undo(sr)
+        members = self.live_members()
         targets = [
-            q
-            for q, m in self.live_members().items()
-            if q not in (self.peer_id, sr.signer, source) and not m.client_mode
+            q for q, m in members.items() if q not in (self.peer_id, sr.signer, source) and not m.client_mode
         ]
-        body = pack_list([bytes(sr.raw), *(x for m in msgs for x in m)])
-        self._spawn(self._hand_proof(body, random.sample(targets, min(len(targets), PROOF_FANOUT))))
+        self._spawn(self._hand_on(op, body, random.sample(targets, min(len(targets), FANOUT))))
+        return new
 
     def _undo(self, sr: SignedRecord) -> None:
         """Walk fragment p back to the convicted record's parent round, if this node applied the record."""
@@ -294,12 +301,12 @@ class Audit:
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, rep.round, rep.theta, True)
 
-    async def _hand_proof(self, body: bytes, targets: list[str]) -> None:
+    async def _hand_on(self, op: str, body: bytes, targets: list[str]) -> None:
         async def one(q: str) -> None:
             try:
-                await self.transport.call(q, "proof", body)
+                await self.transport.call(q, op, body)
             except TransportError:
-                pass
+                pass  # it learns of the lie from another member, or when the liar sends it something
 
         await asyncio.gather(*(one(q) for q in targets))
 

@@ -11,17 +11,14 @@ A mixin of ``node.swarm.agent.Node``, like ``node.swarm.replication``."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 from dataclasses import replace
 
 from node.swarm.audit import Audit
-from node.swarm.transport import Reply, TransportError
+from node.swarm.transport import Reply
 from node.swarm.wire import SignedRecord, decode_record
 from protocol.errors import ProtocolError, RejectCode
 
-EVIDENCE_FANOUT = 16  # members one node hands a piece of evidence to (each passes it on once)
 # A merge of contributions that each passed max_rms stays under it, but the record codec's rounding can
 # lift it a little: an honest synchroniser that merged a hostile learner's contribution at the bound must
 # not be convicted everywhere for it. Evidence needs twice the bound.
@@ -46,34 +43,9 @@ class Evidence(Audit):
 
     def convict(self, sr: SignedRecord, lie: ProtocolError, source: str) -> bool:
         """Ban ``sr``'s signer for the lie it signed and pass the record on; True if the ban is new."""
-        now = time.monotonic()
-        if not self.guard.ban(sr.signer, now):
+        if self.guard.banned(sr.signer, time.monotonic()):
             return False
-        self.counters["convictions"] += 1
-        self.events.emit(
-            "ban",
-            t=time.time(),
-            peer=sr.signer,
-            seconds=self.guard.ban_s,
-            last=lie.code.value,
-            evidence=source,
-        )
-        members = self.live_members()
-        targets = [
-            q for q, m in members.items() if q not in (self.peer_id, sr.signer, source) and not m.client_mode
-        ]
-        targets = random.sample(targets, min(len(targets), EVIDENCE_FANOUT))
-        self._spawn(self._hand_over(bytes(sr.raw), targets))
-        return True
-
-    async def _hand_over(self, raw: bytes, targets: list[str]) -> None:
-        async def one(q: str) -> None:
-            try:
-                await self.transport.call(q, "evidence", raw)
-            except TransportError:
-                pass  # it learns of the lie when the liar pushes to it, or from another member
-
-        await asyncio.gather(*(one(q) for q in targets))
+        return self.ban_and_hand_on(sr, lie.code.value, source, "evidence", bytes(sr.raw))
 
     async def _h_evidence(self, caller: str, raw: bytes) -> Reply:
         if not await self._known(caller):
