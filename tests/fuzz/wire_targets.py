@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from node.swarm import transport, wire
+from node.swarm.audit import parse_kept_request
 from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError
 from protocol.hashing import tensors_hash
@@ -283,6 +284,10 @@ RECORDS_REQUEST = replace(
 SNAPSHOT_REQUEST = replace(
     _json_target("snapshot_request", [{"fragments": [0, 1]}, {"fragments": []}], wire.parse_snapshot_request),
     check=lambda v: _check_types(v, int),
+)
+KEPT_REQUEST = replace(
+    _json_target("kept_request", [{"digests": ["ab" * 32, "0" * 64]}, {"digests": []}], parse_kept_request),
+    check=lambda v: _check_types(v, str),
 )
 REDIRECT = replace(
     _json_target("redirect", [{"try": ident().peer_id}, {"try": None}], wire.parse_redirect),
