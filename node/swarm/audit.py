@@ -33,7 +33,8 @@ from protocol.synchroniser import Contribution
 
 logger = logging.getLogger(__name__)
 AUDITORS = 1  # members drawn to recompute an audited record
-FETCH_MAX = 64  # messages one ``kept`` request may ask for (a record names one per contributor)
+FETCH_MAX = 64  # messages one ``kept`` request may ask for (an audit asks several times where it needs more)
+PROOF_MESSAGES = 1024  # messages one proof may carry (one per contributor of its record)
 FANOUT = 16  # members one node hands evidence or a proof to (each passes it on once)
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
@@ -152,27 +153,29 @@ class Audit:
             self.convict_merge(sr, msgs, self.peer_id, gap)
 
     async def _fetch_messages(self, sr: SignedRecord) -> list[tuple[bytes, bytes]]:
-        """The signed messages ``sr`` names, in its order: ours, then from their learners, then its signer."""
+        """The signed messages ``sr`` names, in its order: ours, then each learner's own from it, then what is
+        still missing from its signer (``FETCH_MAX`` to a request)."""
         rec = sr.record
         got = {d: self.kept().get(d) for d in rec.digests}
-        asked = [c[0] for c in rec.contributors] + [sr.signer]
-        for q in dict.fromkeys(asked):
-            want = [d for d, m in got.items() if m is None]
-            if not want:
-                break
-            if q == self.peer_id:
-                continue
-            try:
-                reply = await self.transport.call(q, "kept", json.dumps({"digests": want}).encode())
-            except TransportError:
-                continue
-            if not reply.ok:
-                continue
-            items = unpack_list(reply.body, max_items=2 * FETCH_MAX)
-            for raw, sig in zip(items[::2], items[1::2]):
-                d = hashlib.sha256(raw).hexdigest()
-                if d in got and got[d] is None:
-                    got[d] = (raw, sig)
+        own: dict[str, list[str]] = {}
+        for c, d in zip(rec.contributors, rec.digests):
+            own.setdefault(c[0], []).append(d)
+        asks = [(q, ds) for q, ds in own.items() if q != self.peer_id]
+        for q, ds in asks + [(sr.signer, None)]:
+            want = [d for d in (ds if ds is not None else got) if got[d] is None]
+            for i in range(0, len(want), FETCH_MAX):
+                try:
+                    body = json.dumps({"digests": want[i : i + FETCH_MAX]}).encode()
+                    reply = await self.transport.call(q, "kept", body)
+                except TransportError:
+                    break
+                if not reply.ok:
+                    break
+                items = unpack_list(reply.body, max_items=2 * FETCH_MAX)
+                for raw, sig in zip(items[::2], items[1::2]):
+                    d = hashlib.sha256(raw).hexdigest()
+                    if d in got and got[d] is None:
+                        got[d] = (raw, sig)
         missing = [d for d, m in got.items() if m is None]
         if missing:
             raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found")
@@ -326,7 +329,7 @@ class Audit:
         if not await self._known(caller):
             return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
         try:
-            items = unpack_list(body, max_items=1 + 2 * FETCH_MAX)
+            items = unpack_list(body, max_items=1 + 2 * PROOF_MESSAGES)
             if not items or len(items) % 2 != 1:
                 raise ProtocolError(RejectCode.MALFORMED, "a proof is [record, message, signature, ...]")
             sr = decode_record(items[0], self.settings.swarm, self.spec)
