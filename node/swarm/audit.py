@@ -85,11 +85,9 @@ class Audit:
             k = self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel))
         return k
 
-    def keep_message(self, raw: bytes, sig: bytes) -> str:
-        """Keep a signed contribution message for audits (where this swarm audits); returns its digest."""
-        if self.settings.audit_share > 0:
-            return self.kept().put(raw, sig)
-        return hashlib.sha256(raw).hexdigest()
+    def keep_message(self, raw: bytes, sig: bytes) -> str | None:
+        """Keep a signed contribution message for audits, where this swarm audits: its digest, else None."""
+        return self.kept().put(raw, sig) if self.settings.audit_share > 0 else None
 
     def undone(self) -> set[str]:
         """Hashes of records this node undid (convicted, or on top of one): a chain it no longer follows."""

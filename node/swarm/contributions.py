@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -286,7 +287,8 @@ class Contributions:
             self.guard.check_replay(h.cid)
             self._check_work(h)
             n = self.replicas[p].check_delta(delta, self.pcfg)  # decodes each tensor, checks it, lets it go
-            digest = self.keep_message(raw, sig)  # the record names it; audits fetch it (node.swarm.audit)
+            # the record names its digest; audits fetch it (node.swarm.audit)
+            digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )

@@ -314,15 +314,13 @@ class Replication:
             try:
                 self._apply(sr)
             except ProtocolError as e:
-                if e.code not in (
-                    RejectCode.FORGED_RECORD,
-                    RejectCode.RECORD_TOO_LARGE,
-                    RejectCode.UNDONE,
-                    RejectCode.BANNED,
-                ):
+                if e.code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+                    if (
+                        lie := self.proven_lie(sr)
+                    ) is not None:  # only on a refusal: no second pass otherwise
+                        self.convict(sr, lie, caller)
+                elif e.code not in (RejectCode.UNDONE, RejectCode.BANNED):  # a chain or signer we refuse
                     self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
-                elif (lie := self.proven_lie(sr)) is not None:  # only on a refusal: no second pass otherwise
-                    self.convict(sr, lie, caller)
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)
