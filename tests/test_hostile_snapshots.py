@@ -3,17 +3,23 @@ the honest nodes' (inside the slack a claim needs no backing for) and serves an 
 matches its claim, with two signed records that lead to it from the honest chain's round before its head
 (a fork, as an honest one looks). The nodes rebuild the state those records reach from their own history
 and refuse the snapshot as ``forged_snapshot``, which scores the liar: no node takes it, nothing changes
-while the learners are paused, and the swarm trains on to one hash. (A zero snapshot with no records
-behind it is still taken on the donor's word: docs/security.md, "Known limits".)
+while the learners are paused, and the swarm trains on to one hash.
+
+The same member with no records at all, its head kept a round past the honest nodes' newest as they merge:
+no chain reaches its head from any state an honest node holds and no other member publishes it, while the
+honest chain is published by the honest nodes: no node installs it (``unwitnessed_snapshot``). Before that
+rule every node that caught up from it did, and trained on from the all-zero model.
 Real node processes; the attacker has its own identity, DHT and p2p daemon (``Attacker``)."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch
 
+from dht.swarm import Membership
 from node.swarm.transport import Reply
 from node.swarm.wire import (
     FragmentState,
@@ -27,7 +33,14 @@ from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight
 from protocol.replica import MergeRecord
 from tests.swarm_util import Swarm, wait_until
-from tests.test_hostile_state import SWARM, _paused_at_rest, every_fragment_merges, hostile_swarm
+from tests.test_hostile_state import (
+    SWARM,
+    Attacker,
+    _nodes_merging,
+    _paused_at_rest,
+    every_fragment_merges,
+    hostile_swarm,
+)
 from tests.test_wire_refusals import _spec
 
 
@@ -114,3 +127,70 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(f["round"] > head[f["fragment"]] for s in final.values() for f in s["fragments"])
+
+
+def _copy(tensors: dict) -> dict:
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_path):
+    swarm = Swarm(tmp_path / "swarm")
+    bad = None
+    stop = threading.Event()
+    try:
+        _nodes_merging(swarm, 3, 2)
+        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        spec = _spec()
+        zeros = {p: {n: torch.zeros(s) for n, s in shapes.items()} for p, shapes in spec.items()}
+        zero_hash = {p: tensors_hash(z) for p, z in zeros.items()}
+        claimed: dict[int, int] = {p: 0 for p in spec}
+
+        async def snapshot(caller: str, raw: bytes) -> Reply:
+            frags = json.loads(raw)["fragments"]
+            states = [
+                FragmentState(p, claimed[p], zero_hash[p], 3, 1e9, _copy(zeros[p]), _copy(zeros[p]))
+                for p in frags
+            ]
+            return Reply(True, body=encode_snapshot(states))
+
+        async def records(caller: str, raw: bytes) -> Reply:
+            return Reply(True, body=b"")
+
+        bad.serve("snapshot", snapshot)
+        bad.serve("records", records)
+        bad.run(bad.tr.start())
+
+        def ahead() -> None:  # one round past the honest nodes' newest head, every second
+            members = Membership(bad.dht, SWARM, bad.ident)
+            while not stop.wait(1.0):
+                honest = [m for m in members.live()[0] if m.peer_id != bad.ident.peer_id]
+                for p in spec:
+                    claimed[p] = max((m.head_round(p) for m in honest), default=0) + 1
+                bad.publish({str(p): [claimed[p], zero_hash[p], 3, 1e9] for p in spec})
+
+        liar = threading.Thread(target=ahead, daemon=True)
+        liar.start()
+        wait_until(
+            lambda: bad.calls.get("snapshot", 0) >= 3, 120, "honest nodes asking the liar for snapshots"
+        )
+        r0 = min(s["fragments"][0]["round"] for s in swarm.status().values())
+        wait_until(
+            lambda: all(s["fragments"][0]["round"] >= r0 + 4 for s in swarm.status().values()),
+            120,
+            "rounds merging beside the liar",
+        )
+        for i in range(3):
+            taken = [e for e in swarm.events(i) if e["kind"] == "resync" and e["donor"] == bad.ident.peer_id]
+            assert not taken, f"node {i} installed the liar's zero snapshot: {taken}"
+        refused = sum(s["refused"].get("unwitnessed_snapshot", 0) for s in swarm.status().values())
+        assert refused >= 1, "no node refused a snapshot: the test tested nothing"
+        stop.set()
+        liar.join(10)
+        final = swarm.settle()
+        assert len({s["model_hash"] for s in final.values()}) == 1
+        assert all(s["model_hash"] not in zero_hash.values() for s in final.values())
+    finally:
+        stop.set()
+        swarm.stop()
+        if bad is not None:
+            bad.close()

@@ -202,7 +202,9 @@ class CatchUp:
             )
         for st in states:
             if replace_ours or self._improves(st):
-                await self._check_snapshot(pid, st)  # node.swarm.vouch: raises where it may not come in
+                await self._check_snapshot(
+                    pid, st, replace_ours
+                )  # node.swarm.vouch: raises where it may not come in
                 self._install_snapshot(st, pid, replace_ours)
 
     def _untrusted(self, p: int, pid: str, round_: int) -> None:

@@ -6,12 +6,18 @@ usually repairs), the node walks its own outer steps back to that round, takes t
 forward, each checked like any record, and compares (``protocol.chain``). A snapshot that is not the state
 its donor's own records reach is a lie only the donor can have told: ``forged_snapshot``, scored like a
 forged record, and not installed. Where no such chain exists (a join, a node far behind, a fork deeper
-than the records kept) the snapshot is taken as before: on the donor's word and its hash.
+than the records kept) the snapshot is taken on the donor's word and its hash, with one exception
+(``unwitnessed``): where no other member publishes the donor's head while another member does publish a
+state of this node's own chain, the snapshot is not taken. A member a round ahead serving an all-zero state
+with no records behind it was installed by every node that caught up from it (issue 31); an honest lone
+head with no chain to it (a fork deeper than the records kept) is left for fork choice to settle: the
+others merge on, and whichever side falls behind takes the other's head, which has witnesses by then.
 
-Tried and not kept: also requiring, where no chain exists, that other members confirm the head (a ``head``
-op). Under load (3 nodes beside a 2,000-member crowd on 2 cores, and the fast test swarm of ``ddiloco
-up``) honest splits arose that only one node's head could repair, no other member could confirm and no
-chain joined; the nodes ended on three hashes (docs/security.md, "Known limits").
+Tried and not kept: requiring, where no chain exists, that other members confirm the head whatever the
+state of ours (a ``head`` op). Under load (3 nodes beside a 2,000-member crowd on 2 cores, and the fast
+test swarm of ``ddiloco up``) honest splits arose that only one node's head could repair, no other member
+could confirm and no chain joined; the nodes ended on three hashes (docs/security.md, "Known limits"). A
+node whose own chain nobody else publishes takes such a head as before.
 
 A mixin of ``node.swarm.agent.Node``, like ``node.swarm.catch_up``."""
 
@@ -29,6 +35,10 @@ from protocol.chain import snapshot_mismatch
 from protocol.errors import ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
+
+
+class UnwitnessedSnapshot(TransportError):
+    """A snapshot not taken: no record chain checks it, no other member holds its head, and ours has a witness."""
 
 
 class Vouching:
@@ -91,18 +101,45 @@ class Vouching:
             logger.warning("fragment %d: the snapshot of %s at round %d: %s", p, donor, st.round, why)
         return why is None
 
-    async def _check_snapshot(self, donor: str, st: FragmentState) -> None:
+    def _publishes(self, donor: str, p: int, held) -> bool:
+        """Whether a live member other than ``donor`` and this node, one that may hold state (not a client
+        or an open learner, as in ``backed``), publishes a head (round, hash) of fragment p that ``held``
+        accepts."""
+        for q, m in self.live_members().items():
+            h = m.heads.get(str(p))
+            if q not in (donor, self.peer_id) and not m.client_mode and h and len(h) >= 2 and held(h):
+                return True
+        return False
+
+    def unwitnessed(self, donor: str, st: FragmentState) -> bool:
+        """No other member publishes the snapshot's head, while one publishes a round of this node's own
+        chain (its head, or a round its log holds): the donor's word against the swarm's."""
+        p = st.fragment
+        if self._publishes(donor, p, lambda h: (int(h[0]), str(h[1])) == (st.round, st.hash)):
+            return False
+        return self._publishes(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]))
+
+    async def _check_snapshot(self, donor: str, st: FragmentState, yielding: bool = False) -> None:
         """Let ``st`` in (return), or raise ``forged_snapshot`` (scored against the donor) when the donor's
-        own records refute it. Only a fork shallower than the records kept can be checked, so the records
+        own records refute it, or ``UnwitnessedSnapshot`` (not scored: an honest lone head can meet it)
+        when nothing checks it and the swarm does not hold it (``unwitnessed``; never when ``yielding`` to
+        the majority's head). Only a fork shallower than the records kept can be checked, so the records
         are asked for only then: a joiner does not download them in vain."""
         p = st.fragment
         rep = self.replicas[p]
-        if st.round - rep.round > self.pcfg.history:  # no round of ours within the donor's records
-            return
-        try:
-            checked = await self._records_reach(donor, st)
-        except (TransportError, ProtocolError):
-            checked = None
+        checked = None
+        if st.round - rep.round <= self.pcfg.history:  # a round of ours may be within the donor's records
+            try:
+                checked = await self._records_reach(donor, st)
+            except (TransportError, ProtocolError):
+                checked = None
+        if checked is None and not yielding and self.unwitnessed(donor, st):
+            self.transport._count("unwitnessed_snapshot")
+            self.events.emit("unwitnessed_snapshot", t=time.time(), fragment=p, peer=donor, round=st.round)
+            raise UnwitnessedSnapshot(
+                f"snapshot of fragment {p} at round {st.round} from {donor}: no chain of records reaches it "
+                "and no other member holds it, while ours has a witness"
+            )
         if checked is not False:
             return
         code = RejectCode.FORGED_SNAPSHOT
