@@ -74,7 +74,7 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
         assert len(head) == len(spec), "no node's log held its head's record"
         # The fork must leave from a round every node still keeps: not one a node took by snapshot (its history
         # starts there). Fragments where a node re-synced at the head's round or the one before are left out:
-        # on them a zero snapshot with no chain to check is still taken (docs/security.md, known limits).
+        # no chain reaches them, so the refusal there is ``unwitnessed_snapshot`` (the test below), unscored.
         late = {
             e["fragment"]
             for i in range(3)
