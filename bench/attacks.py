@@ -45,7 +45,7 @@ FLAGS = (
     "--sync-every 8 --eval-every-s 30 --heartbeat-s 0.5 --ttl-s 3 --failover-s 6 --rpc-timeout-s 5 "
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
-ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5")
+ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5", "sync-drop")
 
 
 def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:

@@ -7,7 +7,9 @@ Learner attacks: ``flip`` (the negated outer gradient, at honest size), ``flip-x
 default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step: the ``work_factor`` bound,
 16x the weight), ``random`` (a random direction at 3x honest size).
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
-consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5).
+consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
+``sync-drop`` (it answers every contribution ``ok`` and merges only the first it holds: a faithful record of
+a subset, which no audit refutes; the others' work is lost).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
     "inflate": (-1.0, 4, False),
     "random": (3.0, 1, True),
 }
-SYNC_ATTACKS = {"sync-flip": -1.0, "sync-x1.5": 1.5}  # scale of each contribution the record merges
+# (scale of each contribution the record merges, merge only the first)
+SYNC_ATTACKS = {"sync-flip": (-1.0, False), "sync-x1.5": (1.5, False), "sync-drop": (1.0, True)}
 
 
 def tamper_merges(attack: str) -> None:
@@ -32,7 +35,7 @@ def tamper_merges(attack: str) -> None:
     from protocol.codecs import Encoded, get_codec
     from protocol.replica import FragmentReplica
 
-    scale = SYNC_ATTACKS[attack]
+    scale, drop = SYNC_ATTACKS[attack]
     honest_make = FragmentReplica.make_record
 
     def fp32(v):
@@ -40,8 +43,11 @@ def tamper_merges(attack: str) -> None:
 
     def make_record(self, round_, contributions, cfg, *args, **kwargs):
         if kwargs.get("given") is None:  # its own merges, not its audits of others'
+            contributions = list(contributions)[:1] if drop else contributions
             contributions = [
                 dc_replace(c, delta={k: fp32(v) * scale for k, v in c.delta.items()}, norm=None)
+                if scale != 1.0
+                else c
                 for c in contributions
             ]
         return honest_make(self, round_, contributions, cfg, *args, **kwargs)

@@ -10,6 +10,10 @@ stays inside the bounds a node enforces (``clip_factor``, ``max_rms``, ``work_fa
   flip        the negated outer gradient, at honest size
   flip-x2.5   the negated outer gradient, 2.5x honest size (under clip_factor 3, so never clipped)
   inflate     the negated outer gradient, claiming 4x the tokens a step (the work_factor bound): 16x the weight
+  alie        "a little is enough" (Baruch et al. 2019): knows every honest learner's outer gradient and sends
+              their coordinate-wise mean minus z of their standard deviations, z the paper's for the run's
+              counts (0.25 for 1 of 5, 0.43 for 2 of 6), every hostile learner the same
+  alie-z1     the same at z = 1
 
 Each is run with the plain merge (``--robust off``, the default) and the robust one (``centered-clip``), over
 ``--seeds`` seeds. It prints each cell's final eval loss (mean over seeds) and its ratio to the unattacked run
@@ -26,6 +30,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +39,7 @@ from node.common.events import EventLog
 from node.learner.learner import InnerConfig
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig, load_task
+from node.local.hostile import alie_z
 from node.local.run_config import LearnerPlan, RunConfig
 from node.local.runner import run_system
 from protocol.config import ProtocolConfig
@@ -46,6 +52,8 @@ ATTACKS = {
     "flip": LearnerPlan(scale=-1.0),
     "flip-x2.5": LearnerPlan(scale=-2.5),
     "inflate": LearnerPlan(scale=-1.0, inflate=4),
+    "alie": LearnerPlan(alie=-1.0),  # z filled in per run (alie_z)
+    "alie-z1": LearnerPlan(alie=1.0),
 }
 
 
@@ -70,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(task, args, rule: str, attack: str, seed: int) -> float:
     m = args.honest + (0 if attack == "absent" else args.hostile)
     hostile = ATTACKS[attack]
+    if hostile is not None and hostile.alie < 0:
+        hostile = replace(hostile, alie=alie_z(m, args.hostile))
     plans = tuple(LearnerPlan() if i < args.honest or hostile is None else hostile for i in range(m))
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, robust=rule)
     run = RunConfig(

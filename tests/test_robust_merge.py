@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from node.local.hostile import alie_gradient, alie_z
 from protocol import codecs, robust
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
@@ -72,6 +73,25 @@ def test_one_liar_of_five_moves_the_merge_a_bounded_amount(lie):
     assert float(torch.linalg.vector_norm(plain - honest)) > 1.5 * moved  # the plain mean is moved further
     cos = float(robust @ honest / (torch.linalg.vector_norm(robust) * torch.linalg.vector_norm(honest)))
     assert cos > 0.9
+
+
+def test_a_little_is_enough_hides_inside_the_honest_spread():
+    """The runner's "a little is enough" (bench/robust_merge.py): the honest mean less z of their standard
+    deviations, closer to the mean than any honest update, so the robust merge takes it like an honest one; at
+    the paper's z for 1 of 5 it moves the merge by a small part of the spread, each coordinate the same way."""
+    assert alie_z(5, 1) == pytest.approx(0.2533, abs=1e-3) and alie_z(6, 2) == pytest.approx(0.4307, abs=1e-3)
+    mean, xs = _honest(4, 20_000, noise=1.0)
+    bad = alie_gradient([{"w": x} for x in xs], alie_z(5, 1))["w"]
+    stack = torch.stack(xs)
+    assert torch.allclose(bad, stack.mean(0) - alie_z(5, 1) * stack.std(0, correction=0), atol=1e-6)
+    centre = stack.mean(0)
+    assert float(torch.linalg.vector_norm(bad - centre)) < min(
+        float(torch.linalg.vector_norm(x - centre)) for x in xs
+    )
+    honest = _cc(xs, [1.0] * 4)
+    moved = _cc([*xs, bad], [1.0] * 5) - honest
+    assert float(torch.linalg.vector_norm(moved)) < 0.1 * statistics_spread(xs, honest)
+    assert float((moved < 0).float().mean()) > 0.9  # the same way in (nearly) every coordinate
 
 
 def statistics_spread(xs, centre):

@@ -22,10 +22,16 @@ class LearnerPlan:
     inflate: int = (
         1  # multiplies the tokens its contributions claim (weight: tokens^2/steps): a hostile learner
     )
+    alie: float = 0.0  # > 0: sends "a little is enough" at this z instead (node.local.hostile)
     start_s: float = 0.0  # joins at this virtual time (downloading the global model), as a late node does
     # the virtual seconds its first steps take, as given, before speed and jitter apply (bench.parity: a
     # node's steps while the other nodes were still starting on the same host, which starve it)
     first_steps_s: tuple[float, ...] = ()
+
+    @property
+    def hostile(self) -> bool:
+        """Its outer gradients are not its own (``scale`` or ``alie``)."""
+        return self.scale != 1.0 or self.alie > 0
 
 
 @dataclass(frozen=True)

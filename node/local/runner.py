@@ -22,6 +22,7 @@ from node.common.events import EventLog
 from node.learner.learner import InnerConfig, Learner, plan_for
 from node.learner.task import Task, evaluate
 from node.local.dp import run_dp
+from node.local.hostile import hostile_gradient
 from node.local.learner_slot import LearnerSlot, align, keep_in_phase, live_set, swarm_step
 from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
@@ -232,9 +233,8 @@ class VirtualSwarm:
         for p in due:
             c = lrn.book.counters[p]
             enc = lrn.contribution(p)
-            if s.plan.scale != 1.0:
-                scaled = {k: v * s.plan.scale for k, v in lrn.outer_gradient(p).items()}
-                enc = encode_tensors(scaled, self.cfg.codec, self.cfg.codec_block)
+            if s.plan.hostile:
+                enc = encode_tensors(hostile_gradient(self.slots, s, p), self.cfg.codec, self.cfg.codec_block)
             nbytes = wire_bytes(enc)
             self.bytes_sent += nbytes
             cid = f"{lrn.name}:{p}:{lrn.steps}"
