@@ -6,19 +6,25 @@ and refuse the snapshot as ``forged_snapshot``, which scores the liar: no node t
 while the learners are paused, and the swarm trains on to one hash.
 
 The same member with no records at all, its head kept a round past the honest nodes' newest as they merge:
-no chain reaches its head from any state an honest node holds and no other member publishes it, while the
-honest chain is published by the honest nodes: no node installs it (``unwitnessed_snapshot``). Before that
+no chain reaches its head from any state an honest node holds, and no member whose work the nodes merged
+publishes it (a second identity of the liar's, which publishes it and never contributes, does not count),
+while the honest chain is published by the honest nodes: no node installs it (``unwitnessed_snapshot``). Before that
 rule every node that caught up from it did, and trained on from the all-zero model.
 Real node processes; the attacker has its own identity, DHT and p2p daemon (``Attacker``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 
 import torch
+from hivemind.utils import get_dht_time
 
+from dht.identity import Identity
+from dht.launch import SwarmUnreachable
+from dht.records import Member
 from dht.swarm import Membership
 from node.swarm.transport import Reply
 from node.swarm.wire import (
@@ -160,13 +166,20 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_pat
         bad.serve("records", records)
         bad.run(bad.tr.start())
 
+        sybil = Identity.generate()  # a second identity of the liar's, publishing the same head: a witness
+
         def ahead() -> None:  # one round past the honest nodes' newest head, every second
             members = Membership(bad.dht, SWARM, bad.ident)
+            sybils = Membership(bad.dht, SWARM, sybil)
             while not stop.wait(1.0):
                 honest = [m for m in members.live()[0] if m.peer_id != bad.ident.peer_id]
                 for p in spec:
                     claimed[p] = max((m.head_round(p) for m in honest), default=0) + 1
-                bad.publish({str(p): [claimed[p], zero_hash[p], 3, 1e9] for p in spec})
+                heads = {str(p): [claimed[p], zero_hash[p], 3, 1e9] for p in spec}
+                bad.publish(heads)
+                now = get_dht_time()
+                with contextlib.suppress(SwarmUnreachable):
+                    sybils.publish(Member(sybil.peer_id, (), "ddiloco/0.3", now, now + 300, heads=heads))
 
         liar = threading.Thread(target=ahead, daemon=True)
         liar.start()

@@ -101,13 +101,21 @@ class Vouching:
             logger.warning("fragment %d: the snapshot of %s at round %d: %s", p, donor, st.round, why)
         return why is None
 
+    def workers(self) -> set[str]:
+        """Members whose work this node merged: the contributors to the records its logs hold (each
+        fragment's last ``history`` rounds on its chain). An identity that only publishes a record has none."""
+        return {c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors}
+
     def _publishes(self, donor: str, p: int, held) -> bool:
         """Whether a live member other than ``donor`` and this node, one that may hold state (not a client
-        or an open learner, as in ``backed``), publishes a head (round, hash) of fragment p that ``held``
-        accepts."""
+        or an open learner, as in ``backed``) and whose work this node merged (``workers``), publishes a
+        head (round, hash) of fragment p that ``held`` accepts."""
+        workers = self.workers()
         for q, m in self.live_members().items():
             h = m.heads.get(str(p))
-            if q not in (donor, self.peer_id) and not m.client_mode and h and len(h) >= 2 and held(h):
+            if q in (donor, self.peer_id) or m.client_mode or q not in workers or not h or len(h) < 2:
+                continue
+            if held(h):
                 return True
         return False
 
