@@ -1,13 +1,18 @@
 """What a snapshot must pass before it enters a replica (issue 31, item 3), unit by unit:
-``protocol.chain.snapshot_mismatch``, the state a donor's records reach from a round this replica keeps.
+``protocol.chain.snapshot_mismatch``, the state a donor's records reach from a round this replica keeps, and
+``Vouching.unwitnessed``, who must hold a head that no chain checks.
 The swarm-level test, a member a round ahead serving an all-zero snapshot and forged records leading to it,
 is ``tests/test_hostile_snapshots.py``."""
 
 import copy
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
+from dht.records import Member
+from node.swarm.guard import WorkBook
+from node.swarm.vouch import Vouching
 from protocol.chain import snapshot_mismatch
 from protocol.codecs import RANGE, Decoded
 from protocol.config import ProtocolConfig
@@ -127,3 +132,47 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     inflated = replace(honest, contributors=((learner, cid, w * 9, steps, tokens),))
     assert lie(inflated).code.value == "forged_record"
     assert Evidence.proven_lie(node, SimpleNamespace(signer="me", record=inflated)) is None  # never ourselves
+
+
+class _Views(Vouching):
+    """The parts of a node ``Vouching.unwitnessed`` reads: its view, heads, logs and the work it merged."""
+
+    def __init__(self, members: dict, worked: list[str], head=(5, "x5"), log=None) -> None:
+        self.peer_id, self.members = "me", members
+        self.heads = [head]
+        self.logs = [log or {}]
+        self.work = WorkBook()
+        for q in worked:
+            self.work.merged(q, 0, 1.0)
+
+    def live_members(self) -> dict:
+        return self.members
+
+
+def _member(pid: str, head, client: bool = False) -> Member:
+    return Member(pid, (), "ddiloco/0.3", 0.0, 1e12, client_mode=client, heads={"0": list(head)})
+
+
+def test_a_head_is_unwitnessed_only_when_no_worker_holds_it_and_a_worker_holds_ours():
+    liar, ally = _member("liar", (6, "zero")), _member("sybil", (6, "zero"))
+    b = _member("b", (5, "x5"))
+    # the liar alone a round ahead, an honest worker on our head: refused, whoever else echoes the liar
+    assert _Views({"liar": liar, "b": b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
+    assert _Views({"liar": liar, "sybil": ally, "b": b}, worked=["b", "liar"]).unwitnessed(
+        "liar", 0, 6, "zero"
+    )
+    # the other side of a deep split: a member this node merged before holds the donor's head too: taken
+    c, d = _member("c", (7, "y7")), _member("d", (7, "y7"))
+    assert not _Views({"c": c, "d": d, "b": b}, worked=["b", "c", "d"]).unwitnessed("c", 0, 7, "y7")
+    # our chain without a witness (B never merged here, or a client, or nobody): taken as before
+    assert not _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    client_b = _member("b", (5, "x5"), client=True)
+    assert not _Views({"liar": liar, "b": client_b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
+    # a witness a round behind on our chain (its head is our log's round 4) counts as one
+    log = {5: SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="x4"))}
+    behind = _member("b", (4, "x4"))
+    assert _Views({"liar": liar, "b": behind}, worked=["b"], log=log).unwitnessed("liar", 0, 6, "zero")
+    other_chain = _member("b", (4, "w4"))
+    assert not _Views({"liar": liar, "b": other_chain}, worked=["b"], log=log).unwitnessed(
+        "liar", 0, 6, "zero"
+    )

@@ -202,9 +202,7 @@ class CatchUp:
             )
         for st in states:
             if replace_ours or self._improves(st):
-                await self._check_snapshot(
-                    pid, st, replace_ours
-                )  # node.swarm.vouch: raises where it may not come in
+                await self._check_snapshot(pid, st)  # node.swarm.vouch: raises where it may not come in
                 self._install_snapshot(st, pid, replace_ours)
 
     def _untrusted(self, p: int, pid: str, round_: int) -> None:
@@ -316,6 +314,10 @@ class CatchUp:
                 if not trusted:
                     self._untrusted(p, pid, int(head[0]))
                 else:
+                    # node.swarm.vouch: raises where no chain checks a head the swarm does not hold (the
+                    # majority's head, when yielding, needs no other witness)
+                    if not yielding:
+                        await self.vouch_head(pid, p, head)
                     await self._fetch_snapshot(pid, [p], replace_ours=yielding)
             self.lagging_since.pop(p, None)
             backoff.succeeded(pid)

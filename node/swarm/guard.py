@@ -128,12 +128,14 @@ class Guard:
 
 class WorkBook:
     """Per learner and fragment, since when its next contribution's counters must fit (``protocol.work``):
-    the moment a contribution of it was last merged here, or this node first heard of it. Keeps the
-    ``remember`` newest."""
+    the moment a contribution of it was last merged here, or this node first heard of it; and per learner,
+    when its work was last merged here (``worked``: whose word counts as a snapshot's witness,
+    ``node.swarm.vouch``). Keeps the ``remember`` newest of each."""
 
     def __init__(self, remember: int = 8192) -> None:
         self.remember = remember
         self.since: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self.worked: OrderedDict[str, float] = OrderedDict()
 
     def heard(self, learner: str, p: int, now: float) -> float:
         since = self.since.setdefault((learner, p), now)
@@ -143,8 +145,12 @@ class WorkBook:
     def merged(self, learner: str, p: int, now: float) -> None:
         self.since[(learner, p)] = now
         self.since.move_to_end((learner, p))
+        self.worked[learner] = now
+        self.worked.move_to_end(learner)
         self._trim()
 
     def _trim(self) -> None:
         while len(self.since) > self.remember:
             self.since.popitem(last=False)
+        while len(self.worked) > self.remember:
+            self.worked.popitem(last=False)
