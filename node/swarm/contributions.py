@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 
 from node.swarm.transport import Reply, TransportError
+from node.swarm.watch import STALL_PERIODS
 from node.swarm.wire import (
     pack_list,
     parse_redirect,
@@ -32,8 +33,6 @@ from protocol.work import check_counters, visible_work
 logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
 PING_AT_MOST = 4  # peers a synchroniser asks whether they are up before it believes a sender's dead list
-STALL_PERIODS = 2  # due periods a synchroniser that took a contribution has to merge the round
-STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never merged it stays suspected
 
 
 class OwnCids:
@@ -190,57 +189,6 @@ class Contributions:
         self.events.emit(
             "drop", t=time.time(), fragment=p, cid=header.cid, why=last or "no synchroniser in time"
         )
-
-    def _watch_merge(self, target: str, header: ContributionHeader) -> None:
-        """``target`` took our contribution to fragment p's open round: it must merge that round by its due
-        moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
-        never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
-        its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
-        p = header.fragment
-        self.loop.call_later(
-            self._merge_deadline(header), self._check_merged, target, header, self.replicas[p].round + 1
-        )
-
-    def _merge_deadline(self, header: ContributionHeader) -> float:
-        """Seconds from now until a round that took ``header`` must have merged: its due moment plus
-        ``STALL_PERIODS`` due periods; before the swarm has a schedule (its first rounds, which merge on
-        arrival), ``STALL_PERIODS`` times the longest wait an honest synchroniser may take, ``failover_s``,
-        or the grace window, which is at most ``overlap`` of the learners' steps (``protocol.synchroniser``):
-        at 124M parameters a step took 8-10 s, the grace window 10 s, and every synchroniser of a first
-        round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run."""
-        now = self.loop.time()
-        sched = self._schedule_of(header.fragment)
-        if sched is not None:
-            due, every = sched
-        else:
-            due, every = (
-                now,
-                max(self.settings.failover_s / STALL_PERIODS, self.pcfg.overlap * header.step_time_s),
-            )
-        return max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
-
-    def _check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
-        """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or
-        ``target`` is suspected for ``STALL_TTLS`` x ``ttl_s`` (left out of elections, so the round goes to
-        the next candidate, and named dead to it) and this contribution, if still our latest to the
-        fragment, goes again."""
-        p = header.fragment
-        if self.guard.was_merged(header.cid) or self.replicas[p].round >= open_round:
-            return
-        if any(m.head_round(p) >= open_round for q, m in self.live_members().items() if q != target):
-            return  # merged elsewhere; our replica is catching up
-        self.suspect[target] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
-        self.counters["stalls"] += 1
-        self.events.emit("stall", t=time.time(), fragment=p, round=open_round, peer=target, cid=header.cid)
-        logger.warning(
-            "synchroniser %s took fragment %d's round %d and did not merge it; electing the next",
-            target,
-            p,
-            open_round,
-        )
-        latest = self.last_contribution.get(p)
-        if latest is not None and latest[0] is header:  # the watch of an older one leaves it to this one's
-            self.outbox.put_nowait(latest)
 
     def _fail_over(self, target: str, header: ContributionHeader, why: str, dead: set[str]) -> None:
         """``target`` took no contribution: left out of this send (and named dead to the next candidate),

@@ -96,6 +96,7 @@ class Replication:
         log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             log.popitem(last=False)
+        self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(
             "merge",
