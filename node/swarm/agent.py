@@ -60,7 +60,6 @@ from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport, max_frame_bytes
 from node.swarm.view import SwarmView
 from node.swarm.vouch import Vouching
-from node.swarm.watch import MergeWatch
 from node.swarm.wire import SignedRecord
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -91,7 +90,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions, MergeWatch):
+class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 
 from node.swarm.transport import Reply, TransportError
-from node.swarm.watch import STALL_PERIODS
+from node.swarm.watch import STALL_PERIODS, MergeWatch
 from node.swarm.wire import (
     pack_list,
     parse_redirect,
@@ -77,7 +77,7 @@ class OwnCids:
         return self.since is not None and moment >= self.since and cid not in self.sent
 
 
-class Contributions:
+class Contributions(MergeWatch):
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
         """Called from the learner thread; never blocks."""

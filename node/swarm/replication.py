@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 from node.swarm.transport import Reply, TransportError
+from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
     decode_record,
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 RECORD_FANOUT = 16
 
 
-class Replication:
+class Replication(MergeWatch):
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
