@@ -41,8 +41,6 @@ from protocol.replica import MergeRecord
 from tests.swarm_util import Swarm, wait_until
 from tests.test_hostile_state import (
     SWARM,
-    Attacker,
-    _nodes_merging,
     _paused_at_rest,
     every_fragment_merges,
     hostile_swarm,
@@ -140,12 +138,9 @@ def _copy(tensors: dict) -> dict:
 
 
 def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_path):
-    swarm = Swarm(tmp_path / "swarm")
-    bad = None
     stop = threading.Event()
-    try:
-        _nodes_merging(swarm, 3, 2)
-        bad = Attacker(tmp_path, swarm.children[0].maddrs)
+    with hostile_swarm(tmp_path, 3, 2) as (swarm, bad), contextlib.ExitStack() as done:
+        done.callback(stop.set)  # the liar's thread stops however the test ends
         spec = _spec()
         zeros = {p: {n: torch.zeros(s) for n, s in shapes.items()} for p, shapes in spec.items()}
         zero_hash = {p: tensors_hash(z) for p, z in zeros.items()}
@@ -201,8 +196,3 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_pat
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(s["model_hash"] not in zero_hash.values() for s in final.values())
-    finally:
-        stop.set()
-        swarm.stop()
-        if bad is not None:
-            bad.close()
