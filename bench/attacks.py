@@ -45,7 +45,9 @@ FLAGS = (
     "--sync-every 8 --eval-every-s 30 --heartbeat-s 0.5 --ttl-s 3 --failover-s 6 --rpc-timeout-s 5 "
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
-ATTACKS = ("none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5", "sync-drop")
+ATTACKS = (
+    "none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5", "sync-drop", "head-zero"
+)  # fmt: skip
 
 
 def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
@@ -76,6 +78,17 @@ def _liar_rounds(run_dir: Path, honest: range, liars: set[str]) -> dict:
                 bans[i] = min(bans.get(i, e["t"]), e["t"])
     every = max(bans.values()) - first if first is not None and len(bans) == len(honest) else None
     return {"liar_records": len(applied), "convicted": len(applied & convicted), "all_banned_s": every}
+
+
+def _liar_snapshots(run_dir: Path, honest: range, liars: set[str]) -> dict:
+    """What a member serving forged snapshots got in: the snapshots of theirs the honest nodes installed, and
+    the heads of theirs refused before fetching (``unwitnessed_snapshot``)."""
+    taken = refused = 0
+    for i in honest:
+        for e in read_events(run_dir / f"node-{i}" / "events.jsonl"):
+            taken += e["kind"] == "resync" and e.get("donor") in liars
+            refused += e["kind"] == "unwitnessed_snapshot" and e.get("peer") in liars
+    return {"liar_snapshots": taken, "unwitnessed": refused}
 
 
 def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
@@ -116,6 +129,7 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "one_hash": len(hashes) == 1 and settled,
             "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
             **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
+            **(_liar_snapshots(run_dir, honest, liars) if attack == "head-zero" else {}),
         }
 
 
@@ -177,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{attack} --robust {rule} --audit {audit}: records of the liar applied per run "
                 f"{[x['liar_records'] for x in xs]}, convicted {[x['convicted'] for x in xs]}, "
                 f"seconds from its first record to every honest node's ban {[x['all_banned_s'] for x in xs]}"
+            )
+    for attack in (a for a in attacks if a == "head-zero"):
+        for rule, audit in cols:
+            xs = rows[(rule, audit, attack)]
+            print(
+                f"{attack} --robust {rule} --audit {audit}: the liar's snapshots installed per run "
+                f"{[x['liar_snapshots'] for x in xs]}, its heads refused before fetching {[x['unwitnessed'] for x in xs]}"
             )
     return 0
 

@@ -9,7 +9,9 @@ default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step:
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
 ``sync-drop`` (it answers every contribution ``ok`` and merges only the first it holds: a faithful record of
-a subset, which no audit refutes; the others' work is lost).
+a subset, which no audit refutes; its senders send those contributions again).
+Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
+an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
 """
 
 from __future__ import annotations
@@ -55,6 +57,40 @@ def tamper_merges(attack: str) -> None:
     FragmentReplica.make_record = make_record
 
 
+def tamper_heads() -> None:
+    from dataclasses import replace as dc_replace
+
+    from node.swarm.agent import Node
+    from node.swarm.catch_up import CatchUp
+    from node.swarm.transport import Reply
+    from node.swarm.wire import FragmentState, encode_snapshot, parse_snapshot_request
+    from protocol.hashing import tensors_hash
+
+    def zeros(node, p: int) -> dict:
+        return {n: torch.zeros(t.shape) for n, t in node.replicas[p].theta.items()}
+
+    honest_member = Node.self_member
+
+    def self_member(self, now):
+        m = honest_member(self, now)
+        heads = {
+            str(p): [h[0] + 1, tensors_hash(zeros(self, p)), h[2], h[3]] for p, h in enumerate(self.heads)
+        }
+        return dc_replace(m, heads=heads)
+
+    async def snapshot(self, caller: str, raw: bytes) -> Reply:
+        states = [
+            FragmentState(
+                p, h[0] + 1, tensors_hash(zeros(self, p)), h[2], h[3], zeros(self, p), zeros(self, p)
+            )
+            for p, h in ((p, self.heads[p]) for p in parse_snapshot_request(raw))
+        ]
+        return Reply(True, body=encode_snapshot(states))
+
+    Node.self_member = self_member
+    CatchUp._h_snapshot = snapshot
+
+
 def tamper(attack: str) -> None:
     from node.swarm.contributions import Contributions
     from protocol.codecs import decode_tensors, encode_tensors
@@ -80,13 +116,14 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in {**ATTACKS, **SYNC_ATTACKS}:
-        print(
-            f"usage: hostile_node.py {{{'|'.join([*ATTACKS, *SYNC_ATTACKS])}}} [node flags...]",
-            file=sys.stderr,
-        )
+    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero"]
+    if len(sys.argv) < 2 or sys.argv[1] not in known:
+        print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
-    (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
+    if sys.argv[1] == "head-zero":
+        tamper_heads()
+    else:
+        (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
     from node.cli.main import main as ddiloco
 
     return ddiloco(["node", *sys.argv[2:]])
