@@ -76,7 +76,7 @@ class CatchUp:
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}
         for p in range(len(self.replicas)):
-            _, holders = self.winning_heads(p, self.members, strict=True)
+            holders = await self.join_donors(p, self.members)  # node.swarm.vouch
             if holders:
                 donors_of[p] = holders
         if not donors_of:

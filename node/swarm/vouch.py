@@ -7,9 +7,9 @@ forward, each checked like any record, and compares (``protocol.chain``). A snap
 its donor's own records reach is a lie only the donor can have told: ``forged_snapshot``, scored like a
 forged record, and not installed. Where no such chain exists (a join, a node far behind, a fork deeper
 than the records kept) the snapshot is taken on the donor's word and its hash, with one exception
-(``unwitnessed``, checked before anything is downloaded): no other witness publishes the donor's head,
-while one publishes a round of this node's own chain. A witness is a member whose work this node ever
-merged; an identity that only publishes records is none. A member a round ahead serving an all-zero state
+(``unwitnessed``, checked before anything is downloaded): no member whose work this node ever merged
+publishes the donor's head (an identity that only publishes records vouches for nothing), while another
+member publishes a round of this node's own chain. A member a round ahead serving an all-zero state
 with no records behind it was installed by every node that caught up from it (issue 31). The other side of
 an honest split deeper than the records kept is made of members this node merged before the split: their
 head has witnesses, and is taken as before.
@@ -116,28 +116,62 @@ class Vouching:
             logger.warning("fragment %d: the snapshot of %s at round %d: %s", p, donor, st.round, why)
         return why is None
 
-    def _published(self, donor: str, p: int, held, workers: set[str]) -> bool:
-        """Whether a live member of ``workers`` other than ``donor`` and this node, one that may hold state
-        (not a client or an open learner, as in ``backed``), publishes a head (round, hash) of fragment p
-        that ``held`` accepts."""
+    def _published(self, donor: str, p: int, held, workers: set[str] | None = None) -> bool:
+        """Whether a live member other than ``donor`` and this node, one that may hold state (not a client or
+        an open learner, as in ``backed``) and, given ``workers``, one of them, publishes a head (round,
+        hash) of fragment p that ``held`` accepts."""
         for q, m in self.live_members().items():
             h = m.heads.get(str(p))
             if q in (donor, self.peer_id) or m.client_mode or not h or len(h) < 2:
                 continue
-            if q in workers and held(h):
+            if (workers is None or q in workers) and held(h):
                 return True
         return False
 
     def unwitnessed(self, donor: str, p: int, round_: int, hash_: str) -> bool:
-        """The donor's word against the swarm's: no other witness publishes its head of fragment p, while one
-        publishes a round of this node's own chain (its head, or a round its log holds). A witness is a
-        member whose work this node ever merged (``WorkBook.worked``, not only in the rounds its logs keep:
-        the other side of a split deeper than those is made of members it merged before the split); an
-        identity that only publishes records is none."""
-        workers = set(self.work.worked)
-        if self._published(donor, p, lambda h: (int(h[0]), str(h[1])) == (round_, hash_), workers):
+        """The donor's word against the swarm's: no member whose work this node ever merged publishes the
+        donor's head of fragment p (``WorkBook.worked``, not only in the rounds its logs keep: the other side
+        of a split deeper than those is made of members it merged before the split; an identity that only
+        publishes records vouches for nothing), while another member publishes a round of this node's own
+        chain (its head, or a round its log holds). Ours needs no work to be witnessed: a swarm's first
+        rounds have no merged work yet, and a liar there a round ahead was taken by every node (an identity
+        that echoes our head only makes this node keep it)."""
+        if self._published(
+            donor, p, lambda h: (int(h[0]), str(h[1])) == (round_, hash_), set(self.work.worked)
+        ):
             return False
-        return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]), workers)
+        return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]))
+
+    async def signed_head(self, donor: str, p: int, head) -> bool:
+        """Whether ``donor`` serves a signed record whose new hash is ``head`` (round, hash): the head was
+        merged by someone who signed for it, not only claimed. (A head a snapshot brought to the donor has
+        no record there: False.)"""
+        req = json.dumps({"fragment": p, "from": int(head[0])}).encode()
+        try:
+            reply = await self.transport.call(donor, "records", req)
+            for raw in unpack_list(reply.body) if reply.ok else []:
+                rec = decode_record(raw, self.settings.swarm, self.spec).record
+                if rec.round == int(head[0]):
+                    return rec.new_hash == str(head[1]) and rec.fragment == p
+        except (TransportError, ProtocolError):
+            pass
+        return False
+
+    async def join_donors(self, p: int, members: dict) -> list[str]:
+        """The members a joiner downloads fragment p from: the holders of the best head (``winning_heads``),
+        unless one member alone holds it and has no signed record of it while another head is held by
+        others: then theirs (a member a round ahead serving an all-zero state, from a swarm's start, was
+        the first donor of every joiner, and they then vouched for it to the rest)."""
+        head, holders = self.winning_heads(p, members, strict=True)
+        if len(holders) != 1 or await self.signed_head(holders[0], p, head):
+            return holders
+        _, others = self.winning_heads(p, {q: m for q, m in members.items() if q != holders[0]}, strict=True)
+        if others:
+            self.transport._count("unwitnessed_snapshot")
+            self.events.emit(
+                "unwitnessed_snapshot", t=time.time(), fragment=p, peer=holders[0], round=int(head[0])
+            )
+        return others or holders
 
     async def vouch_head(self, donor: str, p: int, head) -> None:
         """Before a snapshot of ``head`` is fetched from ``donor``: raise ``UnwitnessedSnapshot`` (counted,
