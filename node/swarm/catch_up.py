@@ -189,7 +189,9 @@ class CatchUp:
                 failed.append(p)
         return failed
 
-    async def _fetch_snapshot(self, pid: str, frags: list[int], replace_ours: bool = False) -> None:
+    async def _fetch_snapshot(
+        self, pid: str, frags: list[int], replace_ours: bool = False, vetted: list | None = None
+    ) -> None:
         reply = await self.transport.call(pid, "snapshot", json.dumps({"fragments": frags}).encode())
         if not reply.ok:
             raise TransportError(
@@ -202,6 +204,10 @@ class CatchUp:
             )
         for st in states:
             if replace_ours or self._improves(st):
+                if vetted is not None and [st.round, st.hash] != [int(vetted[0]), str(vetted[1])]:
+                    # the donor served another head than the one vetted before the fetch (a liar served
+                    # its all-zero state for a head of its own that a fork made us follow)
+                    await self.vouch_head(pid, st.fragment, (st.round, st.hash))
                 await self._check_snapshot(pid, st)  # node.swarm.vouch: raises where it may not come in
                 self._install_snapshot(st, pid, replace_ours)
 
@@ -318,7 +324,7 @@ class CatchUp:
                     # majority's head, when yielding, needs no other witness)
                     if not yielding:
                         await self.vouch_head(pid, p, head)
-                    await self._fetch_snapshot(pid, [p], replace_ours=yielding)
+                    await self._fetch_snapshot(pid, [p], yielding, None if yielding else head)
             self.lagging_since.pop(p, None)
             backoff.succeeded(pid)
         except (TransportError, ProtocolError) as e:
