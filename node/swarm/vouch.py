@@ -159,19 +159,18 @@ class Vouching:
 
     async def join_donors(self, p: int, members: dict) -> list[str]:
         """The members a joiner downloads fragment p from: the holders of the best head (``winning_heads``),
-        unless one member alone holds it and has no signed record of it while another head is held by
-        others: then theirs (a member a round ahead serving an all-zero state, from a swarm's start, was
+        unless one member alone holds it and has no signed record of it: then the holders of the best
+        other head, or none (a member a round ahead serving an all-zero state, from a swarm's start, was
         the first donor of every joiner, and they then vouched for it to the rest)."""
         head, holders = self.winning_heads(p, members, strict=True)
         if len(holders) != 1 or await self.signed_head(holders[0], p, head):
             return holders
         _, others = self.winning_heads(p, {q: m for q, m in members.items() if q != holders[0]}, strict=True)
-        if others:
-            self.transport._count("unwitnessed_snapshot")
-            self.events.emit(
-                "unwitnessed_snapshot", t=time.time(), fragment=p, peer=holders[0], round=int(head[0])
-            )
-        return others or holders
+        self.transport._count("unwitnessed_snapshot")
+        self.events.emit(
+            "unwitnessed_snapshot", t=time.time(), fragment=p, peer=holders[0], round=int(head[0])
+        )
+        return others  # none: this node starts from its own state, as the swarm's first nodes do
 
     async def vouch_head(self, donor: str, p: int, head) -> None:
         """Before a snapshot of ``head`` is fetched from ``donor``: raise ``UnwitnessedSnapshot`` (counted,
