@@ -157,6 +157,11 @@ class Vouching:
             pass
         return False
 
+    def _unwitnessed_seen(self, p: int, donor: str, round_: int) -> None:
+        """Count a head not taken (``unwitnessed_snapshot``: status's refusals, and an event)."""
+        self.transport._count("unwitnessed_snapshot")
+        self.events.emit("unwitnessed_snapshot", t=time.time(), fragment=p, peer=donor, round=round_)
+
     async def join_donors(self, p: int, members: dict) -> list[str]:
         """The members a joiner downloads fragment p from: the holders of the best head (``winning_heads``),
         unless one member alone holds it and has no signed record of it: then the holders of the best
@@ -166,10 +171,7 @@ class Vouching:
         if len(holders) != 1 or await self.signed_head(holders[0], p, head):
             return holders
         _, others = self.winning_heads(p, {q: m for q, m in members.items() if q != holders[0]}, strict=True)
-        self.transport._count("unwitnessed_snapshot")
-        self.events.emit(
-            "unwitnessed_snapshot", t=time.time(), fragment=p, peer=holders[0], round=int(head[0])
-        )
+        self._unwitnessed_seen(p, holders[0], int(head[0]))
         return others  # none: this node starts from its own state, as the swarm's first nodes do
 
     async def vouch_head(self, donor: str, p: int, head) -> None:
@@ -185,8 +187,7 @@ class Vouching:
                 chain = await self._donor_chain(donor, p, r, h)
         if chain is not None:
             return
-        self.transport._count("unwitnessed_snapshot")
-        self.events.emit("unwitnessed_snapshot", t=time.time(), fragment=p, peer=donor, round=r)
+        self._unwitnessed_seen(p, donor, r)
         raise UnwitnessedSnapshot(
             f"fragment {p}: {donor} holds round {r} alone, no chain of its records reaches it from ours, "
             "and ours has a witness: not fetched"
