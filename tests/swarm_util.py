@@ -96,6 +96,15 @@ class Swarm:
             + json.dumps(
                 {i: [s["model_hash"][:12], s["learner"]["idle"], s.get("in_flight")] for i, s in last.items()}
             )
+            + "; per fragment (round, hash, behind): "
+            + json.dumps(
+                {
+                    i: [(f["round"], f["hash"][:8], f["behind"]) for f in s["fragments"]]
+                    for i, s in last.items()
+                }
+            )
+            + "; refused: "
+            + json.dumps({i: s.get("refused") for i, s in last.items()})
         )
 
     def stop(self) -> None:

@@ -141,7 +141,7 @@ class _Views(Vouching):
         self.peer_id, self.members = "me", members
         self.heads = [head]
         self.logs = [log or {}]
-        self.work = WorkBook()
+        self.work, self.settings = WorkBook(), SimpleNamespace(heartbeat_s=1000.0)
         for q in worked:
             self.work.merged(q, 0, 1.0)
 
@@ -178,3 +178,28 @@ def test_a_head_is_unwitnessed_only_when_no_worker_holds_it_and_a_worker_holds_o
     assert not _Views({"liar": liar, "b": other_chain}, worked=["b"], log=log).unwitnessed(
         "liar", 0, 6, "zero"
     )
+
+
+def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_after_a_while():
+    """A 2-to-1 split at one round where the lone head ranks first but the others refuse it (no chain reaches
+    it: ``unwitnessed``): the lone node yields, once the stand-off has lasted ``LONE_HEARTBEATS``."""
+    b, c = _member("b", (5, "y5", 2, 1.0)), _member("c", (5, "y5", 2, 1.0))
+    node = _Views({"b": b, "c": c}, worked=["b", "c"], head=(5, "x5", 2, 1.0))
+    assert node.unfollowed(0, node.members) == (None, [])  # the stand-off starts: not yet
+    node.settings.heartbeat_s = 0.0  # ... and has lasted long enough
+    assert node.unfollowed(0, node.members) == ([5, "y5", 2, 1.0], ["b", "c"])
+    # a member holds ours: nothing to give up
+    mine = _member("d", (5, "x5", 2, 1.0))
+    assert node.unfollowed(0, {"b": b, "c": c, "d": mine}) == (None, [])
+    # identities whose work this node never merged vouch for nothing; one worker is not a majority of two
+    assert _Views({"b": b, "c": c}, worked=[], head=(5, "x5", 2, 1.0)).unfollowed(0, node.members)[1] == []
+    assert node.unfollowed(0, {"b": b, "c": _member("c", (5, "z5", 2, 1.0))}) == (None, [])
+    # a head of another round is winning_heads' business (ahead) or theirs to take (behind); a client holds none
+    ahead = {"b": _member("b", (6, "y6", 2, 1.0)), "c": _member("c", (6, "y6", 2, 1.0))}
+    assert node.unfollowed(0, ahead) == (None, [])
+    clients = {q: _member(q, (5, "y5", 2, 1.0), client=True) for q in ("b", "c")}
+    assert node.unfollowed(0, clients) == (None, [])
+    # the stand-off's clock restarts when either head moves
+    node.settings.heartbeat_s = 1000.0
+    node.heads[0] = (5, "w5", 2, 1.0)
+    assert node.unfollowed(0, node.members) == (None, [])

@@ -262,14 +262,16 @@ class CatchUp:
 
     def _reconcile(self) -> None:
         """Where a live peer holds a head that beats ours, fetch it (records, else a snapshot); where this node
-        is a lone outlier on another chain than the majority's, take the majority's (``outvoted``)."""
+        is a lone outlier on another chain than the majority's, take the majority's (``outvoted``); where no
+        member takes our head and members we merged agree on another of our round, take theirs (``unfollowed``)."""
         now = time.monotonic()
         members = self.live_members()
         for p in range(len(self.replicas)):
             head, holders = self.winning_heads(p, members)
             yielding = False
-            if not holders:
+            if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vouch)
                 head, holders = self.outvoted(p, members)
+                head, holders = (head, holders) if holders else self.unfollowed(p, members)
                 yielding = bool(holders)
             if not holders:
                 self.lagging_since.pop(p, None)

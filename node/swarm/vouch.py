@@ -38,6 +38,9 @@ from protocol.chain import snapshot_mismatch
 from protocol.errors import ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
+# how long (x heartbeat_s) this node's head may stand with no member taking it while members it merged agree on
+# another of the same round (``unfollowed``): a follower takes a head within about two heartbeats
+LONE_HEARTBEATS = 8
 
 
 class UnwitnessedSnapshot(TransportError):
@@ -141,6 +144,36 @@ class Vouching:
         ):
             return False
         return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]))
+
+    def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
+        """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
+        its own: no member publishes our head, while two or more members whose work this node merged agree on
+        another head of our round, and have for ``LONE_HEARTBEATS`` heartbeats. Ours may rank first, but they
+        refuse it when it is ``unwitnessed`` and no chain of our records reaches it from a round they keep (a
+        fork deeper than the records kept), and ``outvoted`` does not move a node whose round the others
+        share: under load a 2-to-1 split at one round stood until the run ended. (None, []) otherwise."""
+        r, ours = int(self.heads[p][0]), str(self.heads[p][1])
+        groups: dict[tuple, list[str]] = {}
+        for q, m in sorted(members.items()):
+            h = m.heads.get(str(p))
+            if q == self.peer_id or m.client_mode or not h or len(h) < 4:
+                continue
+            if (int(h[0]), str(h[1])) == (r, ours):
+                groups = {}  # a member holds ours
+                break
+            if int(h[0]) == r and q in self.work.worked:
+                groups.setdefault(tuple(h), []).append(q)
+        best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
+        lone = self.__dict__.setdefault("_lone_since", {})
+        if len(best[1]) < 2:
+            lone.pop(p, None)
+            return None, []
+        key, now = (ours, best[0][1]), time.monotonic()
+        if lone.get(p, (None, 0.0))[0] != key:
+            lone[p] = (key, now)
+        if now - lone[p][1] < LONE_HEARTBEATS * self.settings.heartbeat_s:
+            return None, []
+        return list(best[0]), best[1]
 
     async def signed_head(self, donor: str, p: int, head) -> bool:
         """Whether ``donor`` serves a signed record whose new hash is ``head`` (round, hash): the head was
