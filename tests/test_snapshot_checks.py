@@ -164,12 +164,13 @@ def test_a_head_is_unwitnessed_only_when_no_worker_holds_it_and_a_worker_holds_o
     # the other side of a deep split: a member this node merged before holds the donor's head too: taken
     c, d = _member("c", (7, "y7")), _member("d", (7, "y7"))
     assert not _Views({"c": c, "d": d, "b": b}, worked=["b", "c", "d"]).unwitnessed("c", 0, 7, "y7")
-    # a swarm's first rounds: nobody's work merged yet, our head published by B: refused all the same
-    assert _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
-    # our chain without a witness (a client's record holds no state, or nobody): taken as before
+    # our chain without a witness (a client's record holds no state, nobody, or no one whose work this node
+    # merged: two fresh joiners of a running swarm, each the other's witness of round 0): taken as before
     client_b = _member("b", (5, "x5"), client=True)
     assert not _Views({"liar": liar, "b": client_b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
     assert not _Views({"liar": liar}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    assert not _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    assert not _Views({"liar": liar, "b": b}, worked=["c"]).unwitnessed("liar", 0, 6, "zero")
     # a witness a round behind on our chain (its head is our log's round 4) counts as one
     log = {5: SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="x4"))}
     behind = _member("b", (4, "x4"))
