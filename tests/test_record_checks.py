@@ -149,6 +149,7 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         heads=[(20, "mine20", 1, 1.0)],
         logs=[{14: rec("mine14"), 15: rec("mine15")}],
         _head_key=lambda h: (-int(h[0]), str(h[1])),
+        work=WorkBook(),
     )
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
@@ -157,10 +158,21 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         now = get_dht_time()
         return Member(pid, (), "v", now, now + 5, heads={"0": [r, h, 1, 1.0]})
 
-    # the other two merged rounds of their own while this node raced ahead: it takes their head
-    split = {"a": member("a", 15, "theirs15"), "b": member("b", 14, "theirs14")}
+    # the other two merged rounds of their own while this node raced ahead: it takes their head, once two
+    # of them hold it
+    split = {"a": member("a", 15, "theirs15"), "b": member("b", 15, "theirs15")}
     head, holders = outvoted(split)
-    assert head[:2] == [15, "theirs15"] and holders == ["a"]
+    assert head[:2] == [15, "theirs15"] and holders == ["a", "b"]
+    assert outvoted({"a": member("a", 15, "theirs15"), "b": member("b", 14, "theirs14")}) == (None, [])
+    # a member a round past them, alone on a head of its own (an all-zero state behind it): not yielded to
+    liar = {**split, "liar": member("liar", 16, "zero")}
+    assert outvoted(liar)[0][:2] == [15, "theirs15"]
+    assert outvoted({"a": split["a"], "liar": liar["liar"]}) == (None, [])
+    # counted among the members whose work this node merged, once it merged any
+    node.work.merged("c", 0, 1.0)
+    assert outvoted(split) == (None, [])
+    node.work.merged("a", 0, 1.0), node.work.merged("b", 0, 1.0)
+    assert outvoted(split)[1] == ["a", "b"]
     # the same two merely behind on this node's own chain: they catch up by records, nothing to yield
     assert outvoted({"a": member("a", 15, "mine15"), "b": member("b", 14, "mine14")}) == (None, [])
     # this node's head is backed (one of the others is near it): no yielding, whatever a third claims

@@ -164,13 +164,20 @@ def test_a_head_is_unwitnessed_only_when_no_worker_holds_it_and_a_worker_holds_o
     # the other side of a deep split: a member this node merged before holds the donor's head too: taken
     c, d = _member("c", (7, "y7")), _member("d", (7, "y7"))
     assert not _Views({"c": c, "d": d, "b": b}, worked=["b", "c", "d"]).unwitnessed("c", 0, 7, "y7")
-    # our chain without a witness (a client's record holds no state, nobody, or no one whose work this node
-    # merged: two fresh joiners of a running swarm, each the other's witness of round 0): taken as before
+    # a node that merged no one's work yet (a joiner): our head published by B refuses the liar's ...
+    assert _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    # ... and any member that holds state witnesses the swarm's head (two fresh joiners of a running swarm,
+    # each the other's witness of round 0, refused the swarm's head for a whole run)
+    swarm = {"a": _member("a", (6, "y6")), "c": _member("c", (6, "y6")), "b": _member("b", (0, "x0"))}
+    fresh = _Views(swarm, worked=[], head=(0, "x0"))
+    assert not fresh.unwitnessed("a", 0, 6, "y6")
+    assert fresh.unwitnessed("a", 0, 6, "y6") == _Views(swarm, worked=["c"], head=(0, "x0")).unwitnessed(
+        "a", 0, 6, "y6"
+    )
+    # our chain without a witness (a client's record holds no state, or nobody): taken as before
     client_b = _member("b", (5, "x5"), client=True)
     assert not _Views({"liar": liar, "b": client_b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
     assert not _Views({"liar": liar}, worked=[]).unwitnessed("liar", 0, 6, "zero")
-    assert not _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
-    assert not _Views({"liar": liar, "b": b}, worked=["c"]).unwitnessed("liar", 0, 6, "zero")
     # a witness a round behind on our chain (its head is our log's round 4) counts as one
     log = {5: SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="x4"))}
     behind = _member("b", (4, "x4"))

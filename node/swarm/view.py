@@ -139,7 +139,10 @@ class SwarmView:
         raced ahead of a majority that then merged rounds of its own): the majority does not follow a head
         it does not back, so this node yields to theirs, or the swarm would stay split. (None, []) when our
         head is backed, when the others are merely behind on our own chain (they catch up by records), or
-        with fewer than two others to ask."""
+        with fewer than two others to ask. The head yielded to is one two or more members publish, counted
+        among those whose work this node merged (any, before it merged any): a yield takes a snapshot with
+        no other check, and the best-ranked head of one member was a liar's a round past the rest, with an
+        all-zero state behind it."""
         ours = self.heads[p]
         r = int(ours[0])
         others = {
@@ -149,19 +152,18 @@ class SwarmView:
         }
         if len(others) < 2 or self.backed(p, self.peer_id, r, members):
             return None, []
-        best, holders = None, []
+        workers = set(self.work.worked) or set(others)
+        groups: dict[tuple, list[str]] = {}
         for q, m in sorted(others.items()):
             h = m.heads[str(p)]
-            if len(h) < 4 or not self.backed(p, q, int(h[0]), members):
+            if len(h) < 4 or q not in workers or not self.backed(p, q, int(h[0]), members):
                 continue
             mine = self.logs[p].get(int(h[0]))
             if (int(h[0]), str(h[1])) == (r, ours[1]) or (mine is not None and mine.record.new_hash == h[1]):
                 continue  # our own chain
-            if best is None or self._head_key(h) < self._head_key(best):
-                best, holders = h, [q]
-            elif list(h) == list(best):
-                holders.append(q)
-        return best, holders
+            groups.setdefault(tuple(h), []).append(q)
+        held = [(self._head_key(h), list(h), qs) for h, qs in groups.items() if len(qs) >= 2]
+        return min(held)[1:] if held else (None, [])
 
     def candidates(self, p: int, dead: Collection[str] = ()) -> list[str]:
         """Fragment p's synchroniser and its failovers, in order. Eligibility (``dht.records.eligible``) is judged

@@ -132,18 +132,19 @@ class Vouching:
         return False
 
     def unwitnessed(self, donor: str, p: int, round_: int, hash_: str) -> bool:
-        """The donor's word against the swarm's: no member whose work this node ever merged publishes the
-        donor's head of fragment p (``WorkBook.worked``, not only in the rounds its logs keep: the other side
-        of a split deeper than those is made of members it merged before the split; an identity that only
-        publishes records vouches for nothing), while one of them publishes a round of this node's own chain
-        (its head, or a round its log holds). A node that has merged no one's work has no one's word to set
-        against the donor's: two nodes that joined a running swarm fresh (round 0) counted each other as
-        witnesses of their round 0, refused the swarm's head for the whole run, and every contribution of
-        theirs was stale."""
-        workers = set(self.work.worked)
+        """The donor's word against the swarm's: no witness publishes the donor's head of fragment p, while
+        a member publishes a round of this node's own chain (its head, or a round its log holds). A witness
+        is a member whose work this node ever merged (``WorkBook.worked``, not only in the rounds its logs
+        keep: the other side of a split deeper than those is made of members it merged before the split; an
+        identity that only publishes records vouches for nothing); for a node that has merged no one's work
+        yet (a joiner, a restart), any member that holds state: two nodes that joined a running swarm fresh
+        (round 0) counted each other as witnesses of their round 0 and, with no worker to witness the
+        swarm's head, refused it for the whole run. Ours needs no work to be witnessed: a node that had just
+        downloaded its state took a liar's head a round ahead, and its neighbours then took it from it."""
+        workers = set(self.work.worked) or None
         if self._published(donor, p, lambda h: (int(h[0]), str(h[1])) == (round_, hash_), workers):
             return False
-        return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]), workers)
+        return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]))
 
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
         """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
