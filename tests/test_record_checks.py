@@ -149,7 +149,6 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         heads=[(20, "mine20", 1, 1.0)],
         logs=[{14: rec("mine14"), 15: rec("mine15")}],
         _head_key=lambda h: (-int(h[0]), str(h[1])),
-        work=WorkBook(),
     )
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
@@ -168,11 +167,6 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
     liar = {**split, "liar": member("liar", 16, "zero")}
     assert outvoted(liar)[0][:2] == [15, "theirs15"]
     assert outvoted({"a": split["a"], "liar": liar["liar"]}) == (None, [])
-    # counted among the members whose work this node merged, once it merged any
-    node.work.merged("c", 0, 1.0)
-    assert outvoted(split) == (None, [])
-    node.work.merged("a", 0, 1.0), node.work.merged("b", 0, 1.0)
-    assert outvoted(split)[1] == ["a", "b"]
     # the same two merely behind on this node's own chain: they catch up by records, nothing to yield
     assert outvoted({"a": member("a", 15, "mine15"), "b": member("b", 14, "mine14")}) == (None, [])
     # this node's head is backed (one of the others is near it): no yielding, whatever a third claims
