@@ -211,3 +211,18 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     node.settings.heartbeat_s = 1000.0
     node.heads[0] = (5, "w5", 2, 1.0)
     assert node.unfollowed(0, node.members) == (None, [])
+
+
+def test_right_after_a_snapshot_the_member_it_came_from_witnesses_our_head():
+    """A node that just took round 5 by snapshot knows no round of its chain but its head; its donor, gone on
+    to round 6, witnesses ours: a liar's head a round past ours is refused (0.5 s after a snapshot a node
+    took a liar's all-zero head while every honest member was a round past it)."""
+    liar, b = _member("liar", (6, "zero")), _member("b", (6, "y6"))
+    node = _Views({"liar": liar, "b": b}, worked=["b"])
+    assert not node.unwitnessed("liar", 0, 6, "zero")  # b's round 6 is on no chain this node knows
+    node.took_from(0, "b", 5)
+    assert node.unwitnessed("liar", 0, 6, "zero")
+    node.took_from(0, "liar", 5)  # the liar's own word witnesses nothing
+    assert not node.unwitnessed("liar", 0, 6, "zero")
+    node.took_from(0, "b", 4)  # a record moved this node on since: its log knows its chain
+    assert not node.unwitnessed("liar", 0, 6, "zero")

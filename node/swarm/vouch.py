@@ -144,7 +144,20 @@ class Vouching:
         workers = set(self.work.worked) or None
         if self._published(donor, p, lambda h: (int(h[0]), str(h[1])) == (round_, hash_), workers):
             return False
-        return self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1]))
+        if self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1])):
+            return True
+        # Right after a snapshot, this node knows no round of its chain but its head: the member it came
+        # from, gone on a round, is its witness (a node took a liar's head 0.5 s after a snapshot, before
+        # the next record came, while every honest member was one round past ours).
+        took = self.__dict__.get("_took_from", {}).get(p)
+        m = self.live_members().get(took[0]) if took and took[0] != donor else None
+        return (
+            m is not None and not m.client_mode and self.heads[p][0] == took[1] and m.head_round(p) >= took[1]
+        )
+
+    def took_from(self, p: int, donor: str, round_: int) -> None:
+        """Fragment p's state came from ``donor`` at ``round_`` by snapshot (``CatchUp._install_snapshot``)."""
+        self.__dict__.setdefault("_took_from", {})[p] = (donor, round_)
 
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
         """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
