@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from node.local.launcher import wait_ready
 from tests.swarm_util import TINY, Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -209,3 +210,24 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
     for n in summary["nodes"]:
         assert n["model_hash"] == summary["model_hash"] and n["exit_code"] == 0
         assert (tmp_path / "up" / f"node-{n['node']}" / "model.safetensors").is_file()
+
+
+def test_nodes_joining_at_once_beside_a_swarm_rounds_ahead_all_download_its_state(swarm):
+    """Four nodes started at one moment beside a node eight rounds on: each downloads the swarm's state. While
+    a joiner's record carried its round-0 heads, the other joiners counted them against the running node's
+    head (not backed by a majority of the others), and some started fresh: in an unattacked bench run three
+    of four did, and went on merging a chain of their own beside it."""
+    swarm.start(0, peers_from=None)
+    wait_ready([swarm.children[0]], 120)
+
+    def rounds() -> int:
+        st = swarm.status().get(0)
+        return min(f["round"] for f in st["fragments"]) if st else 0
+
+    wait_until(lambda: rounds() >= 8, 120, "node 0 eight rounds on, alone")
+    for i in (1, 2, 3, 4):
+        swarm.start(i)
+    wait_ready(list(swarm.children.values()), 120)
+    joins = {i: next(e for e in swarm.events(i) if e["kind"] == "join") for i in (1, 2, 3, 4)}
+    assert all(j["how"].startswith("download from") for j in joins.values()), joins
+    assert all(min(j["rounds"]) >= 8 for j in joins.values()), joins

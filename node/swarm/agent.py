@@ -285,6 +285,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
         self.outbox: asyncio.Queue = asyncio.Queue()
         try:
+            self.joining = not self._restored  # no heads published until it has a state (_join_if_behind)
             await self._heartbeat_once()
             self._phase("membership")
             if not self._restored:

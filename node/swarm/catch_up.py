@@ -71,7 +71,15 @@ class CatchUp:
 
     # ---------------------------------------------------------------- join, catch-up, re-sync
     async def _join_if_behind(self) -> None:
-        """A node with no state: when the swarm is past round 0, download it (several donors) before training."""
+        """A node with no state: when the swarm is past round 0, download it (several donors) before training.
+        Its record publishes no heads meanwhile (``joining``, ``SwarmView.self_member``)."""
+        self.joining = True
+        try:
+            await self._join()
+        finally:
+            self.joining = False
+
+    async def _join(self) -> None:
         await self._await_members()
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}

@@ -59,7 +59,9 @@ class SwarmView:
             expires_at=now + self.settings.ttl_s,
             tokens_per_s=self.learner_loop.tokens_per_s(),
             client_mode=self.settings.client_mode or self.learner_only(),
-            heads={str(p): list(h) for p, h in enumerate(self.heads)},
+            # none while joining: a joiner's round 0 is no state to vouch with, and three nodes that joined
+            # at once counted each other's round 0 against a swarm 15 rounds on and all started fresh
+            heads={} if self.__dict__.get("joining") else {str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
             steps_per_s=self.learner_loop.steps_per_s(),
             cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",

@@ -189,19 +189,29 @@ class Vouching:
             return None, []
         return list(best[0]), best[1]
 
-    async def signed_head(self, donor: str, p: int, head) -> bool:
+    async def signed_head(self, donor: str, p: int, head, tries: int = 3) -> bool:
         """Whether ``donor`` serves a signed record whose new hash is ``head`` (round, hash): the head was
         merged by someone who signed for it, not only claimed. (A head a snapshot brought to the donor has
-        no record there: False.)"""
+        no record there: False.) A call refused or failed is tried again a heartbeat later, ``tries`` in
+        all: a donor that did not know this joiner yet answered ``unknown_peer``, and the joiner started
+        fresh beside a swarm 25 rounds on."""
         req = json.dumps({"fragment": p, "from": int(head[0])}).encode()
-        try:
-            reply = await self.transport.call(donor, "records", req)
-            for raw in unpack_list(reply.body) if reply.ok else []:
-                rec = decode_record(raw, self.settings.swarm, self.spec).record
-                if rec.round == int(head[0]):
-                    return rec.new_hash == str(head[1]) and rec.fragment == p
-        except (TransportError, ProtocolError):
-            pass
+        for k in range(tries):
+            if k:
+                await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                reply = await self.transport.call(donor, "records", req)
+                if not reply.ok:
+                    continue
+                for raw in unpack_list(reply.body):
+                    rec = decode_record(raw, self.settings.swarm, self.spec).record
+                    if rec.round == int(head[0]):
+                        return rec.new_hash == str(head[1]) and rec.fragment == p
+                return False
+            except TransportError:
+                continue
+            except ProtocolError:
+                return False
         return False
 
     def _unwitnessed_seen(self, p: int, donor: str, round_: int) -> None:
