@@ -72,8 +72,8 @@ class CatchUp:
     # ---------------------------------------------------------------- join, catch-up, re-sync
     async def _join_if_behind(self) -> None:
         """A node with no state: when the swarm is past round 0, download it (several donors) before training.
-        Its record publishes no heads meanwhile (``joining``, ``SwarmView.self_member``)."""
-        self.joining = True
+        Its record publishes no heads meanwhile (``joining``, set before the node's first heartbeat, and
+        ``SwarmView.self_member``)."""
         try:
             await self._join()
         finally:
@@ -280,7 +280,8 @@ class CatchUp:
             yielding = False
             if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vouch)
                 head, holders = self.outvoted(p, members)
-                head, holders = (head, holders) if holders else self.unfollowed(p, members)
+                if not holders:
+                    head, holders = self.unfollowed(p, members)
                 yielding = bool(holders)
             if not holders:
                 self.lagging_since.pop(p, None)
