@@ -311,3 +311,55 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     node.undone().discard(bad.record.new_hash)
     reply = asyncio.run(node._h_proof("accuser", other))
     assert not reply.ok and reply.code == "malformed"
+
+
+@pytest.mark.parametrize("held", ["lie", "lie-unfetched", "honest"])
+def test_a_new_ban_audits_the_records_of_the_signer_held_here_and_walks_back_what_it_cannot_audit(
+    tmp_path, held
+):
+    """A node not drawn to audit a record kept it though the member drawn had refused it (its signer banned
+    there first): on its own ban of the signer it audits what it holds of it, undoes a lie, walks back a record
+    it cannot audit, and keeps one its audit cleared (audited once)."""
+    from node.swarm.transport import TransportError
+
+    learners, liar, other = [Identity.generate() for _ in range(3)], Identity.generate(), Identity.generate()
+    node = _Member(tmp_path)
+    node.members = {x.peer_id: None for x in [liar, other, *learners]}
+    msgs, cs = _signed_messages(learners, 0, seed=1)
+    view = frozen_view(node.replicas[0])
+    rec = view.make_record(1, cs if held == "honest" else _lie(cs, -1.0), node.pcfg)
+    sr = decode_record(encode_record("s", replace(rec, digests=tuple(c.digest for c in cs)), liar), "s", SPEC)
+    node._apply(sr)
+    assert node.replicas[0].round == 1 and node.logs[0][1].signer == liar.peer_id
+
+    fetched = []
+
+    async def fetch(s):
+        fetched.append(s.record.round)
+        if held == "lie-unfetched":
+            raise TransportError("its learners are gone")
+        return msgs
+
+    node._fetch_messages = fetch
+    # convicted for another record: the ban is new, and the audit of what this node holds of it is spawned
+    elsewhere = decode_record(encode_record("s", replace(rec, round=7), liar), "s", SPEC)
+    assert node.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
+    assert "_audit_held" in [c.__name__ for c in node.tasks]
+    assert not node.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
+    asyncio.run(node._audit_held(liar.peer_id))
+    assert fetched == [1]
+    if held == "honest":
+        assert node.replicas[0].round == 1 and node.counters["rounds_undone"] == 0
+        assert node.counters["audits"] == 1
+        asyncio.run(node._audit_held(liar.peer_id))  # cleared here: not fetched again
+        assert fetched == [1] and node.replicas[0].round == 1
+    else:
+        assert node.replicas[0].round == 0 and 1 not in node.logs[0] and node.counters["rounds_undone"] == 1
+        assert node.replicas[0].hash == node.heads[0][1] != sr.record.new_hash
+        assert node.counters["audits_unfetched" if held == "lie-unfetched" else "audits"] == 1
+        with pytest.raises(ProtocolError, match="undid"):  # its chain stays refused
+            node._apply(
+                decode_record(
+                    encode_record("s", replace(rec, round=2, parent_hash=rec.new_hash), other), "s", SPEC
+                )
+            )

@@ -38,6 +38,7 @@ PROOF_MESSAGES = 1024  # messages one proof may carry (one per contributor of it
 FANOUT = 16  # members one node hands evidence or a proof to (each passes it on once)
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
+CLEARED = 4096  # hashes of records an audit here found faithful (``_audit_held`` leaves them be)
 
 
 class KeptMessages:
@@ -116,7 +117,8 @@ class Audit:
         return self.peer_id in sorted(pool, key=rank)[:AUDITORS]
 
     # ---------------------------------------------------------------- the audit
-    async def _audit(self, sr: SignedRecord) -> None:
+    async def _audit(self, sr: SignedRecord) -> float | None:
+        """Recompute ``sr`` and convict its signer where it lied; the gap, or None where this node cannot tell."""
         rec = sr.record
         t0 = time.monotonic()
         try:
@@ -129,14 +131,14 @@ class Audit:
             logger.info(
                 "audit of fragment %d round %d: messages not fetched (%s)", rec.fragment, rec.round, e
             )
-            return
+            return None
         try:
             gap = await self._recompute(sr, msgs)
         except ProtocolError as e:  # a message that is not what the record names, or not its learner's
             logger.info("audit of fragment %d round %d: %s", rec.fragment, rec.round, e)
             gap = None
         if gap is None:
-            return
+            return None
         self.counters["audits"] += 1
         self.events.emit(
             "audit",
@@ -149,6 +151,41 @@ class Audit:
         )
         if gap > AUDIT_TOLERANCE:
             self.convict_merge(sr, msgs, self.peer_id, gap)
+        else:
+            cleared = self.__dict__.setdefault("_cleared", OrderedDict())
+            cleared[rec.new_hash] = None
+            while len(cleared) > CLEARED:
+                cleared.popitem(last=False)
+        return gap
+
+    async def _audit_held(self, peer: str) -> None:
+        """On a new ban of ``peer`` for a signed lie: each record of it this node's logs hold that no audit here
+        cleared is audited now, and walked back where no audit can tell (its messages gone, a swarm that
+        audits nothing): the members that banned the signer first refuse it, so no chain of theirs passes
+        through it. One member audits a record (``AUDITORS``); where that member had banned the signer
+        already, it refused the record (``banned``) and never audited it, and a node that had applied it kept
+        it: under load one node stayed a round ahead on a negated merge the others refused, and the swarm
+        never settled on one hash."""
+        for p, log in enumerate(self.logs):
+            for r in sorted(r for r, x in log.items() if x.signer == peer):
+                held = log.get(r)
+                if held is None or held.signer != peer or held.record.new_hash in self.undone():
+                    break  # walked back meanwhile (from this round or one below)
+                if held.record.new_hash in self.__dict__.get("_cleared", {}):
+                    continue
+                sr = decode_record(bytes(held.raw), self.settings.swarm, self.spec)
+                auditable = (
+                    self.settings.audit_share > 0 and sr.record.digests and "" not in sr.record.digests
+                )
+                gap = await self._audit(sr) if auditable else None
+                if gap is None and sr.record.new_hash not in self.undone():
+                    logger.warning(
+                        "fragment %d round %d, signed by %s (banned): not audited here, walked back",
+                        p,
+                        r,
+                        peer,
+                    )
+                    self._undo(sr)
 
     async def _fetch_messages(self, sr: SignedRecord) -> list[tuple[bytes, bytes]]:
         """The signed messages ``sr`` names, in its order: ours, then each learner's own from it, then what is
@@ -266,6 +303,7 @@ class Audit:
         new = self.guard.ban(sr.signer, time.monotonic(), why)
         if new:
             self.counters["convictions"] += 1
+            self._spawn(self._audit_held(sr.signer))
         self.events.emit(
             "ban",
             t=time.time(),
