@@ -226,3 +226,48 @@ def test_right_after_a_snapshot_the_member_it_came_from_witnesses_our_head():
     assert not node.unwitnessed("liar", 0, 6, "zero")
     node.took_from(0, "b", 4)  # a record moved this node on since: its log knows its chain
     assert not node.unwitnessed("liar", 0, 6, "zero")
+
+
+def test_a_node_alone_on_its_fork_refuses_a_lone_head_while_two_witnesses_agree_on_another():
+    """Ours has no witness (no member holds a round of our chain): the donor's head is still refused while two
+    or more members whose work we merged agree on another head, and catch-up then looks past it to theirs
+    (a node alone on its fork took a liar's all-zero head a round past the rest, 1 install in 2 of 3 runs)."""
+    liar = _member("liar", (7, "zero", 9, 9.0))
+    b, c = _member("b", (6, "y6", 2, 1.0)), _member("c", (6, "y6", 2, 1.0))
+    node = _Views({"liar": liar, "b": b, "c": c}, worked=["b", "c"], head=(6, "x6", 2, 1.0))
+    assert node.unwitnessed("liar", 0, 7, "zero")
+    # one agreeing member, two that disagree, or two we never merged: the three-way split's exemption stands
+    assert not _Views({"liar": liar, "b": b}, worked=["b"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    split = {"liar": liar, "b": b, "c": _member("c", (6, "z6", 2, 1.0))}
+    assert not _Views(split, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    assert not _Views(node.members, worked=["liar"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    # members that agree on the donor's own head witness it
+    echo = {"liar": liar, "b": _member("b", (7, "zero")), "c": _member("c", (7, "zero"))}
+    assert not _Views(echo, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+
+
+def test_catch_up_looks_past_a_head_refused_as_unwitnessed_for_a_while():
+    from node.swarm.view import SwarmView
+
+    class _Node(_Views, SwarmView):
+        replicas = [SimpleNamespace(round=6)]
+        pcfg = SimpleNamespace(history=4)
+        transport = SimpleNamespace(_count=lambda code: None)
+        events = SimpleNamespace(emit=lambda *a, **k: None)
+
+    liar = _member("liar", (7, "zero", 9, 9.0))
+    b, c = _member("b", (7, "y7", 2, 1.0)), _member("c", (7, "y7", 2, 1.0))
+    node = _Node({"liar": liar, "b": b, "c": c}, worked=["b", "c"], head=(6, "x6", 2, 1.0))
+    assert node.winning_heads(0, node.members, refused=node.refused_heads(0)) == (
+        list(liar.heads["0"]),
+        ["liar"],
+    )
+    node._unwitnessed_seen(0, "liar", 7, "zero")
+    assert node.refused_heads(0) == {(7, "zero")}
+    assert node.winning_heads(0, node.members, refused=node.refused_heads(0)) == (
+        [7, "y7", 2, 1.0],
+        ["b", "c"],
+    )
+    node.settings.heartbeat_s = 0.0  # the refusal has lapsed: the head is tried again
+    node._unwitnessed_seen(0, "liar", 7, "zero")
+    assert node.refused_heads(0) == set()

@@ -276,7 +276,7 @@ class CatchUp:
         now = time.monotonic()
         members = self.live_members()
         for p in range(len(self.replicas)):
-            head, holders = self.winning_heads(p, members)
+            head, holders = self.winning_heads(p, members, refused=self.refused_heads(p))
             yielding = False
             if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vouch)
                 head, holders = self.outvoted(p, members)

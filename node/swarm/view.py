@@ -116,15 +116,21 @@ class SwarmView:
         return round_ - self.replicas[p].round <= self.pcfg.history
 
     def winning_heads(
-        self, p: int, members: dict[str, Member], strict: bool = False
+        self, p: int, members: dict[str, Member], strict: bool = False, refused: Collection = ()
     ) -> tuple[list | None, list[str]]:
         """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats
         ours; else (None, []). A head must be ``credible``, or (unless ``strict``: a snapshot will be
-        fetched) close enough to follow by records."""
+        fetched) close enough to follow by records; not one of ``refused`` (round, hash)."""
         best_key, best_head, holders = self._head_key(self.heads[p]), None, []
         for pid, m in sorted(members.items()):
             h = m.heads.get(str(p))
-            if pid == self.peer_id or m.client_mode or not h or len(h) < 4:
+            if (
+                pid == self.peer_id
+                or m.client_mode
+                or not h
+                or len(h) < 4
+                or (int(h[0]), str(h[1])) in refused
+            ):
                 continue
             r = int(h[0])
             if not self.credible(p, pid, r, members) and (strict or not self.within_records(p, r)):

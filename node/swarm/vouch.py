@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 # how long (x heartbeat_s) this node's head may stand with no member taking it while members it merged agree on
 # another of the same round (``unfollowed``): a follower takes a head within about two heartbeats
 LONE_HEARTBEATS = 8
+# how long (x heartbeat_s) catch-up looks past a head refused as unwitnessed, to the best one it can take
+REFUSED_HEARTBEATS = 8
 
 
 class UnwitnessedSnapshot(TransportError):
@@ -151,9 +153,26 @@ class Vouching:
         # the next record came, while every honest member was one round past ours).
         took = self.__dict__.get("_took_from", {}).get(p)
         m = self.live_members().get(took[0]) if took and took[0] != donor else None
-        return (
-            m is not None and not m.client_mode and self.heads[p][0] == took[1] and m.head_round(p) >= took[1]
-        )
+        if m is not None and not m.client_mode and self.heads[p][0] == took[1] and m.head_round(p) >= took[1]:
+            return True
+        # Ours has no witness (a three-way split, a node alone on its fork): the donor's word still loses to a
+        # head two or more witnesses agree on (this node then takes theirs: ``winning_heads`` passes over the
+        # head refused here, ``unfollowed``). A node alone on its fork took a liar's all-zero head a round
+        # past the rest, and its neighbours then took it from it.
+        agreed: dict[tuple, int] = {}
+        for q, m in self.live_members().items():
+            h = m.heads.get(str(p))
+            if q in (donor, self.peer_id) or m.client_mode or not h or len(h) < 2:
+                continue
+            if (workers is None or q in workers) and (int(h[0]), str(h[1])) != (round_, hash_):
+                agreed[(int(h[0]), str(h[1]))] = agreed.get((int(h[0]), str(h[1])), 0) + 1
+        return max(agreed.values(), default=0) >= 2
+
+    def refused_heads(self, p: int) -> set[tuple[int, str]]:
+        """Heads (round, hash) of fragment p refused here as unwitnessed lately: catch-up looks past them, to
+        the best head it can take."""
+        now = time.monotonic()
+        return {k for k, until in self.__dict__.get("_refused_heads", {}).get(p, {}).items() if until > now}
 
     def took_from(self, p: int, donor: str, round_: int) -> None:
         """Fragment p's state came from ``donor`` at ``round_`` by snapshot (``CatchUp._install_snapshot``)."""
@@ -214,8 +233,14 @@ class Vouching:
                 return False
         return False
 
-    def _unwitnessed_seen(self, p: int, donor: str, round_: int) -> None:
-        """Count a head not taken (``unwitnessed_snapshot``: status's refusals, and an event)."""
+    def _unwitnessed_seen(self, p: int, donor: str, round_: int, hash_: str) -> None:
+        """Count a head not taken (``unwitnessed_snapshot``: status's refusals, and an event); ``refused_heads``
+        passes over it for ``REFUSED_HEARTBEATS``."""
+        now = time.monotonic()
+        refused = self.__dict__.setdefault("_refused_heads", {}).setdefault(p, {})
+        for k in [k for k, until in refused.items() if until <= now]:
+            del refused[k]
+        refused[(round_, hash_)] = now + REFUSED_HEARTBEATS * self.settings.heartbeat_s
         self.transport._count("unwitnessed_snapshot")
         self.events.emit("unwitnessed_snapshot", t=time.time(), fragment=p, peer=donor, round=round_)
 
@@ -228,7 +253,7 @@ class Vouching:
         if len(holders) != 1 or await self.signed_head(holders[0], p, head):
             return holders
         _, others = self.winning_heads(p, {q: m for q, m in members.items() if q != holders[0]}, strict=True)
-        self._unwitnessed_seen(p, holders[0], int(head[0]))
+        self._unwitnessed_seen(p, holders[0], int(head[0]), str(head[1]))
         return others  # none: this node starts from its own state, as the swarm's first nodes do
 
     async def vouch_head(self, donor: str, p: int, head) -> None:
@@ -244,7 +269,7 @@ class Vouching:
                 chain = await self._donor_chain(donor, p, r, h)
         if chain is not None:
             return
-        self._unwitnessed_seen(p, donor, r)
+        self._unwitnessed_seen(p, donor, r, h)
         raise UnwitnessedSnapshot(
             f"fragment {p}: {donor} holds round {r} alone, no chain of its records reaches it from ours, "
             "and ours has a witness: not fetched"
