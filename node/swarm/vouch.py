@@ -19,7 +19,8 @@ state of ours (a ``head`` op). Under load (3 nodes beside a 2,000-member crowd o
 test swarm of ``ddiloco up``) honest splits arose that only one node's head could repair, no other member
 could confirm and no chain joined; the nodes ended on three hashes (docs/security.md, "Known limits"). A
 node whose own chain has no witness (a joiner, a node restarted, a three-way split) takes such a head as
-before.
+before, unless two or more witnesses agree on another head: then it looks past the refused head
+(``refused_heads``) to the best one it can take.
 
 A mixin of ``node.swarm.agent.Node``, like ``node.swarm.catch_up``."""
 
