@@ -45,7 +45,8 @@ def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
         settings=SimpleNamespace(heartbeat_s=0.5),
         _syncing=set(),
         live_members=lambda: {},
-        winning_heads=lambda p, ms: ([9, "h", 1, 1.0], ["a", "b", "c"]),
+        winning_heads=lambda p, ms, refused: ([9, "h", 1, 1.0], ["a", "b", "c"]),
+        refused_heads=lambda p: set(),
         _spawn=lambda coro: coro.close(),
     )
     backoff = Backoff(base_s=60, cap_s=60)
