@@ -21,12 +21,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import torch
-
 from protocol.codecs import range_align, ranges, read_range
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
-from protocol.norms import NormBook
+from protocol.norms import NormBook, sq_norm
 from protocol.record_checks import readable
 from protocol.replica import FragmentReplica, MergeRecord
 from protocol.synchroniser import Contribution
@@ -64,6 +62,6 @@ def audit_gap(
     for k, g in readable(mine.grad).items():  # a range at a time: whole, the comparison held 8x the tensor
         for a, b in ranges(view.theta[k].numel(), range_align(g, theirs[k])):
             x = read_range(g, a, b)
-            diff += float(torch.linalg.vector_norm(x - read_range(theirs[k], a, b), dtype=torch.float64)) ** 2
-            ref += float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+            diff += sq_norm(x - read_range(theirs[k], a, b))
+            ref += sq_norm(x)
     return math.sqrt(diff) / max(math.sqrt(ref), 1e-30)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from protocol.codecs import Decoded, range_align, ranges, read_range
+from protocol.norms import sq_norm
 
 THETA_TOL = 1e-5  # |rebuilt - served| / |rebuilt| per parameter tensor
 MOMENTUM_TOL = 1e-3  # the same for the outer momentum (the walk back divides by mu: more rounding)
@@ -72,10 +73,8 @@ def snapshot_mismatch(
                 mo.mul_(mu).add_(g)
                 th.sub_(torch.mul(mo, mu).add_(g), alpha=lr)
             for i, (rebuilt, served) in enumerate(((th, served_theta[k]), (mo, served_momentum[k]))):
-                sums[2 * i] += float(
-                    torch.sum((read_range(served, a, b) - rebuilt) ** 2, dtype=torch.float64)
-                )
-                sums[2 * i + 1] += float(torch.sum(rebuilt.double() ** 2))
+                sums[2 * i] += sq_norm(read_range(served, a, b) - rebuilt)
+                sums[2 * i + 1] += sq_norm(rebuilt)
         for what, (d2, s2), tol in (
             ("parameters", sums[:2], THETA_TOL),
             ("momentum", sums[2:], MOMENTUM_TOL),

