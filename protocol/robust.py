@@ -69,6 +69,8 @@ def robust_parts(
     as they are (``off``), or the one robust outer gradient with weight 1."""
     if cfg.robust != "centered-clip":  # auto, unresolved: trusted learners (protocol.systems resolves it)
         return parts, list(weights)
+    if len(parts) == 1:  # CenteredClip of one contribution is that contribution: no passes over it
+        return parts, [1.0]
     ws = capped_weights(weights, cfg.share_cap)
     return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS), None, 1.0)], [1.0]
 

@@ -14,6 +14,7 @@ from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.merge import weighted_mean
+from protocol.record_checks import readable
 from protocol.replica import FragmentReplica
 from protocol.robust import capped_weights, centered_clip, weighted_median
 from protocol.synchroniser import Contribution
@@ -216,3 +217,26 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     three = on_contribution(robust, st, contrib("c"), 10.1)
     assert three.state.quorum_at is not None  # the third learner: quorum at once
     assert on_contribution(plain, sched, contrib("a"), 9.9).state.quorum_at is not None  # plain: K = 1
+
+
+@pytest.mark.parametrize("merge", ["rda", "mean"])
+def test_a_robust_round_of_one_contribution_is_that_contribution_without_the_passes(merge, monkeypatch):
+    """CenteredClip of one contribution is the contribution (its passes are skipped): the record is the plain
+    mean's, and what the passes give up to the record codec's rounding."""
+    theta, _, cs = _replica_and_contributions(liar_tokens=800)
+    cfg = ProtocolConfig(robust="centered-clip", merge=merge, clip_factor=0.0)
+    calls = []
+    monkeypatch.setattr(robust, "centered_clip", lambda *a, **k: calls.append(1) or centered_clip(*a, **k))
+    one = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs[:1], cfg)
+    assert calls == []
+    plain = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs[:1], replace(cfg, robust="off"))
+    if merge == "mean":  # the same code path: the same record (RDA's plain path rounds apart by ulps)
+        assert one.new_hash == plain.new_hash
+    got = readable(one.grad)
+    for k in ("w", "b"):
+        passes = centered_clip(theta[k], [(cs[0].delta[k], None, 1.0)], [1.0], radial=merge == "rda")
+        mine = codecs.read_range(got[k], 0, passes.numel())
+        err = torch.linalg.vector_norm(mine - passes.reshape(-1)) / torch.linalg.vector_norm(passes)
+        assert err < 0.02, (k, float(err))  # the record codec's rounding, nothing more
+    two = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs[:2], cfg)
+    assert calls and two.new_hash != plain.new_hash
