@@ -190,19 +190,21 @@ def mean_step(
     block: int,
     lr: float,
     mu: float,
-) -> tuple[Encoded | torch.Tensor, torch.Tensor]:
+    step: bool = True,
+) -> tuple[Encoded | torch.Tensor, torch.Tensor | None]:
     """The weighted mean of one tensor's contributions, its quantisation with the record's ``codec`` (None:
     fp32) and the outer step, a range at a time: what the merge of a large tensor holds beyond the new
     tensors is a range of each, never the whole merged gradient in fp32. ``parts``: per contribution its
     outer gradient (a tensor or its wire form), the base it was taken on (None: the current global) and its
     clip scale. The values are those of ``anchor``, ``weighted_mean``, ``codec`` and ``outer_step`` over the
     whole tensor (each is elementwise, or blockwise on the codec's blocks). Returns (the merged gradient's
-    wire form, or fp32 tensor with no codec; new theta); ``stepped_momentum`` makes the new momentum."""
+    wire form, or fp32 tensor with no codec; new theta, None without ``step``); ``stepped_momentum`` makes the
+    new momentum."""
     ws = _normalised(weights)
     blocked = codec is not None and codec.name in ("int8", "int4")  # its ranges must hold whole blocks
     align = math.lcm(range_align(*(src for src, _, _ in parts)), block if blocked else 1)
-    new_theta = torch.empty_like(theta, dtype=torch.float32)
-    th, mo, out_t = theta.reshape(-1), momentum.reshape(-1), new_theta.view(-1)
+    new_theta = torch.empty_like(theta, dtype=torch.float32) if step else None
+    th, mo = theta.reshape(-1), momentum.reshape(-1)
     pieces = []
     for a, b in ranges(th.numel(), align):
         acc = None
@@ -217,7 +219,8 @@ def mean_step(
             acc = codec.decode(pieces[-1])
         else:
             pieces.append(acc)
-        _step_range(th[a:b], mo[a:b], acc, lr, mu, out_t[a:b])
+        if new_theta is not None:
+            _step_range(th[a:b], mo[a:b], acc, lr, mu, new_theta.view(-1)[a:b])
         del acc
     if not pieces:  # a tensor of no values
         empty = theta.new_zeros(0)

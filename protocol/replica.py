@@ -278,7 +278,7 @@ class FragmentReplica:
         scales that part alone: Theta_now - theta_m = (Theta_now - base) + s * delta. The part the global
         itself moved since that base is no learner's to clip.
 
-        ``given``: an audit's recompute of that record (``protocol.audit``): its scales and share, not ours."""
+        ``given``: an audit's recompute of it (``protocol.audit``): its scales and share; the gradient alone."""
         if round_ != self.round + 1:
             raise ProtocolError(RejectCode.STALE_BASE, f"merge of round {round_} on replica at {self.round}")
         weights = [contribution_weight(c.c_tokens, c.c_steps) for c in contributions]
@@ -316,8 +316,7 @@ class FragmentReplica:
         share = (
             given.share if given is not None else round_share(contributions, cfg, live) if cfg.carry else 1.0
         )
-        # Quantised once here; every replica, this one included, steps with the decoded values, so the new
-        # hash is the same everywhere.
+        # Quantised once here; every replica, this one too, steps with the decoded values: one new hash anywhere
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
         lr, mu = cfg.outer_lr, cfg.outer_momentum
         grad, new_theta = {}, {}
@@ -330,7 +329,7 @@ class FragmentReplica:
                 ]
                 parts, ws = robust_parts(theta, parts, weights, cfg, radial=not mean)
                 grad[k], new_theta[k] = mean_step(
-                    theta, self.momentum[k], parts, ws, share, codec, cfg.codec_block, lr, mu
+                    theta, self.momentum[k], parts, ws, share, codec, cfg.codec_block, lr, mu, given is None
                 )
                 continue
             g = rda(anchored(k), weights, owned=True)  # RDA needs each contribution's whole tensor
@@ -338,12 +337,13 @@ class FragmentReplica:
                 g = g * share
             grad[k] = g if codec is None else codec.encode(g, cfg.codec_block)
             del g
-            new_theta[k] = outer_theta_tensor(theta, self.momentum[k], grad[k], lr, mu)
+            if given is None:  # an audit compares gradients: no outer step
+                new_theta[k] = outer_theta_tensor(theta, self.momentum[k], grad[k], lr, mu)
         rec = MergeRecord(
             fragment=self.index,
             round=round_,
             parent_hash=self._hash,
-            new_hash=tensors_hash(new_theta),
+            new_hash=tensors_hash(new_theta) if given is None else "",  # an audit compares gradients only
             contributors=tuple(
                 (c.learner, c.cid, w, c.c_steps, c.c_tokens) for c, w in zip(contributions, weights)
             ),
@@ -358,7 +358,7 @@ class FragmentReplica:
             scales=tuple(float(s) for s in scales),
             share=float(share),
         )
-        self._made = (rec, new_theta)  # the momentum steps when the record is applied
+        self._made = (rec, new_theta) if given is None else None  # the momentum steps when it is applied
         return rec
 
     def check_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:

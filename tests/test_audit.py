@@ -93,6 +93,12 @@ def test_an_honest_record_recomputes_within_tolerance_and_a_lie_does_not(robust,
         gap = audit_gap(frozen_view(rep), rec, cs, cfg)
         assert gap > 0.09, (r, scale, gap)
     assert (rep.round, rep.hash) == (round_now, hash_now)  # audits change nothing of the replica
+    # a recompute is the merged gradient alone: no outer step, no new state held, no new hash
+    rec, cs = honest[-1]
+    view = frozen_view(rep)
+    view.rewind(rec.round - 1, momentum=True)
+    again = view.make_record(rec.round, cs, cfg, given=rec)
+    assert again.new_hash == "" and view._made is None and again.digests == rec.digests
 
 
 def test_recompute_refuses_other_contributions_and_a_history_that_does_not_reach():
