@@ -22,14 +22,16 @@ def _sq_norm(t: torch.Tensor) -> float:
     x = t.detach().reshape(-1)
     n = x.numel()
     if x.dtype != torch.float32 or n < 2 * SQ_BLOCK:
-        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+        return _sq_norm64(x)
     k = n // SQ_BLOCK * SQ_BLOCK
     s = float(torch.linalg.vector_norm(x[:k].view(-1, SQ_BLOCK), dim=1).double().square().sum())
-    if k < n:
-        s += float(torch.linalg.vector_norm(x[k:], dtype=torch.float64)) ** 2
-    if math.isinf(s):
-        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
-    return s
+    s += _sq_norm64(x[k:]) if k < n else 0.0
+    return _sq_norm64(x) if math.isinf(s) else s
+
+
+def _sq_norm64(x: torch.Tensor) -> float:
+    """The sum of squares accumulated value by value in float64."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
 
 def sq_norm(v: torch.Tensor | Encoded) -> float:
