@@ -205,6 +205,16 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     # a head of another round is winning_heads' business (ahead) or theirs to take (behind); a client holds none
     ahead = {"b": _member("b", (6, "y6", 2, 1.0)), "c": _member("c", (6, "y6", 2, 1.0))}
     assert node.unfollowed(0, ahead) == (None, [])
+    # a round below ours on another chain (ours a lone head a round past a fork): given up for theirs; on our
+    # own chain they are merely behind and follow our records
+    node.settings.heartbeat_s = 0.0
+    forked = {"b": _member("b", (4, "y4", 2, 1.0)), "c": _member("c", (4, "y4", 2, 1.0))}
+    assert node.unfollowed(0, forked) == ([4, "y4", 2, 1.0], ["b", "c"])
+    node.logs[0][5] = SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="y4"))
+    assert node.unfollowed(0, forked) == (None, [])
+    del node.logs[0][5]
+    node.settings.heartbeat_s = 1000.0
+    node.unfollowed(0, node.members)
     clients = {q: _member(q, (5, "y5", 2, 1.0), client=True) for q in ("b", "c")}
     assert node.unfollowed(0, clients) == (None, [])
     # the stand-off's clock restarts when either head moves

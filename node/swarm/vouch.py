@@ -195,7 +195,10 @@ class Vouching:
             if (int(h[0]), str(h[1])) == (r, ours):
                 groups = {}  # a member holds ours
                 break
-            if int(h[0]) == r and q in self.work.worked:
+            # ours, or (a lone head a round past theirs, on another chain: its record is refused as
+            # ``wrong_parent``, its snapshot as unwitnessed) the round below, where it is not ours
+            behind = int(h[0]) == r - 1 and self.hash_at(p, r - 1) != str(h[1])
+            if (int(h[0]) == r or behind) and q in self.work.worked:
                 groups.setdefault(tuple(h), []).append(q)
         best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
         lone = self.__dict__.setdefault("_lone_since", {})
