@@ -67,3 +67,47 @@ def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
 
 async def _noop() -> None:
     return None
+
+
+def test_a_restarted_node_keeps_asking_a_donor_that_refuses_it_until_a_heartbeat_lets_it_in():
+    """A donor that has not read the restarted node's fresh record refuses it until its next view re-read,
+    a heartbeat later. Two quick tries both met that refusal and the node trained on its stale checkpoint
+    (CI: the first ``catch_up`` event moved no fragment, ``behind`` 4)."""
+    import asyncio
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t_start = loop.time()
+        replicas = [SimpleNamespace(round=3, theta=f"theta{p}") for p in range(4)]
+        delivered, events, tries = [], [], []
+
+        async def catch_up(p, pid, head):
+            tries.append(p)
+            if loop.time() - t_start < 0.5:  # the donor's view does not hold us yet
+                return
+            replicas[p].round = head[0]
+
+        async def nothing():
+            return None
+
+        node = SimpleNamespace(
+            replicas=replicas,
+            loop=loop,
+            settings=SimpleNamespace(heartbeat_s=0.5, rpc_timeout_s=5.0),
+            _await_members=nothing,
+            _spawn=lambda coro: asyncio.ensure_future(coro),
+            _publish_while_joining=nothing,
+            live_members=lambda: {"a": 1},
+            winning_heads=lambda p, ms: ([7, "h", 1, 1.0], ["a"]) if replicas[p].round < 7 else (None, []),
+            _catch_up=catch_up,
+            learner_loop=SimpleNamespace(deliver=lambda p, r, theta, now: delivered.append((p, r))),
+            events=SimpleNamespace(emit=lambda kind, **kw: events.append((kind, kw))),
+        )
+        await CatchUp._catch_up_restored(node)
+        return delivered, events, tries
+
+    delivered, events, tries = asyncio.run(main())
+    assert sorted(delivered) == [(p, 7) for p in range(4)]
+    assert len(tries) > 8  # the first tries were refused, and it went on past two of them
+    ((kind, kw),) = events
+    assert kind == "catch_up" and kw["fragments"] == [0, 1, 2, 3] and kw["behind"] == 4

@@ -146,15 +146,21 @@ class CatchUp:
         out (its base is rounds old) and progress the catch-up then overwrites. Waiting for the usual
         reconcile (a heartbeat and a half, then one fragment at a time) cost the restarted node its first
         4-5 s of steps in a chaos run. A fragment whose fetch failed is tried again (the per-peer backoff
-        spaces the tries) until two tries in a row move nothing, or the RPC deadline; what is still behind
-        then, the heartbeat's reconcile finishes while the learner trains."""
+        spaces the tries) until two tries in a row and two heartbeats move nothing, or the RPC deadline;
+        what is still behind then, the heartbeat's reconcile finishes while the learner trains. Two quick
+        tries alone were too few: a donor that has not yet read this node's fresh record refuses it
+        (``unknown_peer``) and reads the view again only once a heartbeat, so both tries met the same
+        refusal and the node trained its first stretch on stale fragments."""
         await self._await_members()
         before = [r.round for r in self.replicas]
         t0, behind, idle = time.time(), None, 0
         deadline = self.loop.time() + self.settings.rpc_timeout_s
+        moved_at = self.loop.time()
         beats = self._spawn(self._publish_while_joining())  # a donor serves members only
         try:
-            while self.loop.time() < deadline and idle < 2:  # two tries in a row that moved nothing: stop
+            while self.loop.time() < deadline and not (
+                idle >= 2 and self.loop.time() - moved_at >= 2 * self.settings.heartbeat_s
+            ):
                 members = self.live_members()
                 heads = [(p, *self.winning_heads(p, members)) for p in range(len(self.replicas))]
                 heads = [(p, head, holders) for p, head, holders in heads if holders]
@@ -169,7 +175,10 @@ class CatchUp:
                 _, pending = await asyncio.wait(jobs, timeout=max(0.0, deadline - self.loop.time()))
                 for t in pending:
                     t.cancel()
-                idle = 0 if [r.round for r in self.replicas] != rounds else idle + 1
+                if [r.round for r in self.replicas] != rounds:
+                    idle, moved_at = 0, self.loop.time()
+                else:
+                    idle += 1
         finally:
             beats.cancel()
         moved = [p for p, (r, b) in enumerate(zip(self.replicas, before)) if r.round > b]
