@@ -23,6 +23,7 @@ import random
 import time
 from collections import OrderedDict
 
+from node.swarm.kept import FETCH_MAX, KeptMessages, parse_kept_request
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list, verify_contribution
@@ -33,48 +34,11 @@ from protocol.synchroniser import Contribution
 
 logger = logging.getLogger(__name__)
 AUDITORS = 1  # members drawn to recompute an audited record
-FETCH_MAX = 64  # messages one ``kept`` request may ask for (an audit asks several times where it needs more)
 PROOF_MESSAGES = 1024  # messages one proof may carry (one per contributor of its record)
 FANOUT = 16  # members one node hands evidence or a proof to (each passes it on once)
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
 CLEARED = 4096  # hashes of records an audit here found faithful (``_audit_held`` leaves them be)
-
-
-class KeptMessages:
-    """Signed contribution messages (message, signature) by sha256 of the message, newest kept, at most
-    ``max_bytes`` of them."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
-
-    def put(self, raw: bytes, sig: bytes) -> str:
-        digest = hashlib.sha256(raw).hexdigest()
-        if digest not in self.items:
-            self.items[digest] = (bytes(raw), bytes(sig))
-            self.bytes += len(raw) + len(sig)
-        while self.bytes > self.max_bytes and len(self.items) > 1:
-            _, (r, s) = self.items.popitem(last=False)
-            self.bytes -= len(r) + len(s)
-        return digest
-
-    def get(self, digest: str) -> tuple[bytes, bytes] | None:
-        return self.items.get(digest)
-
-
-def parse_kept_request(raw: bytes) -> list[str]:
-    try:
-        digests = json.loads(raw).get("digests")
-    except (ValueError, AttributeError, RecursionError) as e:
-        raise ProtocolError(RejectCode.MALFORMED, f"bad kept request: {type(e).__name__}") from e
-    if not (
-        isinstance(digests, list)
-        and len(digests) <= FETCH_MAX
-        and all(isinstance(d, str) and len(d) == 64 for d in digests)
-    ):
-        raise ProtocolError(RejectCode.MALFORMED, f"kept request: at most {FETCH_MAX} sha256 digests")
-    return digests
 
 
 class Audit:
@@ -83,7 +47,7 @@ class Audit:
         parameters in bytes, about 3.5 rounds of every fragment's int4 contributions."""
         k = self.__dict__.get("_kept")
         if k is None:
-            k = self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel))
+            k = self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel), getattr(self, "spool", None))
         return k
 
     def keep_message(self, raw: bytes, sig: bytes) -> str | None:

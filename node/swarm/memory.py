@@ -152,7 +152,7 @@ def breakdown(node: Any) -> dict:
     host = dict(t.host)
     host["history"] += raw
     kept = node.__dict__.get("_kept")  # signed contribution messages kept for audits (node.swarm.audit)
-    host["audit_kept"] = kept.bytes if kept is not None else 0
+    host["audit_kept"] = kept.resident if kept is not None else 0  # in memory; the rest on disk
     weights = 4 * node.plan.total_numel
     counted = sum(host.values())
     doc = {
