@@ -32,13 +32,28 @@ from protocol.synchroniser import Contribution
 AUDIT_TOLERANCE = 0.05
 
 
-def frozen_view(rep: FragmentReplica) -> FragmentReplica:
+class NormsRead(NormBook):
+    """A copy of a norm book, read off the thread that owns the original; what is added to it is kept apart
+    (``added``), for that thread to add to the original."""
+
+    def __init__(self, book: NormBook) -> None:
+        super().__init__(book.keep)
+        self.rms = {k: list(v) for k, v in book.rms.items()}
+        self.added: list[tuple[str, float]] = []
+
+    def add(self, learner: str, rms: float) -> None:
+        super().add(learner, rms)
+        self.added.append((learner, rms))
+
+
+def frozen_view(rep: FragmentReplica, merge: bool = False) -> FragmentReplica:
     """A shallow copy of ``rep`` that records applied to ``rep`` later do not move (take it on the thread that
     applies them; its tensors are shared, so ``rep``'s momentum must not step in place while it is used:
-    ``node.swarm.memory.momentum_lent``). It has norms of its own."""
+    ``node.swarm.memory.momentum_lent``). It has norms of its own: empty (an audit's), or, for a merge made
+    on it (``merge``), a copy of ``rep``'s whose additions are replayed on ``rep`` if the record is kept."""
     view = copy.copy(rep)
     view._past = OrderedDict(rep._past)
-    view.norms = NormBook()
+    view.norms = NormsRead(rep.norms) if merge else NormBook()
     view.lent = 1  # never step a tensor it shares with ``rep`` in place
     return view
 

@@ -1,4 +1,4 @@
-"""Whom a new record is pushed to (``Replication._record_targets``): every reachable member of a small swarm;
+"""Whom a new record is pushed to (``RecordPush._record_targets``): every reachable member of a small swarm;
 in a large one its contributors, the fragment's next candidates and a bounded sample of the rest."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from node.swarm.replication import RECORD_FANOUT, Replication
+from node.swarm.push import RECORD_FANOUT
+from node.swarm.replication import Replication
 
 
 class _Node(Replication):

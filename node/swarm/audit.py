@@ -47,7 +47,9 @@ class Audit:
         parameters in bytes, about 3.5 rounds of every fragment's int4 contributions."""
         k = self.__dict__.get("_kept")
         if k is None:
-            k = self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel), getattr(self, "spool", None))
+            k = self._kept = KeptMessages(
+                max(32 << 20, 2 * self.plan.total_numel), getattr(self, "spool", None)
+            )
         return k
 
     def keep_message(self, raw: bytes, sig: bytes) -> str | None:

@@ -25,6 +25,7 @@ from node.swarm.wire import (
     unpack_signed_contribution,
     verify_contribution,
 )
+from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
 from protocol.synchroniser import Contribution, on_contribution
@@ -234,7 +235,10 @@ class Contributions(MergeWatch):
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
             self.guard.check_replay(h.cid)
             self._check_work(h)
-            n = self.replicas[p].check_delta(delta, self.pcfg)  # decodes each tensor, checks it, lets it go
+            # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
+            # took the loop for a second a contribution); on a view whose norm book is a copy read here
+            view = frozen_view(self.replicas[p], merge=True)
+            n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
             # the record names its digest; audits fetch it (node.swarm.audit)
             digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(

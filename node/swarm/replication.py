@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from dataclasses import replace
 
-from node.swarm.transport import Reply, TransportError
+from node.swarm.memory import momentum_lent
+from node.swarm.push import RecordPush
+from node.swarm.transport import Reply
 from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
@@ -20,6 +21,7 @@ from node.swarm.wire import (
     pack_list,
     parse_records_request,
 )
+from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
 from protocol.schedule import (
     RoundClock,
@@ -31,6 +33,7 @@ from protocol.schedule import (
 from protocol.synchroniser import (
     Decision,
     Merge,
+    Phase,
     SyncState,
     WakeAt,
     carried,
@@ -41,14 +44,9 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
-# Members a new record is pushed to beyond its contributors (who adopt it) and the fragment's next
-# synchronisers: the rest learn its head from the maker's membership record and fetch it by catch-up. Pushed
-# to every member, a record cost O(members) streams: beside 2,000 records with no process behind them, the
-# pushes took a third of a node's time and its status took 13-30 s to answer.
-RECORD_FANOUT = 16
 
 
-class Replication(MergeWatch):
+class Replication(RecordPush, MergeWatch):
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -218,13 +216,12 @@ class Replication(MergeWatch):
         self._decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
 
     def _merge(self, p: int, a: Merge) -> None:
-        if self._stop is not None and self._stop.is_set():
+        if self._stop_set():
             # Stopping: a round merged now lands after the members that stop with us wrote their final
             # state (`ddiloco up` ended on two hashes at 124M, whose slots come minutes apart). The
             # senders' watches find the round unmerged and send their contributions again.
             logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
             return
-        rep = self.replicas[p]
         t0 = self.loop.time()
         st = self.syncs[p]
         # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
@@ -237,14 +234,38 @@ class Replication(MergeWatch):
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
         reported = [c.step_time_s for c in a.contributions]
         period = record_period(rates, clock, self.pcfg.sync_every, reported)
+        self._spawn(self._merge_off_loop(p, a, len(st.live), due, period, t0))
+
+    async def _merge_off_loop(
+        self, p: int, a: Merge, live: int, due: float, period: float, t0: float
+    ) -> None:
+        """Merge round ``a.round`` of fragment p on a worker thread, on a frozen view of the replica, then
+        apply it here if the replica is still where the merge began. On the loop, a robust merge of GPT-2's
+        embedding (38.6M parameters, three learners) held every request for seconds: contributions to the
+        node went unanswered past their deadline, their learners failed the round over to the next
+        synchroniser, and two records of one round forked the fragment."""
+        rep = self.replicas[p]
+        view = frozen_view(rep, merge=True)
         try:
-            rec = rep.make_record(
-                a.round, a.contributions, self.pcfg, live=len(st.live), due=due, period=period
-            )
-        except ProtocolError as e:  # the replica moved under us (a record from elsewhere): start over
-            logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, e)
-            self._reset_sync(p)
+            with momentum_lent([rep]):  # a record applied meanwhile steps new tensors, not the view's
+                rec = await asyncio.to_thread(
+                    view.make_record, a.round, a.contributions, self.pcfg, live=live, due=due, period=period
+                )
+        except ProtocolError as e:
+            self._merge_abandoned(p, a, str(e))
             return
+        if self.replicas[p] is not rep or (rep.round, rep.hash) != (view.round, view.hash):
+            self._merge_abandoned(p, a, f"the replica moved to round {rep.round} meanwhile")
+            return
+        st = self.syncs[p]
+        if st.phase is not Phase.MERGING or st.global_round != a.round - 1 or self._stop_set():
+            logger.info(
+                "merge of fragment %d round %d dropped: its round was reset or the node stops", p, a.round
+            )
+            return
+        for learner, rms in view.norms.added:
+            rep.norms.add(learner, rms)
+        rep._made = view._made
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
         self._apply(sr, made_here=True)
         self.counters["records_made"] += 1
@@ -253,31 +274,16 @@ class Replication(MergeWatch):
         self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self._schedule_of(p)))
         self._spawn(self._broadcast(p, sr))
 
-    def _record_targets(self, p: int, sr: SignedRecord) -> list[str]:
-        """Whom a record of fragment p goes to: every reachable member while they are at most
-        ``RECORD_FANOUT``; past that its contributors and the next 4 candidates of p, and a random sample of
-        the others not under suspicion, up to ``RECORD_FANOUT`` in all."""
-        reach = {pid for pid, m in self.live_members().items() if pid != self.peer_id and not m.client_mode}
-        if len(reach) <= RECORD_FANOUT:
-            return sorted(reach)
-        targets = {c[0] for c in sr.record.contributors} & reach
-        targets |= set([c for c in self.candidates(p) if c != self.peer_id][:4]) & reach
-        now = time.monotonic()
-        rest = sorted(pid for pid in reach - targets if self.suspect.get(pid, 0.0) <= now)
-        return sorted(targets) + random.sample(rest, min(len(rest), max(0, RECORD_FANOUT - len(targets))))
+    def _stop_set(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
 
-    async def _broadcast(self, p: int, sr: SignedRecord) -> None:
-        t0 = self.loop.time()
-        await asyncio.gather(*(self._push(pid, sr.raw) for pid in self._record_targets(p, sr)))
-        self._push_s[p] = self.loop.time() - t0
-
-    async def _push(self, pid: str, raw: bytes) -> None:
-        try:
-            reply = await self.transport.call(pid, "record", raw, timeout_s=self.settings.rpc_timeout_s)
-            if not reply.ok:
-                logger.info("record refused by %s: %s %s", pid, reply.code, reply.message)
-        except TransportError as e:
-            logger.info("record push to %s failed: %s", pid, e)
+    def _merge_abandoned(self, p: int, a: Merge, why: str) -> None:
+        """The replica moved under a merge (a record from elsewhere, a snapshot, an undo): start over at its
+        round, unless that already happened."""
+        logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, why)
+        st = self.syncs[p]
+        if st.phase is Phase.MERGING and st.global_round == a.round - 1:
+            self._reset_sync(p)
 
     async def _h_record(self, caller: str, raw: bytes) -> Reply:
         sr = None
