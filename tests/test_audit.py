@@ -369,3 +369,47 @@ def test_a_new_ban_audits_the_records_of_the_signer_held_here_and_walks_back_wha
                     encode_record("s", replace(rec, round=2, parent_hash=rec.new_hash), other), "s", SPEC
                 )
             )
+
+
+def test_recomputes_run_one_at_a_time(tmp_path, monkeypatch):
+    """Each recompute holds its fragment's state walked back and a merge of it: audits that come together
+    wait their turn rather than add up (at 124M three at once and a merge took a node 1x its weights)."""
+    import threading
+
+    import node.swarm.audit as audit_mod
+
+    learners, signer = [Identity.generate() for _ in range(3)], Identity.generate()
+    node = _Member(tmp_path)
+    node.members = {x.peer_id: None for x in [signer, *learners]}
+    msgs, cs = _signed_messages(learners, 0, seed=1)
+    rec = frozen_view(node.replicas[0]).make_record(1, cs, node.pcfg)
+    sr = decode_record(
+        encode_record("s", replace(rec, digests=tuple(c.digest for c in cs)), signer), "s", SPEC
+    )
+    node._apply(sr)
+
+    async def fetch(s):
+        return msgs
+
+    node._fetch_messages = fetch
+    inside, most, lock, real = [0], [0], threading.Lock(), audit_mod.audit_gap
+
+    def counted(*a, **kw):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.2)
+            return real(*a, **kw)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(audit_mod, "audit_gap", counted)
+
+    async def three():
+        return await asyncio.gather(*(node._audit(sr) for _ in range(3)))
+
+    gaps = asyncio.run(three())
+    assert all(g is not None and g < AUDIT_TOLERANCE for g in gaps) and node.counters["audits"] == 3
+    assert most[0] == 1

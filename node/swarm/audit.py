@@ -214,15 +214,18 @@ class Audit:
         cs, lie = self._contributions(sr, msgs)
         if lie:
             return float("inf")
-        if not (self._holds_parent(rec) and rep.keeps(min([c.base_round for c in cs] + [rec.round - 1]))):
-            return None
-        view = frozen_view(rep)
-        with momentum_lent([rep]):
-            try:
-                return await asyncio.to_thread(audit_gap, view, rec, cs, self.pcfg)
-            except ProtocolError as e:
-                logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
+        # One recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
+        # three audits and a merge at once took a node 1x its weights above its steady state)
+        async with self.__dict__.setdefault("_recomputing", asyncio.Semaphore(1)):
+            if not (self._holds_parent(rec) and rep.keeps(min([c.base_round for c in cs] + [rec.round - 1]))):
                 return None
+            view = frozen_view(rep)
+            with momentum_lent([rep]):
+                try:
+                    return await asyncio.to_thread(audit_gap, view, rec, cs, self.pcfg)
+                except ProtocolError as e:
+                    logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
+                    return None
 
     def accused(self, peer: str) -> bool:
         """Whether a proof this node could not check yet accuses ``peer`` (its records do not lift that)."""
