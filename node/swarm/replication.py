@@ -73,6 +73,8 @@ class Replication(RecordPush, MergeWatch):
             self._vouch(sr)
             rep.check_record(rec, self.pcfg)
         raw = self.spool.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
+        # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.audit)
+        parent = frozen_view(rep) if not made_here and self.audits(sr) else None
         try:
             rep.apply_record(rec, self.pcfg, source=self._grad_source(raw))
         except ProtocolError as e:
@@ -112,8 +114,8 @@ class Replication(RecordPush, MergeWatch):
         )
         if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
-            if self.audits(sr):
-                self._spawn(self._audit(sr))
+            if parent is not None:
+                self._spawn(self._audit(sr, parent))
             self.recheck(sr)
         self._schedule_unclocked()
         if self.learner_loop.is_alive():
