@@ -5,7 +5,9 @@ For two fragments of gpt2-125m (its token embedding, 38.6M parameters merged by 
 transformer block's weights, 7.1M, RDA), under the plain and the robust merge: a replica merges ``--learners``
 int4 contributions into round 1 and applies it (the synchroniser's work), then into round 2 on top; an
 auditor then recomputes round 1 from its contributions on that replica walked back through round 2 and
-round 1 (``protocol.audit``: what a drawn member does when a record comes in while the next is applied).
+round 1 (``protocol.audit``: what a member does when it audits a record after the next was applied), and,
+``--child FRAGMENT RULE parent``, recomputes round 1 at its parent, with no walk back (what a drawn auditor
+does, on a view of its replica from before it applied the record).
 Each (fragment, rule, role) runs in a process of its own, one thread: wall time (best of ``--repeats``) and
 peak RSS above what the process held once its inputs and records were built (``VmHWM``, reset first).
 
@@ -37,9 +39,14 @@ def _reset_hwm() -> None:
 
 
 def one(fragment: str, rule: str, role: str, learners: int, repeats: int) -> dict:
+    from node.swarm.memory import AUTO_MMAP_MIB, tune_allocator
     from protocol.audit import audit_gap, frozen_view
     from protocol.config import ProtocolConfig
     from protocol.replica import FragmentReplica
+
+    # the allocator as a node of this size sets it: freed fragments go back to the system, so a peak is not
+    # hidden by what the inputs' making left in the heap
+    tune_allocator(int(AUTO_MMAP_MIB * (1 << 20)))
 
     theta, cs = inputs(fragment, learners)
     _, cs2 = inputs(fragment, learners, base_round=1, seed=1)
@@ -54,6 +61,15 @@ def one(fragment: str, rule: str, role: str, learners: int, repeats: int) -> dic
             rep.make_record(1, cs, cfg)
             best = min(best, time.perf_counter() - t0)
             rep._made = None  # noqa: SLF001 - let the merge's outcome go before the next one
+    elif role == "parent":  # a drawn auditor: a view of its replica from before the record, no walk back
+        rec = rep.make_record(1, cs, cfg)
+        rep._made = None  # noqa: SLF001 - the record is not applied: the view is the state before it
+        _reset_hwm()
+        before = _hwm_mb()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gap = audit_gap(frozen_view(rep), rec, cs, cfg)
+            best = min(best, time.perf_counter() - t0)
     else:
         rec = rep.make_record(1, cs, cfg)
         rep.apply_record(rec, cfg)
