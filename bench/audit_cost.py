@@ -61,19 +61,13 @@ def one(fragment: str, rule: str, role: str, learners: int, repeats: int) -> dic
             rep.make_record(1, cs, cfg)
             best = min(best, time.perf_counter() - t0)
             rep._made = None  # noqa: SLF001 - let the merge's outcome go before the next one
-    elif role == "parent":  # a drawn auditor: a view of its replica from before the record, no walk back
-        rec = rep.make_record(1, cs, cfg)
-        rep._made = None  # noqa: SLF001 - the record is not applied: the view is the state before it
-        _reset_hwm()
-        before = _hwm_mb()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            gap = audit_gap(frozen_view(rep), rec, cs, cfg)
-            best = min(best, time.perf_counter() - t0)
     else:
         rec = rep.make_record(1, cs, cfg)
-        rep.apply_record(rec, cfg)
-        rep.apply_record(rep.make_record(2, cs2, cfg), cfg)
+        if role == "parent":  # a drawn auditor: a view of its replica from before the record, no walk back
+            rep._made = None  # noqa: SLF001 - the record is not applied: the view is the state before it
+        else:
+            rep.apply_record(rec, cfg)
+            rep.apply_record(rep.make_record(2, cs2, cfg), cfg)
         _reset_hwm()
         before = _hwm_mb()
         for _ in range(repeats):
