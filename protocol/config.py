@@ -28,6 +28,13 @@ class ProtocolConfig:
             "when the model has fewer (the start-up log says so)"
         },
     )
+    embedding_cuts: int = field(
+        default=0,
+        metadata={
+            "help": "fragments the token embedding's rows are cut into; 0: its share of the model counted "
+            "in mean fragment shares, where that is 2 or more (GPT-2's vocabulary: 7 of 24), else 1"
+        },
+    )
     sync_every: int = field(default=24, metadata={"help": "H: inner steps between two syncs of a fragment"})
     overlap: int = field(
         default=2, metadata={"help": "tau: steps a merged fragment is expected to take back"}
@@ -122,6 +129,8 @@ class ProtocolConfig:
             raise bad(
                 "fragments", self.fragments, f"need at least 1 fragment (0: {DEFAULT_FRAGMENTS} or fewer)"
             )
+        if self.embedding_cuts < 0:
+            raise bad("embedding_cuts", self.embedding_cuts, "need 0 (chosen by size) or at least 1")
         if self.sync_every < 1:
             raise bad("sync_every", self.sync_every, "H must be >= 1")
         if not 0 <= self.overlap < self.sync_every:

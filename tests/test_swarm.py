@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from node.local.launcher import wait_ready
 from tests.swarm_util import TINY, Swarm, wait_until
@@ -195,7 +196,9 @@ def test_client_mode_node_trains_and_its_contributions_merge(swarm):
 
 
 def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
-    flags = " ".join(x for x in TINY if x != "--test-hooks")
+    """With the embedding's rows cut into two fragments (as GPT-2's vocabulary is by default): the nodes
+    merge, agree, and export the embedding whole."""
+    flags = " ".join(x for x in TINY if x != "--test-hooks") + " --embedding-cuts 2"
     cmd = [sys.executable, "-m", "node", "up", "--nodes", "3", "--duration", "15", "--json"]
     cmd += ["--run-dir", str(tmp_path / "up"), "--node-flags", flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -209,7 +212,15 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
     assert len(summary["nodes"]) == 3
     for n in summary["nodes"]:
         assert n["model_hash"] == summary["model_hash"] and n["exit_code"] == 0
-        assert (tmp_path / "up" / f"node-{n['node']}" / "model.safetensors").is_file()
+        exported = load_file(tmp_path / "up" / f"node-{n['node']}" / "model.safetensors")
+        assert exported["tok_emb.weight"].shape == (256, 32)
+        assert not any("[" in k for k in exported)
+        ckpt = sorted((tmp_path / "up" / f"node-{n['node']}" / "checkpoints").glob("*.safetensors"))[-1]
+        held = load_file(ckpt)  # the replica holds the embedding as two fragments of rows
+        assert (
+            held["theta/0/tok_emb.weight[0:128]"].shape == (128, 32)
+            and "theta/1/tok_emb.weight[128:256]" in held
+        )
 
 
 def test_nodes_joining_at_once_beside_a_swarm_rounds_ahead_all_download_its_state(swarm):

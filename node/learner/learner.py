@@ -26,8 +26,17 @@ SENT_KEPT = 4  # carry: contributions per fragment remembered until a round merg
 
 
 def plan_for(task: Task, model: torch.nn.Module, pcfg: ProtocolConfig) -> FragmentPlan:
-    shapes = {n: p.numel() for n, p in model.named_parameters()}
-    return plan_fragments(shapes, pcfg.fragments_for(len(shapes)), pcfg.sync_every, embedding=task.embedding)
+    params = dict(model.named_parameters())
+    shapes = {n: p.numel() for n, p in params.items()}
+    rows = params[task.embedding].shape[0] if task.embedding in params else None
+    return plan_fragments(
+        shapes,
+        pcfg.fragments_for(len(shapes)),
+        pcfg.sync_every,
+        embedding=task.embedding,
+        embedding_rows=rows,
+        embedding_cuts=pcfg.embedding_cuts,
+    )
 
 
 def default_device() -> torch.device:
@@ -152,8 +161,12 @@ class Learner:
     def _fragment_fp32(self, p: int) -> dict[str, torch.Tensor]:
         """Fragment p as an fp32 copy on the host, where every base lives (contributions are measured there)."""
         return {
-            n: self.params[n].detach().to("cpu", torch.float32).clone() for n in self.plan.fragments[p].names
+            n: self.tensor(n).detach().to("cpu", torch.float32).clone() for n in self.plan.fragments[p].names
         }
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Fragment tensor ``name``: a parameter, or a view of rows of one (see ``protocol.fragments``)."""
+        return self.plan.tensor(self.params, name)
 
     def train_step(self) -> StepResult:
         batch = self.reader.next() if self.reader is not None else self.task.batch(self.gen)
@@ -196,7 +209,7 @@ class Learner:
         names = self.plan.fragments[p].names
         if self.sharded:
             return {n: self.params[n].full_tensor() for n in names}
-        return {n: self.params[n].detach() for n in names}
+        return {n: self.tensor(n).detach() for n in names}
 
     def snapshot(self, p: int, tag: object = None) -> None:
         """Start taking fragment p's contribution as of now; ``ready_contributions`` hands it out once its
@@ -283,16 +296,15 @@ class Learner:
             self.snaps.fence()
             with torch.no_grad():
                 for n, g in theta.items():
+                    mine = self.tensor(n)
                     if keep:
-                        self.params[n].add_(change[n].to(self.device, self.params[n].dtype))
+                        mine.add_(change[n].to(self.device, mine.dtype))
                     elif (
                         self.pcfg.alpha == 0.0
                     ):  # overwrite straight from the global (adopt's clone is a copy)
-                        self.params[n].copy_(g)
+                        mine.copy_(g)
                     else:
-                        self.params[n].copy_(
-                            adopt(self.params[n].detach(), g.to(self.device), self.pcfg.alpha)
-                        )
+                        mine.copy_(adopt(mine.detach(), g.to(self.device), self.pcfg.alpha))
         self.base[p] = {n: _held(g) for n, g in theta.items()}
         return True
 
@@ -310,7 +322,7 @@ class Learner:
         with torch.no_grad():
             for p, (r, theta) in enumerate(zip(rounds, thetas)):
                 for n, g in theta.items():
-                    self.params[n].copy_(g.to(self.device))
+                    self.tensor(n).copy_(g.to(self.device))
                 self.base[p] = {n: _held(g) for n, g in theta.items()}
                 self.book.counters[p].base_round = r
         self._new_optimizer()
@@ -333,7 +345,8 @@ class Learner:
         with torch.no_grad():
             for p, base in enumerate(self.base):
                 for n, t in base.items():
-                    self.params[n].copy_(t.to(self.device, self.params[n].dtype))
+                    mine = self.tensor(n)
+                    mine.copy_(t.to(self.device, mine.dtype))
                 c = self.book.counters[p]
                 c.c_steps = c.c_tokens = 0
         self.sent.clear()

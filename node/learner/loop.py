@@ -295,7 +295,7 @@ class LearnerLoop(threading.Thread):
         at = time.time() if taken_at is None else taken_at
         steps, tokens = self.learner.steps, self.tokens
         if params is None:
-            params = {n: t for base in self.learner.base for n, t in base.items()}
+            params = self.learner.plan.whole({n: t for base in self.learner.base for n, t in base.items()})
         with self._eval_lock:
             cpu0 = time.thread_time()
             if isinstance(self._eval_model, ParamsModel):

@@ -187,7 +187,7 @@ class Unit:
         with torch.no_grad():
             for p in frags:
                 for n in learner.plan.fragments[p].names:
-                    dist.broadcast(learner.params[n].data, 0)
+                    dist.broadcast(learner.tensor(n).data, 0)
 
     def _to_check(self, learner, op: int, frags: list[int], check_all: bool) -> list[int]:
         whole = check_all or op in (STATE, STOP)
@@ -214,7 +214,7 @@ class Unit:
 
     def _digest(self, learner, frags: list[int]) -> torch.Tensor:
         """This rank's digest of the parameters of ``frags``."""
-        return digest(learner.params[n] for p in frags for n in learner.plan.fragments[p].names)
+        return digest(learner.tensor(n) for p in frags for n in learner.plan.fragments[p].names)
 
     def _expect(self, learner, frags: list[int], got: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rank 0: the digest each rank should have sent: rank 0's own, every rank holding the whole model."""

@@ -119,6 +119,11 @@ class ShardedUnit(Unit):
 
         model = learner.model
         check_shardable(model)
+        if learner.plan.sliced:
+            raise ConfigError(
+                "shard=True: this unit shards whole tensors and the swarm's plan cuts the embedding's rows into "
+                "several fragments; run every node of the swarm with --embedding-cuts 1"
+            )
         if self.lead:  # rank 0's whole model and optimizer state: what STATE hands every rank
             self._expected = {
                 f.index: {n: learner.params[n].detach().to("cpu").clone() for n in f.names}

@@ -28,6 +28,7 @@ from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
+from protocol.fragments import FragmentPlan
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -125,7 +126,7 @@ class VirtualSwarm:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def global_params(self) -> dict[str, torch.Tensor]:
-        return {n: t for r in self.replicas for n, t in r.theta.items()}
+        return FragmentPlan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
 
     def global_hash(self) -> str:
         return model_hash([r.hash for r in self.replicas])

@@ -165,7 +165,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         # The swarm's size is not known up front: a quorum K above the live learners waits for min(K, live).
         self.cfg.protocol.check_swarm(max(1, self.pcfg.quorum), len(self.learner.params))
         self.spec = {
-            f.index: {n: tuple(self.learner.params[n].shape) for n in f.names} for f in self.plan.fragments
+            f.index: {n: tuple(self.learner.tensor(n).shape) for n in f.names} for f in self.plan.fragments
         }
         self.shares = [f.numel / self.plan.total_numel for f in self.plan.fragments]
         base = self.learner.base
@@ -378,7 +378,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         loop = asyncio.get_running_loop()
         try:
             while True:
-                params = {n: t for r in self.replicas for n, t in r.theta.items()}
+                params = self.plan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 del params
                 await loop.run_in_executor(pool, release_free_memory)

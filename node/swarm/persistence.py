@@ -48,7 +48,7 @@ class Persistence:
                     if self.settings.export
                     else self.state_dir / "model.safetensors"
                 )
-                params = {n: t for r in self.replicas for n, t in r.theta.items()}
+                params = self.plan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
                 await asyncio.to_thread(export_model, out, params, {"model_hash": self.global_hash()})
                 await asyncio.to_thread(export_pretrained, self.task, out, params)
             except Exception:  # noqa: BLE001 - the summary below must still be written
