@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from node.learner.model import ModelConfig, TinyGPT
@@ -66,3 +67,14 @@ def test_export_loads_into_a_plain_model(tmp_path):
     fresh.load_state_dict(load_file(str(p)))
     for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_export_writes_from_the_tensors_a_file_safetensors_reads_with_its_metadata(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    params = {"b.half": torch.ones(5, dtype=torch.bfloat16), "a.cols": w[:, 1:3], "c.empty": torch.zeros(0)}
+    p = export_model(tmp_path / "m.safetensors", params, {"model_hash": "abc"})
+    got = load_file(str(p))
+    assert set(got) == set(params) and all(torch.equal(got[k], params[k]) for k in params)
+    with safe_open(str(p), "pt") as f:
+        assert f.metadata() == {"model_hash": "abc"}
+    assert [x.name for x in tmp_path.iterdir()] == ["m.safetensors"]  # no temporary file left

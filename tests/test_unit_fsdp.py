@@ -295,6 +295,17 @@ def test_models_fsdp_cannot_shard_are_named():
     assert shard_blocks(m) == list(reversed(m.blocks))  # the transformer blocks, then the root
 
 
+def test_a_plan_that_cuts_the_embedding_by_rows_is_refused_by_a_sharded_unit():
+    from node.learner.unit_fsdp import check_plan
+    from protocol.errors import ConfigError
+    from protocol.fragments import plan_fragments
+
+    shapes = {"emb": 1000, "a": 500, "b": 400, "c": 300}
+    check_plan(plan_fragments(shapes, 4, 8, embedding="emb", embedding_rows=10, embedding_cuts=1))
+    with pytest.raises(ConfigError, match="--embedding-cuts 1"):
+        check_plan(plan_fragments(shapes, 4, 8, embedding="emb", embedding_rows=10, embedding_cuts=2))
+
+
 def test_a_snapshot_is_measured_from_the_step_that_made_it_due(tiny_task):
     """An adoption that lands while a fragment's snapshot is in flight changes neither the parameters the
     contribution measures nor the base it measures them against (the CPU run of the GPU path's logic)."""

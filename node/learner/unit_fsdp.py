@@ -74,6 +74,16 @@ def check_shardable(model: nn.Module) -> None:
         )
 
 
+def check_plan(plan) -> None:
+    """Raise ``ConfigError`` where the fragment plan cuts a tensor by rows (``protocol.fragments``): this
+    unit gathers and scatters whole tensors."""
+    if plan.sliced:
+        raise ConfigError(
+            "shard=True: this unit shards whole tensors and the swarm's plan cuts the embedding's rows into "
+            "several fragments; run every node of the swarm with --embedding-cuts 1"
+        )
+
+
 def shard_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules sharded on their own before the root: the elements of the model's ModuleLists (its
     transformer blocks), innermost first, as ``fully_shard`` needs children before their parents."""
@@ -119,11 +129,7 @@ class ShardedUnit(Unit):
 
         model = learner.model
         check_shardable(model)
-        if learner.plan.sliced:
-            raise ConfigError(
-                "shard=True: this unit shards whole tensors and the swarm's plan cuts the embedding's rows into "
-                "several fragments; run every node of the swarm with --embedding-cuts 1"
-            )
+        check_plan(learner.plan)
         if self.lead:  # rank 0's whole model and optimizer state: what STATE hands every rank
             self._expected = {
                 f.index: {n: learner.params[n].detach().to("cpu").clone() for n in f.names}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from protocol.errors import DDiLoCoError
 from protocol.hashing import tensors_hash
@@ -284,14 +284,36 @@ def load_latest(folder: str | Path, swarm: str) -> Checkpoint | None:
 def export_model(
     path: str | Path, params: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
 ) -> Path:
-    """Plain safetensors of model parameters (state-dict names), written atomically."""
+    """Plain safetensors of model parameters (state-dict names), written atomically, tensor by tensor from
+    the tensors themselves (``safetensors.torch.save_file`` first makes bytes of every tensor: a second copy
+    of the model in memory at the end of a run)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(
-        {k: v.detach().to("cpu").contiguous() for k, v in params.items()}, str(tmp), metadata=dict(meta or {})
-    )
+    entries: dict[str, dict] = {}
+    offset = 0
+    for name in sorted(params):
+        t = params[name]
+        if t.dtype not in _DTYPES:
+            raise CheckpointError(f"export tensor {name}: dtype {t.dtype} is not one we write")
+        n = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    header = {"__metadata__": {str(k): str(v) for k, v in (meta or {}).items()}, **entries}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in entries:
+            f.write(_host_bytes(params[name]))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     return path
 
 
