@@ -126,6 +126,38 @@ def swarm_clocks(
     return out
 
 
+STEER = 0.25  # a record's period moves at most this share of itself to bring its fragment back in the stagger
+STEER_GAIN = 0.5  # ... half the way at a time: every fragment moves at once, toward neighbours that move too
+
+
+def steered_period(
+    period: float, due: float, p: int, clocks: Sequence[RoundClock | None], plan: FragmentPlan
+) -> float:
+    """The period a synchroniser writes into the record of fragment p's round taken at ``due``: ``period``,
+    moved (by at most ``STEER`` of it) so that the next round comes nearer fragment p's place in the
+    stagger: its offset after a slot of the lowest fragment with a clock, the anchor (``clocks``: every
+    fragment's, as ``swarm_clocks`` gives them), which itself is not steered. (Steering each fragment after
+    the one before it instead has no fixed point from a bunch: the gaps, measured round the ring to the
+    nearest cycle, sum to nothing, and the bunch travels on together.)
+
+    Each fragment's rounds follow their own chain (the next due ``H * period`` after this one), so when the
+    swarm's pace changes the chains drift apart unevenly: at 124M the first steps took 12 s and the later
+    ones 5.5 s, rounds taken early were spaced by the slow period, the later ones caught up, and for the rest
+    of the run seven fragments fell due within one step, together, instead of one a step (each learner
+    snapshotting, and each node applying, seven fragments at once: the node's memory peaks). Every replica
+    reads the steered period from the signed record; no one re-derives it."""
+    h = plan.sync_every
+    q = next((q for q, c in enumerate(clocks) if c is not None), p)
+    if q == p or not period > 0 or not math.isfinite(due):
+        return period
+    ref = clocks[q]
+    natural = due + h * period
+    target = ref.first + (plan.fragments[p].offset - plan.fragments[q].offset) * ref.every / h
+    target += round((natural - target) / ref.every) * ref.every  # the slot of the cycle nearest our own
+    want = (natural + STEER_GAIN * (target - natural) - due) / h
+    return min(period * (1 + STEER), max(period * (1 - STEER), want))
+
+
 def round_due(clock: RoundClock | None, first_arrival: float) -> float:
     """The moment a synchroniser writes into the record of the round it merges: the slot of ``clock``
     nearest to the round's first contribution (learners send in the step before a slot), or that

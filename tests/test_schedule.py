@@ -344,3 +344,33 @@ def test_a_learner_that_resyncs_a_fragment_forgets_its_taken_slots():
     assert adopted == [1, 0] and asks == []
     assert calls == [("adopt", (1, 41)), ("resync", (0, 72))]
     assert loop.slots.taken == {1: (40, 480.0)}  # fragment 0's slots forgotten, fragment 1's kept
+
+
+def _run_chains(clocks: list[RoundClock], plan: FragmentPlan, merges: int, steer: bool) -> list[float]:
+    """Merge the fragments' rounds in due order, each at its slot with the swarm's step period 1.0; the dues
+    of the last round of every fragment."""
+    from protocol.schedule import steered_period
+
+    clocks = list(clocks)
+    dues: list[float] = []
+    for _ in range(merges):
+        p = min(range(len(clocks)), key=lambda q: clocks[q].first)
+        due = clocks[p].first
+        period = steered_period(1.0, due, p, clocks, plan) if steer else 1.0
+        assert 0.75 <= period <= 1.25
+        clocks[p] = next_clock(clocks[p].round, due, period, plan.sync_every, before=clocks[p])
+        dues.append(due)
+    return sorted(dues[-len(clocks) :])
+
+
+def test_rounds_bunched_by_a_change_of_pace_come_back_to_one_fragment_a_step():
+    """Eight fragments, H = 8: one falls due each step when staggered. Started bunched (all eight within one
+    step, as a slow start-up left them at 124M), steered periods spread them back out within a few rounds;
+    on unsteered chains they stay bunched."""
+    plan = FragmentPlan(tuple(Fragment(p, (f"t{p}",), 1, False, p) for p in range(8)), H)
+    bunched = [RoundClock(1, 100.0 + 0.1 * p, H * 1.0) for p in range(8)]
+    steered = _run_chains(bunched, plan, 8 * 12, steer=True)
+    gaps = [b - a for a, b in zip(steered, steered[1:])]
+    assert min(gaps) > 0.7 and max(gaps) < 1.3, gaps  # a step apart, give or take
+    plain = _run_chains(bunched, plan, 8 * 12, steer=False)
+    assert plain[-1] - plain[0] < 1.0  # still all within one step

@@ -39,6 +39,7 @@ from protocol.schedule import (
     measured_period,
     record_period,
     round_due,
+    steered_period,
     swarm_clocks,
 )
 from protocol.synchroniser import (
@@ -299,11 +300,13 @@ class VirtualSwarm:
         return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, now)
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
-        rep, st, clock = self.replicas[p], self.syncs[p], self._clocks(now)[p]
+        clocks = self._clocks(now)
+        rep, st, clock = self.replicas[p], self.syncs[p], clocks[p]
         # the node's rule: the live learners' measured step times (a node's are a heartbeat old)
         live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]
         period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
+        period = steered_period(period, due, p, clocks, self.plan)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
         for q, c in enumerate(self._clocks(now)):  # idle rounds with no clock of their own take the stagger's

@@ -27,6 +27,7 @@ from protocol.schedule import (
     RoundClock,
     record_period,
     round_due,
+    steered_period,
     swarm_clocks,
     usable,
 )
@@ -229,13 +230,16 @@ class Replication(RecordPush, MergeWatch):
         # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
         # arrived first). The wall clock is the swarm's; the state machine runs on the loop's.
         at = st.quorum_at if st.quorum_at is not None else (st.first_at if st.first_at is not None else t0)
-        clock = self.clocks()[p]  # its own, or the stagger's before its first record
+        clocks = self.clocks()
+        clock = clocks[p]  # its own, or the stagger's before its first record
         due = round_due(clock, time.time() - (t0 - at))
         # The members' measured step rates (each over its last steps, the warm-up left out); none measured
         # yet: no schedule in this record, and the learners go by their steps until a later one has one.
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
         reported = [c.step_time_s for c in a.contributions]
-        period = record_period(rates, clock, self.pcfg.sync_every, reported)
+        period = steered_period(
+            record_period(rates, clock, self.pcfg.sync_every, reported), due, p, clocks, self.plan
+        )
         self._spawn(self._merge_off_loop(p, a, len(st.live), due, period, t0))
 
     async def _merge_off_loop(
