@@ -126,8 +126,8 @@ def swarm_clocks(
     return out
 
 
-STEER = 0.25  # a record's period moves at most this share of itself to bring its fragment back in the stagger
-STEER_GAIN = 0.5  # ... half the way at a time: every fragment moves at once, toward neighbours that move too
+STEER = 0.5  # a record's period moves at most this share of itself to bring its fragment back in the stagger
+STEER_GAIN = 0.75  # ... three quarters of the way: the anchor moves on too, by its own measure of the pace
 
 
 def steered_period(

@@ -357,7 +357,7 @@ def _run_chains(clocks: list[RoundClock], plan: FragmentPlan, merges: int, steer
         p = min(range(len(clocks)), key=lambda q: clocks[q].first)
         due = clocks[p].first
         period = steered_period(1.0, due, p, clocks, plan) if steer else 1.0
-        assert 0.75 <= period <= 1.25
+        assert 0.5 <= period <= 1.5
         clocks[p] = next_clock(clocks[p].round, due, period, plan.sync_every, before=clocks[p])
         dues.append(due)
     return sorted(dues[-len(clocks) :])

@@ -97,6 +97,24 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def _layout(tensors: Mapping[str, torch.Tensor], what: str) -> tuple[dict[str, dict], int]:
+    """The safetensors header entries of ``tensors`` (sorted by name, packed in that order) and their bytes."""
+    entries: dict[str, dict] = {}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise CheckpointError(f"{what} tensor {name}: dtype {t.dtype} is not one we write")
+        n = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    return entries, offset
+
+
 class PendingCheckpoint:
     """A checkpoint written in parts, straight from the tensors, with no copy of the model made for it.
 
@@ -122,19 +140,7 @@ class PendingCheckpoint:
         self.step, self.meta, self.swarm, self.keep = step, meta, swarm, keep
         self.final = self.folder / f"ckpt-{step:010d}.safetensors"
         self.tmp = self.folder / f".{self.final.name}.{os.getpid()}.{id(self)}.tmp"
-        self.entries: dict[str, dict] = {}
-        offset = 0
-        for name in sorted(tensors):
-            t = tensors[name]
-            if t.dtype not in _DTYPES:
-                raise CheckpointError(f"checkpoint tensor {name}: dtype {t.dtype} is not one we write")
-            n = t.numel() * t.element_size()
-            self.entries[name] = {
-                "dtype": _DTYPES[t.dtype],
-                "shape": list(t.shape),
-                "data_offsets": [offset, offset + n],
-            }
-            offset += n
+        self.entries, offset = _layout(tensors, "checkpoint")
         self.dtypes = {name: tensors[name].dtype for name in self.entries}
         self.header = self._header(_PLACEHOLDER)
         self.data_start = 8 + len(self.header)
@@ -290,19 +296,7 @@ def export_model(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    entries: dict[str, dict] = {}
-    offset = 0
-    for name in sorted(params):
-        t = params[name]
-        if t.dtype not in _DTYPES:
-            raise CheckpointError(f"export tensor {name}: dtype {t.dtype} is not one we write")
-        n = t.numel() * t.element_size()
-        entries[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
+    entries, _ = _layout(params, "export")
     header = {"__metadata__": {str(k): str(v) for k, v in (meta or {}).items()}, **entries}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
