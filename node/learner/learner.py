@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from node.learner.inner import InnerConfig, lr_lambda  # noqa: F401 - InnerConfig, lr_lambda are imported from here too
-from node.learner.model import lean_lookup
+from node.learner.model import flush_lookup, lean_lookup
 from node.learner.snapshot import Snapshots
 from node.learner.task import Task
 from protocol.codecs import Encoded, encode_tensors
@@ -179,6 +179,7 @@ class Learner:
             g["lr"] = self.inner.lr * self._lr(self.steps)
         self.opt.zero_grad(set_to_none=True)  # none left unless the last step stopped half-way
         loss.backward()
+        flush_lookup(self.model)
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
         self.snaps.fence()  # a GPU copy of a due fragment may still be reading the parameters

@@ -7,6 +7,7 @@ the embedding can be a fragment of its own.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -104,10 +105,8 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def tied_lookup(model: nn.Module) -> nn.Embedding | None:
     """The input embedding of a model whose output head is the same tensor (GPT-2's tie), else None.
 
-    Its lookup can take a sparse gradient (``lean_lookup``): the head's dense gradient of that tensor comes
-    first in the backward pass, and the rows the lookup touched are added to it. A dense lookup gradient is
-    a whole zero-filled vocab x dim tensor beside the head's and their sum: at 124M (GPT-2's 50257-token
-    vocabulary) 147 MiB more at the node's peak, at the end of each backward."""
+    Its lookup can leave the tensor's gradient to the head and add the rows it read afterwards
+    (``lean_lookup``, ``flush_lookup``)."""
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None:
@@ -121,9 +120,47 @@ def tied_lookup(model: nn.Module) -> nn.Embedding | None:
 
 
 def lean_lookup(model: nn.Module, on: bool) -> None:
-    """Give a model's tied lookup (``tied_lookup``) a sparse gradient, or its dense one back, for the forward
-    passes to come. Only for a plain model on the CPU: a DDP or FSDP wrapper expects dense gradients from
-    every use of a parameter."""
+    """Give a model's tied lookup (``tied_lookup``) a gradient of its own rows only, or its dense one back,
+    for the forward passes to come. Only for a plain model on the CPU: a DDP or FSDP wrapper expects dense
+    gradients from every use of a parameter.
+
+    Lean, the lookup reads the tensor detached and its output is a leaf of the graph; ``flush_lookup``, after
+    the backward pass, adds that leaf's gradient into the rows it read of the tensor's gradient, in place.
+    Left to autograd, both uses of the tensor meet in one gradient, summed out of place: a dense lookup
+    gradient is a whole zero-filled vocab x dim tensor beside the head's and their sum (two more at the
+    end of each backward), and a sparse one (``nn.Embedding.sparse``, as before) still one for the sum: at
+    124M, 147 MiB over the learner's peak, for a tenth of a second at the end of every backward."""
     emb = tied_lookup(model)
-    if emb is not None:
-        emb.sparse = on
+    if emb is None:
+        return
+    if on:
+        emb.forward = types.MethodType(_detached_lookup, emb)
+    else:
+        emb.__dict__.pop("forward", None)
+        emb.__dict__.pop("_lean_out", None)
+
+
+def _detached_lookup(self: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    out = F.embedding(idx, self.weight.detach(), self.padding_idx)
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        out.requires_grad_()
+        self._lean_out = (idx, out)
+    return out
+
+
+def flush_lookup(model: nn.Module) -> None:
+    """After a backward pass with ``lean_lookup`` on: add the lookup's gradient into the rows of the tied
+    tensor's gradient it read (the head's, already there), in place; nothing when it has none."""
+    emb = tied_lookup(model)
+    stash = emb.__dict__.pop("_lean_out", None) if emb is not None else None
+    if stash is None or stash[1].grad is None:
+        return
+    idx, out = stash
+    w = emb.weight
+    rows, at = out.grad.reshape(-1, out.shape[-1]).to(w.dtype), idx.reshape(-1)
+    if emb.padding_idx is not None:  # the padding row takes no gradient, as in F.embedding
+        keep = at != emb.padding_idx
+        rows, at = rows[keep], at[keep]
+    if w.grad is None:
+        w.grad = torch.zeros_like(w)
+    w.grad.index_add_(0, at, rows)
