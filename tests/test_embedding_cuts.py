@@ -83,3 +83,27 @@ def test_a_learner_measures_and_adopts_row_fragments_in_its_embedding():
     # the global model, joined from every fragment's base, is a model's parameters again
     whole = lrn.plan.whole({n: t for base in lrn.base for n, t in base.items()})
     assert set(whole) == set(lrn.params) and torch.equal(whole[task.embedding][a:b], theta[name])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "tiny"])  # a tied head (transformers' GPT-2) and the built-in model
+def test_an_evaluation_reads_a_cut_embedding_from_its_cuts_without_joining_them(name, monkeypatch):
+    from node.learner.evaluation import ParamsModel
+    from node.learner.model import ModelConfig
+
+    task = load_task(None, TaskConfig(model=ModelConfig(name=name, dim=32, layers=1, heads=2, seq_len=16)))
+    model = task.new_model()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    emb = params[task.embedding]
+    cut = {n: t for n, t in params.items() if n != task.embedding}
+    edges = [0, emb.shape[0] // 3, emb.shape[0] // 2, emb.shape[0]]
+    cut.update({f"{task.embedding}[{a}:{b}]": emb[a:b] for a, b in zip(edges, edges[1:])})
+    ev = ParamsModel(task, model)
+    want = ev.evaluate(params)
+
+    def joined(_):
+        raise AssertionError("the cuts were joined into a whole tensor")
+
+    monkeypatch.setattr(FragmentPlan, "whole", staticmethod(joined))
+    assert ev.evaluate(cut) == pytest.approx(want, rel=1e-6)
+    assert ev.tensors() == [] and not any("forward" in vars(m) for m in ev.model.modules())
+    assert ev.evaluate(params) == want  # nothing of the cut evaluation stays behind

@@ -18,6 +18,7 @@ from node.learner.learner import Learner
 from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
+from protocol.fragments import FragmentPlan
 from protocol.messages import ContributionHeader, contribution_id
 from protocol.schedule import (
     PHASE_EVERY,
@@ -295,13 +296,13 @@ class LearnerLoop(threading.Thread):
         at = time.time() if taken_at is None else taken_at
         steps, tokens = self.learner.steps, self.tokens
         if params is None:
-            params = self.learner.plan.whole({n: t for base in self.learner.base for n, t in base.items()})
+            params = {n: t for base in self.learner.base for n, t in base.items()}
         with self._eval_lock:
             cpu0 = time.thread_time()
             if isinstance(self._eval_model, ParamsModel):
                 loss = self._eval_model.evaluate(params)
             else:
-                self._eval_model.load_state_dict(params, strict=False)
+                self._eval_model.load_state_dict(FragmentPlan.whole(params), strict=False)
                 loss = evaluate(self.node.task, self._eval_model)
             self.eval_cpu_s = time.thread_time() - cpu0
         self.eval_loss = loss

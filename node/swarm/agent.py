@@ -378,7 +378,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         loop = asyncio.get_running_loop()
         try:
             while True:
-                params = self.plan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
+                params = {n: t for r in self.replicas for n, t in r.theta.items()}  # cuts stay cut
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 del params
                 await loop.run_in_executor(pool, release_free_memory)
