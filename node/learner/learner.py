@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from node.learner.inner import InnerConfig, lr_lambda  # noqa: F401 - InnerConfig, lr_lambda are imported from here too
+from node.learner.learner_state import learner_state, load_learner_state
 from node.learner.model import flush_lookup, lean_lookup
 from node.learner.snapshot import Snapshots
 from node.learner.task import Task
@@ -359,56 +360,12 @@ class Learner:
                 "exchange (STATE) and gathers it with exchange(save=True)"
             )
 
-    # ---- checkpoints: tensors (flat names) and JSON metadata
+    # ---- checkpoints: tensors (flat names) and JSON metadata (``node.learner.learner_state``)
     def state(
         self, full: tuple[dict[str, torch.Tensor], dict] | None = None, copy: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict]:
-        """The learner's checkpoint. ``full``: (parameters, optimizer state dict) gathered by a sharded unit;
-        a sharded learner has no whole state of its own to give. ``copy=False``: the live parameters and
-        optimizer state themselves, valid until the next step (for a writer that is done before it; see
-        ``node.swarm.checkpoint.PendingCheckpoint``). Bases are never copied: nothing writes to them."""
-        if full is None:
-            self._whole("hand out its state")
-            params, opt = (
-                {n: (p.detach().to("cpu").clone() if copy else p.detach()) for n, p in self.params.items()},
-                self.opt.state_dict(),
-            )
-        else:
-            params, opt = full
-        tensors = {f"learner/{n}": t for n, t in params.items()}
-        for p, base in enumerate(self.base):
-            for n, t in base.items():
-                tensors[f"base/{p}/{n}"] = t
-        for i, st in opt["state"].items():
-            for k, v in st.items():
-                v = torch.as_tensor(v).detach()
-                tensors[f"opt/{i}/{k}"] = v.to("cpu").clone() if copy else v
-        tensors["gen"] = self.gen.get_state()
-        meta = {
-            "steps": self.steps,
-            "book": self.book.state_dict(),
-            "param_groups": opt["param_groups"],
-            "data_position": self.data_position(),
-        }
-        return tensors, meta
+        """The learner's checkpoint; see ``learner_state``."""
+        return learner_state(self, full, copy)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        self._whole("load a checkpoint")
-        self.snaps.fence()
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(tensors[f"learner/{n}"].to(self.device))
-        for p, base in enumerate(self.base):
-            self.base[p] = {n: tensors[f"base/{p}/{n}"].clone() for n in base}
-        state: dict[int, dict] = {}
-        for key, v in tensors.items():
-            if key.startswith("opt/"):
-                _, i, k = key.split("/", 2)
-                state.setdefault(int(i), {})[k] = v.to(self.device) if v.dim() else v
-        self._new_optimizer()
-        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.gen.set_state(tensors["gen"])
-        self.steps = int(meta["steps"])
-        self.book.load_state_dict(meta["book"])
-        if self.reader is not None:
-            self.reader.position = int(meta.get("data_position", 0))
+        load_learner_state(self, tensors, meta)

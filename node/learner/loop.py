@@ -18,7 +18,6 @@ from node.learner.learner import Learner
 from node.learner.task import evaluate
 from node.learner.unit import PAUSE, STATE, STEP, STOP
 from protocol.codecs import wire_bytes
-from protocol.fragments import FragmentPlan
 from protocol.messages import ContributionHeader, contribution_id
 from protocol.schedule import (
     PHASE_EVERY,
@@ -302,7 +301,7 @@ class LearnerLoop(threading.Thread):
             if isinstance(self._eval_model, ParamsModel):
                 loss = self._eval_model.evaluate(params)
             else:
-                self._eval_model.load_state_dict(FragmentPlan.whole(params), strict=False)
+                self._eval_model.load_state_dict(self.learner.plan.whole(params), strict=False)
                 loss = evaluate(self.node.task, self._eval_model)
             self.eval_cpu_s = time.thread_time() - cpu0
         self.eval_loss = loss

@@ -28,7 +28,6 @@ from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
-from protocol.fragments import FragmentPlan
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -127,7 +126,7 @@ class VirtualSwarm:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def global_params(self) -> dict[str, torch.Tensor]:
-        return FragmentPlan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
+        return self.plan.whole({n: t for r in self.replicas for n, t in r.theta.items()})
 
     def global_hash(self) -> str:
         return model_hash([r.hash for r in self.replicas])
@@ -300,10 +299,8 @@ class VirtualSwarm:
         return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, now)
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
-        clocks = self._clocks(now)
-        rep, st, clock = self.replicas[p], self.syncs[p], clocks[p]
-        # the node's rule: the live learners' measured step times (a node's are a heartbeat old)
-        live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]
+        rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
+        live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]  # as a node does
         period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         period = steered_period(period, due, p, clocks, self.plan)
