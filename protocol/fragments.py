@@ -31,6 +31,33 @@ def row_slice(name: str) -> tuple[str, int, int] | None:
     return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
+def split_cuts(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[int, int, torch.Tensor]]]]:
+    """Fragment tensors by name: the whole ones, and per cut tensor its rows as (first, end, rows) in row
+    order."""
+    whole: dict[str, torch.Tensor] = {}
+    cuts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for n, t in tensors.items():
+        cut = row_slice(n)
+        if cut is None:
+            whole[n] = t
+        else:
+            cuts.setdefault(cut[0], []).append((cut[1], cut[2], t))
+    for rows in cuts.values():
+        rows.sort(key=lambda r: r[0])
+    return whole, cuts
+
+
+def join_rows(name: str, rows: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """Tensor ``name`` from its cuts (``split_cuts``' order) as one new tensor; KeyError if rows are missing."""
+    import torch  # local: the plan itself needs no torch
+
+    if rows[0][0] != 0 or any(x[1] != y[0] for x, y in zip(rows, rows[1:])):
+        raise KeyError(f"rows of {name} missing: have {[(a, b) for a, b, _ in rows]}")
+    return torch.cat([t for _, _, t in rows])
+
+
 @dataclass(frozen=True)
 class Fragment:
     index: int
@@ -81,21 +108,8 @@ class FragmentPlan:
     def whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fragment tensors (every fragment's, by fragment name) as model parameters: row slices joined in
         row order (a new tensor), the rest as they are. KeyError if a tensor's rows do not all appear."""
-        import torch  # local: the plan itself needs no torch
-
-        out: dict[str, torch.Tensor] = {}
-        parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for n, t in tensors.items():
-            cut = row_slice(n)
-            if cut is None:
-                out[n] = t
-            else:
-                parts.setdefault(cut[0], []).append((cut[1], cut[2], t))
-        for n, rows in parts.items():
-            rows.sort(key=lambda r: r[0])
-            if rows[0][0] != 0 or any(x[1] != y[0] for x, y in zip(rows, rows[1:])):
-                raise KeyError(f"rows of {n} missing: have {[(a, b) for a, b, _ in rows]}")
-            out[n] = torch.cat([t for _, _, t in rows])
+        out, cuts = split_cuts(tensors)
+        out.update({n: join_rows(n, rows) for n, rows in cuts.items()})
         return out
 
     def imbalance(self) -> float:

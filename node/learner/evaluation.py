@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from node.learner.task import Task, evaluate
-from protocol.fragments import FragmentPlan, row_slice
+from protocol.fragments import join_rows, split_cuts
 
 Cuts = list[tuple[int, int, torch.Tensor]]  # (first row, end row, rows), in row order
 
@@ -85,16 +85,7 @@ class ParamsModel:
     def evaluate(self, params: Mapping[str, torch.Tensor]) -> float:
         """The task's evaluation loss with ``params`` (every parameter, by its canonical name, or as
         fragments of its rows)."""
-        whole: dict[str, torch.Tensor] = {}
-        cuts: dict[str, Cuts] = {}
-        for n, t in params.items():
-            cut = row_slice(n)
-            if cut is None:
-                whole[n] = t
-            else:
-                cuts.setdefault(cut[0], []).append((cut[1], cut[2], t.detach()))
-        for c in cuts.values():
-            c.sort(key=lambda r: r[0])
+        whole, cuts = split_cuts(params)
         missing = {c for _, c in self.names} - set(whole) - set(cuts)
         if missing:
             raise KeyError(f"no tensor for parameters {sorted(missing)[:4]}")
@@ -122,7 +113,7 @@ class ParamsModel:
                             )
                             continue
                         if c not in whole:  # a use that needs the tensor whole: join its rows once
-                            whole.update(FragmentPlan.whole({f"{c}[{a}:{b}]": t for a, b, t in cuts[c]}))
+                            whole[c] = join_rows(c, cuts[c])
                     value = torch.nn.Parameter(whole[c].detach(), requires_grad=False)
                     _set(self.model, n, value, "_parameters")
                 return evaluate(self.task, self.model)
