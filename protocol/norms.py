@@ -34,6 +34,22 @@ def _sq_norm64(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
 
+def dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The inner product of two fp32 tensors of one size, summed as ``_sq_norm`` sums: ``SQ_BLOCK`` products at a
+    time in fp32 (one batched matrix product), those partial sums added in float64. Where a product overflows
+    fp32 the sum is made again in float64."""
+    x, y = x.detach().reshape(-1), y.detach().reshape(-1)
+    n = x.numel()
+    if x.dtype != torch.float32 or y.dtype != torch.float32 or n < 2 * SQ_BLOCK:
+        return float(torch.dot(x.double(), y.double()))
+    k = n // SQ_BLOCK * SQ_BLOCK
+    # y as rows transposed, not a column view: 8x the speed on one thread
+    part = torch.bmm(x[:k].view(-1, 1, SQ_BLOCK), y[:k].view(-1, 1, SQ_BLOCK).transpose(1, 2))
+    s = float(part.double().sum())
+    s += float(torch.dot(x[k:].double(), y[k:].double())) if k < n else 0.0
+    return float(torch.dot(x.double(), y.double())) if not math.isfinite(s) else s
+
+
 def sq_norm(v: torch.Tensor | Encoded) -> float:
     """``_sq_norm`` of a tensor, or of its wire form decoded a range at a time (not all of it at once)."""
     if not isinstance(v, Encoded):

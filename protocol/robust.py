@@ -14,10 +14,11 @@ The robust merge bounds what any minority of the weight can do, whatever it send
   contribution further out pulls with a force of tau at most, so a minority of weight delta moves the
   result by about tau * delta / (1 - delta) in any direction it likes, and no further.
 
-Each pass reads every contribution a range at a time (their wire forms decoded range by range, re-anchored
-as ``protocol.merge.mean_step`` does); what it holds beyond the inputs is the result, one fp32 tensor, and a
-range of each contribution. ``ITERS + 1`` passes: the first measures the distances from 0. A small tensor's
-contributions (``WHOLE_BYTES`` in all) are decoded once and held for the passes.
+Every iterate is a weighted sum of the contributions, so the iterations run on its coefficients and the
+contributions' inner products: two passes over the contributions in all, a range at a time (their wire forms
+decoded range by range, re-anchored as ``protocol.merge.mean_step`` does), the first for the inner products,
+the second to sum the result. What it holds beyond the inputs is the result, one fp32 tensor, and a range of
+each contribution. A small tensor's contributions (``WHOLE_BYTES`` in all) are decoded once and held for both.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from protocol.codecs import Encoded, range_align, ranges
 from protocol.merge import anchored_range
-from protocol.norms import sq_norm
+from protocol.norms import dot
 
 ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
 ITERS = 5  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
@@ -85,12 +86,17 @@ def centered_clip(
     """Weighted CenteredClip of one tensor's contributions, anchored at the current global ``theta``: an
     fp32 tensor of ``theta``'s shape. ``weights``: as merged (capped by the caller), positive. ``radial``:
     RDA's split (``protocol.merge.rda``) made robust: CenteredClip of the contributions' unit directions,
-    scaled to the weighted median of their norms."""
+    scaled to the weighted median of their norms.
+
+    Every iterate is a weighted sum of the contributions (v = 0 at the start, and each step moves v towards
+    each of them), so the passes run on its coefficients: each distance |x_i - v|^2 is read off the
+    contributions' inner products (their Gram matrix, one pass over them), and v is summed once at the end
+    (a second pass). Each contribution is read twice, whatever ``iters``."""
     total = math.fsum(weights)
     ws = [w / total for w in weights]
     th = theta.reshape(-1)
-    numel = th.numel()
-    if len(parts) * numel * 4 <= WHOLE_BYTES:  # small: each decoded once, not once a pass
+    numel, n = th.numel(), len(parts)
+    if n * numel * 4 <= WHOLE_BYTES:  # small: each decoded once, not once a pass
         whole = [anchored_range(src, base, scale, th, 0, numel) for src, base, scale in parts]
         spans = [(0, numel)]
 
@@ -102,37 +108,37 @@ def centered_clip(
         def read(i: int, a: int, b: int) -> torch.Tensor:
             return anchored_range(*parts[i], th, a, b)
 
-    sq = [0.0] * len(parts)
-    for a, b in spans:  # distances from v = 0: the norms
-        for i in range(len(parts)):
-            sq[i] += sq_norm(read(i, a, b))
-    norms = [math.sqrt(x) for x in sq]
-    unit = [1.0 / n if radial and n > 0 else 1.0 for n in norms]
-    if radial:
-        sq = [1.0 if n > 0 else 0.0 for n in norms]
-    v = torch.zeros(numel, dtype=torch.float32)
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    for a, b in spans:
+        xs = [read(i, a, b) for i in range(n)]
+        for i in range(n):
+            for j in range(i, n):
+                gram[i, j] += dot(xs[i], xs[j])
+        del xs
+    gram = torch.triu(gram) + torch.triu(gram, 1).T
+    norms = gram.diagonal().clamp(min=0).sqrt().tolist()
+    unit = torch.tensor([1.0 / x if radial and x > 0 else 1.0 for x in norms], dtype=torch.float64)
+    gram = gram * unit.outer(unit)  # radial: the unit directions' inner products
+    coef = torch.zeros(n, dtype=torch.float64)  # v = sum_i coef_i * unit_i * x_i
+    sq = gram.diagonal().clone()  # distances from v = 0
     for it in range(iters):
-        dist = [math.sqrt(x) for x in sq]
+        dist = sq.clamp(min=0).sqrt().tolist()
         tau = TAU * weighted_median(dist, ws)
-        pull = [w * (1.0 if d <= tau else tau / d) for w, d in zip(ws, dist)]
-        sq = [0.0] * len(parts)
-        for a, b in spans:
-            vr = v[a:b]
-            xs = [read(i, a, b) for i in range(len(parts))]
-            if radial:
-                xs = [x * u for x, u in zip(xs, unit)]
-            step = None
-            for x, c in zip(xs, pull):
-                if c:
-                    term = (x - vr).mul_(c)
-                    step = term if step is None else step.add_(term)
-            if step is not None:
-                vr.add_(step)
-            if it + 1 < iters:  # the next pass's distances
-                for i, x in enumerate(xs):
-                    sq[i] += sq_norm(x - vr)
-            del xs, step
+        pull = torch.tensor(
+            [w * (1.0 if d <= tau else tau / d) for w, d in zip(ws, dist)], dtype=torch.float64
+        )
+        coef = coef * (1.0 - float(pull.sum())) + pull  # v += sum_i pull_i * (x_i - v)
+        if it + 1 < iters:  # |x_i - v|^2 = G_ii - 2 (G c)_i + c'Gc
+            gc = gram @ coef
+            sq = gram.diagonal() - 2.0 * gc + float(coef @ gc)
+    scale = (coef * unit).tolist()
+    v = torch.zeros(numel, dtype=torch.float32)
+    for a, b in spans:
+        vr = v[a:b]
+        for i, c in enumerate(scale):
+            if c:
+                vr.add_(read(i, a, b), alpha=c)
     if radial:
-        n = torch.linalg.vector_norm(v)
-        v = v.mul_(weighted_median(norms, ws) / n) if n > 0 else v
+        m = torch.linalg.vector_norm(v)
+        v = v.mul_(weighted_median(norms, ws) / m) if m > 0 else v
     return v.view(theta.shape)

@@ -104,6 +104,52 @@ def codecs_unit(x):
     return x / torch.linalg.vector_norm(x)
 
 
+def _textbook_cc(xs, ws, radial=False, iters=robust.ITERS):
+    """CenteredClip as the paper writes it, in float64 on whole tensors: v moved ``iters`` times by the
+    weighted mean of (x_i - v), each clipped to the weighted median distance."""
+    xs = [x.double() for x in xs]
+    ws = [w / sum(ws) for w in ws]
+    norms = [float(torch.linalg.vector_norm(x)) for x in xs]
+    if radial:
+        xs = [x / n if n > 0 else x for x, n in zip(xs, norms)]
+    v = torch.zeros_like(xs[0])
+    for _ in range(iters):
+        dist = [float(torch.linalg.vector_norm(x - v)) for x in xs]
+        tau = weighted_median(dist, ws)
+        v = v + sum(w * min(1.0, tau / d if d > 0 else 1.0) * (x - v) for x, w, d in zip(xs, ws, dist))
+    if radial:
+        v = v * (weighted_median(norms, ws) / float(torch.linalg.vector_norm(v)))
+    return v.float()
+
+
+@pytest.mark.parametrize("radial", [False, True])
+@pytest.mark.parametrize("case", ["honest", "liar-x1000", "orthogonal-liar", "zero", "unequal-weights"])
+def test_centered_clip_from_inner_products_is_the_textbook_iteration(case, radial):
+    """The passes run on the iterate's coefficients and the contributions' inner products (two reads of
+    each contribution): the same result as moving v pass by pass over the tensors themselves."""
+    mean, xs = _honest(4, 30_000, noise=0.7, seed=11)
+    ws = [1.0] * 4
+    if case == "liar-x1000":
+        xs, ws = [*xs, -1000 * mean], ws + [1.0]
+    elif case == "orthogonal-liar":
+        g = torch.Generator().manual_seed(3)
+        xs, ws = (
+            [*xs, 40 * torch.linalg.vector_norm(mean) * codecs_unit(torch.randn(30_000, generator=g))],
+            ws + [2.0],
+        )
+    elif case == "zero":
+        xs, ws = [*xs, torch.zeros(30_000)], ws + [1.0]
+    elif case == "unequal-weights":
+        ws = [1.0, 3.0, 0.5, 2.0]
+    want = _textbook_cc(xs, ws, radial=radial)
+    got = _cc(xs, ws, radial=radial)
+    assert float(torch.linalg.vector_norm(got - want)) <= 1e-5 * float(torch.linalg.vector_norm(want))
+    # one pass less or more moves it: the comparison can tell the iterations apart
+    fewer = _textbook_cc(xs, ws, radial=radial, iters=robust.ITERS - 1)
+    if case in ("liar-x1000", "orthogonal-liar"):
+        assert float(torch.linalg.vector_norm(fewer - want)) > 1e-4 * float(torch.linalg.vector_norm(want))
+
+
 def test_radial_keeps_rda_radius_and_a_robust_direction():
     _, xs = _honest(4, 5_000, noise=0.5)
     norms = sorted(float(torch.linalg.vector_norm(x)) for x in xs)
