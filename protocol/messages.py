@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from protocol.codecs import CODECS, Encoded, get_codec, range_align, ranges, read_range
+from protocol.codecs import CODECS, Encoded, all_finite, get_codec
 from protocol.errors import ProtocolError, RejectCode
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -171,13 +171,12 @@ def decode_parts(
 def finite_parts(
     tensors: dict[str, torch.Tensor], codec: str, block: int, spec: dict[str, tuple[int, ...]]
 ) -> dict[str, Encoded]:
-    """``wire_parts``, and finite once decoded, which is checked a range at a time: nothing is kept decoded
-    (a merged gradient of a large fragment is read again, a range at a time, where it is applied)."""
+    """``wire_parts``, and finite once decoded (``codecs.all_finite``: from the scales, or a range at a time):
+    nothing is kept decoded (a merged gradient of a large fragment is read a range at a time where applied)."""
     out = wire_parts(tensors, codec, block, spec)
     for name, e in out.items():
-        for a, b in ranges(math.prod(e.shape), range_align(e)):
-            if not torch.isfinite(read_range(e, a, b)).all():
-                raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
+        if not all_finite(e):
+            raise ProtocolError(RejectCode.NOT_FINITE, f"{name} contains NaN or inf")
     return out
 
 

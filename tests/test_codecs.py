@@ -281,3 +281,30 @@ def test_parts_that_do_not_fit_the_shape_are_refused(name):
         with pytest.raises(ProtocolError):
             c.decode(Encoded(name, shape, parts))
     assert c.decode(Encoded(name, (0, 3), {"q": q[:0], "s": s[:0]})).shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize(
+    "poison", ["none", "inf-scale", "nan-scale", "huge-scale", "largest-safe-scale", "nan-value", "inf-value"]
+)
+def test_all_finite_says_what_a_decode_would(name, poison):
+    """``all_finite`` reads an int4 or int8 form's scales instead of decoding it; it must agree with a
+    decode on every form a peer could send, a scale that decodes to inf included."""
+    from protocol.codecs import _INT8_SCALE_MAX, all_finite
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    if poison in ("nan-value", "inf-value"):
+        x[123] = float("nan") if poison == "nan-value" else float("inf")
+    e = encode_tensors({"w": x}, name, 64)["w"]
+    if "s" in e.parts and poison.endswith("scale"):
+        s = e.parts["s"].clone()
+        s[3] = {
+            "inf-scale": math.inf,
+            "nan-scale": math.nan,
+            "huge-scale": 3e38,  # finite, yet an int8 code of 127 times it is not
+            "largest-safe-scale": _INT8_SCALE_MAX,
+        }[poison]
+        e = Encoded(e.codec, e.shape, {**e.parts, "s": s})
+    assert all_finite(e) == bool(torch.isfinite(get_codec(name).decode(e)).all())
+    if poison == "none":
+        assert all_finite(e)
