@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from node.cli.config import build_config, describe
     from node.learner.unit import Unit, run_rank
     from node.swarm.agent import Node
-    from node.swarm.memory import mmap_threshold, tune_allocator
+    from node.swarm.memory import mmap_threshold, steady_allocator, tune_allocator
 
     # hivemind (imported above) puts torch's shared memory on the file_system strategy, whose helper
     # process, torch_shm_manager, outlives the node and aborts ("terminate called after throwing an
@@ -66,8 +66,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         # the user's model, tokenizer and data are checked here: a bad one stops the node before it starts
         task = load_task(None, cfg.task_config())
     auto = cfg.node.malloc_mmap_mib < 0
-    if threshold := mmap_threshold(cfg.node.malloc_mmap_mib, _model_numel(cfg, task) if auto else 0):
+    numel = _model_numel(cfg, task) if auto else 0
+    if threshold := mmap_threshold(cfg.node.malloc_mmap_mib, numel):
         tune_allocator(threshold)  # before the model and replicas are made
+    elif auto and numel:
+        steady_allocator(4 * numel)
     if cfg.node.shard:
         from node.learner.unit_fsdp import ShardedUnit, check_shardable
 

@@ -69,7 +69,8 @@ class NodeSettings:
         metadata={
             "help": "give every allocation of at least this many MiB pages of its own, returned to the "
             "system when freed (glibc's M_MMAP_THRESHOLD; 0: the C library's own rule; -1: 0.25 for a model "
-            f"of {AUTO_MMAP_PARAMS // 10**6}M parameters or more, else 0): less resident memory, more page "
+            f"of {AUTO_MMAP_PARAMS // 10**6}M parameters or more, else blocks up to 32 MiB from the heaps and "
+            "free memory up to 1.25x the weights kept for the next step): less resident memory, more page "
             "faults (docs/node.md, Status)"
         },
     )
