@@ -50,7 +50,7 @@ class NodeSettings:
         default=60.0, metadata={"help": "checkpoint period, the first 10 s after joining (0: only at exit)"}
     )
     checkpoint_cpu_share: float = field(
-        default=0.02,
+        default=0.01,
         metadata={
             "help": "the most of one core that periodic checkpoints may take: after one that took C CPU "
             "seconds (writing and hashing), the next waits at least C / this (0: the period alone)"
@@ -58,7 +58,7 @@ class NodeSettings:
     )
     eval_every_s: float = field(default=60.0, metadata={"help": "evaluate the global model this often"})
     eval_cpu_share: float = field(
-        default=0.03,
+        default=0.01,
         metadata={
             "help": "the most of one core that periodic evaluations may take: after one that took C CPU "
             "seconds, the next waits at least C / this (0: eval_every_s alone)"
