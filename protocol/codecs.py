@@ -375,24 +375,6 @@ def range_align(*sources: torch.Tensor | Encoded) -> int:
     return math.lcm(1, *(wire_block(v) for v in sources if isinstance(v, Encoded)))
 
 
-# the largest scale whose int8 codes (|code| <= 127, multiplied before the division by 127) decode finite
-_INT8_SCALE_MAX = torch.finfo(torch.float32).max / 127.0
-
-
-def all_finite(e: Encoded) -> bool:
-    """Whether every value of ``e`` decodes finite. An int4 value is a code of at most 1 in size times its
-    block's scale, an int8 one a code of at most 127 times its scale over 127: their scales tell, without a
-    decode. Other forms are decoded a range at a time."""
-    if e.codec in ("int4", "int8"):
-        s = e.parts["s"]
-        if not bool(torch.isfinite(s).all()):
-            return False
-        return e.codec == "int4" or s.numel() == 0 or float(s.abs().max()) <= _INT8_SCALE_MAX
-    return all(
-        bool(torch.isfinite(read_range(e, a, b)).all()) for a, b in ranges(_numel(e.shape), range_align(e))
-    )
-
-
 def read_range(v: torch.Tensor | Encoded, start: int, stop: int) -> torch.Tensor:
     """fp32 values [start, stop) of a tensor (flattened) or of its wire form: read only (may be a view)."""
     if isinstance(v, Encoded):

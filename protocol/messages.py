@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from protocol.codecs import CODECS, Encoded, all_finite, get_codec
+from protocol.codecs import CODECS, Encoded, get_codec, range_align, ranges, read_range
 from protocol.errors import ProtocolError, RejectCode
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -168,10 +168,28 @@ def decode_parts(
     return out
 
 
+# the largest scale whose int8 codes (|code| <= 127, multiplied before the division by 127) decode finite
+_INT8_SCALE_MAX = torch.finfo(torch.float32).max / 127.0
+
+
+def all_finite(e: Encoded) -> bool:
+    """Whether every value of ``e`` decodes finite. An int4 value is a code of at most 1 in size times its
+    block's scale, an int8 one a code of at most 127 times its scale over 127: their scales tell, without a
+    decode. Other forms are decoded a range at a time."""
+    if e.codec in ("int4", "int8"):
+        s = e.parts["s"]
+        if not bool(torch.isfinite(s).all()):
+            return False
+        return e.codec == "int4" or s.numel() == 0 or float(s.abs().max()) <= _INT8_SCALE_MAX
+    return all(
+        bool(torch.isfinite(read_range(e, a, b)).all()) for a, b in ranges(math.prod(e.shape), range_align(e))
+    )
+
+
 def finite_parts(
     tensors: dict[str, torch.Tensor], codec: str, block: int, spec: dict[str, tuple[int, ...]]
 ) -> dict[str, Encoded]:
-    """``wire_parts``, and finite once decoded (``codecs.all_finite``: from the scales, or a range at a time):
+    """``wire_parts``, and finite once decoded (``all_finite``: from the scales, or a range at a time):
     nothing is kept decoded (a merged gradient of a large fragment is read a range at a time where applied)."""
     out = wire_parts(tensors, codec, block, spec)
     for name, e in out.items():

@@ -290,7 +290,7 @@ def test_parts_that_do_not_fit_the_shape_are_refused(name):
 def test_all_finite_says_what_a_decode_would(name, poison):
     """``all_finite`` reads an int4 or int8 form's scales instead of decoding it; it must agree with a
     decode on every form a peer could send, a scale that decodes to inf included."""
-    from protocol.codecs import _INT8_SCALE_MAX, all_finite
+    from protocol.messages import _INT8_SCALE_MAX, all_finite
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     if poison in ("nan-value", "inf-value"):

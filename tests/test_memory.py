@@ -249,9 +249,9 @@ def test_checkpoints_and_evaluations_come_no_more_often_than_their_cpu_share_all
     assert paced_wait(60.0, 6.0, 0.0) == 60.0  # share 0: the period alone
 
 
-_MAPPED = """
+_MALLINFO = """
 import ctypes, sys
-from node.swarm.memory import tune_allocator
+from node.swarm.memory import steady_allocator, tune_allocator
 
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -259,6 +259,25 @@ class Info(ctypes.Structure):  # glibc's struct mallinfo2
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
+"""
+
+
+def _run_script(script: str, mode: str, env: dict[str, str]) -> list[str]:
+    """What a fresh interpreter prints running ``script`` with argument ``mode``, split."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    return out.stdout.split()
+
+
+_MAPPED = (
+    _MALLINFO
+    + """
 changed = tune_allocator(2 << 20) if sys.argv[1] == "tune" else False
 grown = []
 for _ in range(3):  # a 3 MiB block made and freed three times
@@ -268,6 +287,7 @@ for _ in range(3):  # a 3 MiB block made and freed three times
     del block
 print(changed, *grown)
 """
+)
 
 
 @pytest.mark.parametrize("env", [{}, {"MALLOC_MMAP_THRESHOLD_": "65536"}])
@@ -277,15 +297,7 @@ def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
     they stay resident once freed. An explicit MALLOC_MMAP_THRESHOLD_ is left alone."""
 
     def run(mode: str) -> list[str]:
-        out = subprocess.run(
-            [sys.executable, "-c", _MAPPED, mode],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, **env},
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-        return out.stdout.split()
+        return _run_script(_MAPPED, mode, env)
 
     changed, *grown = run("tune")
     assert all(int(g) >= 3 << 20 for g in grown), grown
@@ -297,16 +309,9 @@ def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
     assert int(plain[0]) >= 3 << 20 and int(plain[1]) == 0 and int(plain[2]) == 0, plain
 
 
-_STEADY = """
-import ctypes, sys
-from node.swarm.memory import steady_allocator
-
-class Info(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
+_STEADY = (
+    _MALLINFO
+    + """
 changed = steady_allocator(400 << 20) if sys.argv[1] == "steady" else False
 info = libc.mallinfo2()
 mapped0, arena0 = info.hblkhd, info.arena
@@ -318,6 +323,7 @@ for _ in range(2):  # steps: what one makes it frees
     del blocks
 print(changed, mapped, libc.mallinfo2().arena - arena0)
 """
+)
 
 
 @pytest.mark.parametrize("env", [{}, {"MALLOC_TRIM_THRESHOLD_": "1000000"}])
@@ -327,15 +333,7 @@ def test_the_steady_allocator_keeps_what_a_step_frees_for_the_next(env):
     for the next step instead of being handed back and faulted in again. An explicit setting is left alone."""
 
     def run(mode: str) -> list[int | str]:
-        out = subprocess.run(
-            [sys.executable, "-c", _STEADY, mode],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, **env},
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-        changed, mapped, kept = out.stdout.split()
+        changed, mapped, kept = _run_script(_STEADY, mode, env)
         return [changed, int(mapped), int(kept)]
 
     changed, mapped, kept = run("steady")
