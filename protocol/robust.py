@@ -34,7 +34,7 @@ from protocol.merge import anchored_range
 from protocol.norms import dot
 
 ROBUST_RULES = ("auto", "off", "centered-clip")  # auto: on in a public swarm (protocol.systems)
-ITERS = 5  # CenteredClip's passes after the first; measured in docs/security.md ("Robust merge")
+ITERS = 5  # CenteredClip's iterations (on coefficients: each pass over the data is not one); docs/security.md
 TAU = 1.0  # the clipping radius, as a multiple of the weighted median distance
 # A tensor whose contributions hold at most this many fp32 bytes in all is decoded once, not once a pass (the
 # tiny model's robust merge took 3.2x the plain one's time, most of it decoding int4 six times over)
