@@ -20,6 +20,7 @@ Every process is killed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -164,8 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on the nodes' start")
     ap.add_argument("--flags", default="", help='more node flags, e.g. "--checkpoint-every-s 300"')
     ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument(
+        "--keep", help="run the nodes in this new folder and keep it (events, logs); default: removed"
+    )
     a = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="ddiloco-speed-") as tmp:
+    if a.keep:
+        Path(a.keep).mkdir(parents=True)
+    with (
+        contextlib.nullcontext(a.keep)
+        if a.keep
+        else tempfile.TemporaryDirectory(prefix="ddiloco-speed-") as tmp
+    ):
         rows = run_nodes(a.size, a.nodes, a.seconds, a.timeout_s, Path(tmp), shlex.split(a.flags))
     print("swarm_speed: plain loops, one alone and then all at once", file=sys.stderr, flush=True)
     alone = _plain(a.size, a.steps, 1)[0]
