@@ -7,7 +7,9 @@ work on the learner's core are all in it). The baselines, run after the nodes ha
 of ``bench/scale.py`` in child processes: one alone, and N at once (what N learners on N cores cost each
 other in memory bandwidth, without any swarm). Printed per node: steps, the mean seconds per step over the
 window, the median, and ``plain/node``, the baseline's median step time over the node's mean (1.0 = as fast as
-the plain loop; the issue asks at least 0.85 against one thread); then the CPU seconds per learner step of each
+the plain loop; the issue asks at least 0.85 against one thread), and the same over the window's second half
+(past the start's one-off work: each node's first evaluation and its first checkpoint, which comes soon after
+a join); then the CPU seconds per learner step of each
 node's parts over the window (``/proc``): its learner thread, its other threads (agent, merges, checkpoints,
 status), its DHT process and its p2p daemons; and its peak resident memory against its fp32 weights.
 
@@ -136,12 +138,14 @@ def run_nodes(
         if len(window) < 2:
             raise RuntimeError(f"node {i}: {len(window)} steps in the window; give it more --seconds")
         span = window[-1]["t1"] - window[0]["t0"]
+        late = window[len(window) // 2 :]  # the window's second half: past the start's one-off work
         rounds = statuses[i].get("rounds_merged")
         rows.append(
             {
                 "node": i,
                 "steps": len(window),
                 "mean_step_s": round(span / len(window), 3),
+                "late_step_s": round((late[-1]["t1"] - late[0]["t0"]) / len(late), 3),
                 "median_step_s": round(statistics.median(e["t1"] - e["t0"] for e in window), 3),
                 "merges": rounds,
                 "peak_rss_x_weights": round(peaks[i] / w, 2)
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["plain_alone_ratio"] = round(alone / r["mean_step_s"], 3)
         r["plain_together_ratio"] = round(together / r["mean_step_s"], 3)
+        r["plain_alone_late_ratio"] = round(alone / r["late_step_s"], 3)
     out = {
         "size": a.size,
         "flags": a.flags,
@@ -194,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"plain loop, one thread: alone {alone:.3f} s/step; {a.nodes} at once {together:.3f} s/step each")
-    print("node  steps  mean s/step  median  plain(alone)/node  plain(together)/node  merges")
+    print(
+        "node  steps  mean s/step  median  plain(alone)/node  plain(together)/node  merges"
+        "  second half: s/step  plain(alone)/node"
+    )
     for r in rows:
         print(
             f"{r['node']:>4} {r['steps']:>6} {r['mean_step_s']:>12} {r['median_step_s']:>7} "
-            f"{r['plain_alone_ratio']:>18} {r['plain_together_ratio']:>21}  {r['merges']}"
+            f"{r['plain_alone_ratio']:>18} {r['plain_together_ratio']:>21}  {r['merges']:>6}"
+            f"  {r['late_step_s']:>20} {r['plain_alone_late_ratio']:>18}"
         )
     for r in rows:
         parts = ", ".join(f"{k} {v}" for k, v in r["cpu_per_step"].items())
