@@ -10,7 +10,8 @@ heaps unmapped after each optimiser step and faulted in again by the next backwa
 9.2-9.7x the fp32 weights; with one arena, 331 and 961 faults a second and 8.35-8.5x.
 
 Threads of the node take few, large allocations (tensors) and share that heap's lock: in the same bench the
-learner thread's CPU a step stayed within the spread of the runs before (1.25-1.28 s against 1.25-1.33). An explicit ``MALLOC_ARENA_MAX`` (or ``glibc.malloc.arena_max`` in ``GLIBC_TUNABLES``) wins.
+learner thread's CPU a step stayed within the spread of the runs before (1.25-1.28 s against 1.25-1.33).
+An explicit ``MALLOC_ARENA_MAX`` (or ``glibc.malloc.arena_max`` in ``GLIBC_TUNABLES``) wins.
 """
 
 from __future__ import annotations
