@@ -234,14 +234,17 @@ def test_auto_is_robust_in_a_public_swarm_only_and_never_in_the_baselines():
 def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is_in():
     """A round of one contribution is that contribution, whatever it holds: on the swarm's schedule the robust
     merge waits for a majority to compare it with (real nodes on a loaded machine merged a fifth of their
-    rounds from one or two learners, and a flipped learner's own rounds went through whole), but only for a
-    period: a live learner that stopped contributing must not stop the rounds."""
+    rounds from one or two learners, and a flipped learner's own rounds went through whole), three quarters
+    of the live learners where that is more than 3 (one liar of 5 held a third of the rounds of 3), but
+    only for a period: a live learner that stopped contributing must not stop the rounds."""
     from protocol.synchroniser import Merge, SyncState, effective_quorum, on_contribution, on_tick
 
     robust, plain = ProtocolConfig(robust="centered-clip"), ProtocolConfig(robust="off")
     five = frozenset("abcde")
     sched = SyncState(0, live=five, due_at=10.0, due_every=4.0)
-    assert effective_quorum(robust, sched) == 3
+    assert effective_quorum(robust, sched) == 4  # three quarters of 5, rounded up
+    assert effective_quorum(robust, replace(sched, live=frozenset("abcdef"))) == 5
+    assert effective_quorum(robust, replace(sched, live=frozenset("abcdefghijkl"))) == 9
     assert effective_quorum(robust, replace(sched, live=frozenset("abc"))) == 2  # never every live learner
     assert effective_quorum(robust, replace(sched, live=frozenset("abcd"))) == 3
     assert effective_quorum(robust, replace(sched, live=frozenset("ab"))) == 1
@@ -252,7 +255,7 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     def contrib(learner):
         return Contribution(learner, 0, 0, 8, 800, 0.1, None, f"{learner}:0:8")
 
-    st = sched
+    st = replace(sched, live=frozenset("abcd"))  # K = 3
     for learner, t in (("a", 9.9), ("b", 10.0)):
         d = on_contribution(robust, st, contrib(learner), t)
         st = d.state
@@ -260,8 +263,16 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     assert not any(isinstance(a, Merge) for a in on_tick(robust, st, 13.9).actions)
     late = on_tick(robust, st, 14.0)  # a period after its slot: whoever is in
     assert any(isinstance(a, Merge) for a in late.actions) or late.state.quorum_at is not None, late.reason
+    alone = on_contribution(robust, replace(sched, live=frozenset("abcd")), contrib("a"), 9.9).state
+    for t in (14.0, 30.0):  # one contribution is never merged alone while other live learners may join it
+        assert not any(isinstance(a, Merge) for a in on_tick(robust, alone, t).actions)
     three = on_contribution(robust, st, contrib("c"), 10.1)
     assert three.state.quorum_at is not None  # the third learner: quorum at once
+    st = sched  # five live: K = 4
+    for learner, t in (("a", 9.9), ("b", 10.0), ("c", 10.1)):
+        st = on_contribution(robust, st, contrib(learner), t).state
+    assert st.quorum_at is None
+    assert on_contribution(robust, st, contrib("d"), 10.2).state.quorum_at is not None
     assert on_contribution(plain, sched, contrib("a"), 9.9).state.quorum_at is not None  # plain: K = 1
 
 
