@@ -231,7 +231,7 @@ def test_auto_is_robust_in_a_public_swarm_only_and_never_in_the_baselines():
         ProtocolConfig(share_cap=float("nan"))
 
 
-def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is_in():
+def test_a_robust_round_waits_a_period_for_its_quorum_then_merges_whoever_is_in():
     """A round of one contribution is that contribution, whatever it holds: on the swarm's schedule the robust
     merge waits for a majority to compare it with (real nodes on a loaded machine merged a fifth of their
     rounds from one or two learners, and a flipped learner's own rounds went through whole), three quarters
@@ -255,7 +255,8 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     def contrib(learner):
         return Contribution(learner, 0, 0, 8, 800, 0.1, None, f"{learner}:0:8")
 
-    st = replace(sched, live=frozenset("abcd"))  # K = 3
+    four = replace(sched, live=frozenset("abcd"))  # K = 3
+    st = four
     for learner, t in (("a", 9.9), ("b", 10.0)):
         d = on_contribution(robust, st, contrib(learner), t)
         st = d.state
@@ -263,7 +264,7 @@ def test_a_robust_round_waits_a_period_for_three_learners_then_merges_whoever_is
     assert not any(isinstance(a, Merge) for a in on_tick(robust, st, 13.9).actions)
     late = on_tick(robust, st, 14.0)  # a period after its slot: whoever is in
     assert any(isinstance(a, Merge) for a in late.actions) or late.state.quorum_at is not None, late.reason
-    alone = on_contribution(robust, replace(sched, live=frozenset("abcd")), contrib("a"), 9.9).state
+    alone = on_contribution(robust, four, contrib("a"), 9.9).state
     for t in (14.0, 30.0):  # one contribution is never merged alone while other live learners may join it
         assert not any(isinstance(a, Merge) for a in on_tick(robust, alone, t).actions)
     three = on_contribution(robust, st, contrib("c"), 10.1)
