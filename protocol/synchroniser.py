@@ -82,6 +82,10 @@ class SyncState:
     pending: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     queued: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     live: frozenset[str] = frozenset()
+    # the live learners whose work was merged lately (``node.swarm.guard.WorkBook.working``): what a robust
+    # round's quorum and share count, so that identities with no work behind them count for nothing. None:
+    # not known yet (a node that has not watched the swarm merge for long enough), every live one counts
+    working: frozenset[str] | None = None
     first_at: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
@@ -123,6 +127,18 @@ ROBUST_SHARE = 0.75  # and the share of the live learners it waits for, when tha
 ROBUST_FLOOR = 2  # the fewest learners a robust round merges once its wait is over (fewer live: all of them)
 
 
+def quorum_basis(cfg: ProtocolConfig, state: SyncState) -> frozenset[str]:
+    """The live learners a round counts as "everyone": in a robust swarm (public: identities are free),
+    those whose work was merged lately (``SyncState.working``) where that is known and any are live; else
+    every live one. 2,000 signed membership records with no process behind them made a robust round of 3
+    real nodes wait for 2,002 learners, and merge only at the end of each period."""
+    if cfg.robust == "centered-clip" and state.working is not None:
+        basis = state.live & state.working
+        if basis:
+            return basis
+    return state.live
+
+
 def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
     """K, but never more than the live learners (a dead learner leaves the membership, not the quorum). A
     robust merge (``protocol.robust``) compares contributions: a round of one is that contribution, whatever
@@ -134,7 +150,7 @@ def effective_quorum(cfg: ProtocolConfig, state: SyncState) -> int:
     if not state.live:
         return cfg.quorum
     robust = cfg.robust == "centered-clip" and state.due_at is not None and state.due_every > 0
-    live = len(state.live)
+    live = len(quorum_basis(cfg, state))
     wanted = max(ROBUST_QUORUM, math.ceil(ROBUST_SHARE * live))
     k = max(cfg.quorum, min(wanted, live - 1)) if robust else cfg.quorum
     return max(1, min(k, live))
@@ -266,8 +282,16 @@ def on_tick(cfg: ProtocolConfig, state: SyncState, now: float) -> Decision:
     return _evaluate(cfg, state, now, "tick")
 
 
-def on_membership(cfg: ProtocolConfig, state: SyncState, live: frozenset[str], now: float) -> Decision:
-    return _evaluate(cfg, replace(state, live=frozenset(live)), now, f"live set now {len(live)}")
+def on_membership(
+    cfg: ProtocolConfig,
+    state: SyncState,
+    live: frozenset[str],
+    now: float,
+    working: frozenset[str] | None = None,
+) -> Decision:
+    state = replace(state, live=frozenset(live), working=working)
+    note = f"live set now {len(live)}" + ("" if working is None else f", {len(working & live)} working")
+    return _evaluate(cfg, state, now, note)
 
 
 def on_merged(
@@ -358,7 +382,8 @@ def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> D
             if cfg.grace
             else f"{note}; quorum {n}/{k}, no grace"
         )
-    everyone = bool(state.live) and state.live <= fresh_learners(state)
+    basis = quorum_basis(cfg, state)
+    everyone = bool(basis) and basis <= fresh_learners(state)
     deadline = now if state.deadline is None else state.deadline
     if now >= deadline or everyone:
         why = "every live learner is in" if everyone and now < deadline else "grace over"

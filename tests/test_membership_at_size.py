@@ -110,6 +110,11 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
             assert {f["synchroniser"] for f in st["fragments"]} - {None} <= {
                 p["peer_id"] for p in st["peers"]
             }
+        # the crowd has no work merged: a robust round's quorum counts the three nodes (2 of 3; fewer for a
+        # moment where one's work was not merged lately), not 1,503 of the 2,003 records (rounds that waited a
+        # period each missed the 120 s below on a loaded machine)
+        for i, st in swarm.status().items():
+            assert all(f["quorum"] <= 2 for f in st["fragments"]), (i, st["fragments"])
         # a node's status may miss the 5 s deadline on a loaded machine: a read counts only when all three
         # answered
         r0 = _rounds(swarm)

@@ -17,7 +17,7 @@ from protocol.merge import weighted_mean
 from protocol.record_checks import readable
 from protocol.replica import FragmentReplica
 from protocol.robust import capped_weights, centered_clip, weighted_median
-from protocol.synchroniser import Contribution
+from protocol.synchroniser import Contribution, round_share
 from protocol.systems import system_protocol
 
 
@@ -275,6 +275,59 @@ def test_a_robust_round_waits_a_period_for_its_quorum_then_merges_whoever_is_in(
     assert st.quorum_at is None
     assert on_contribution(robust, st, contrib("d"), 10.2).state.quorum_at is not None
     assert on_contribution(plain, sched, contrib("a"), 9.9).state.quorum_at is not None  # plain: K = 1
+
+
+def test_identities_with_no_merged_work_count_for_nothing_in_a_robust_round():
+    """Identities are free in a public swarm: a robust round's quorum and share count the live learners whose
+    work was merged lately, not membership records. 3 real nodes beside 2,000 signed records with no process
+    behind them waited for 1,503 learners each round (a period each), and would have scaled every round's
+    share down by 2,003; a node that has not watched the swarm merge for long enough counts every record."""
+    from node.swarm.guard import WorkBook
+    from protocol.synchroniser import (
+        Merge,
+        SyncState,
+        effective_quorum,
+        on_contribution,
+        on_membership,
+        quorum_basis,
+    )
+
+    robust, plain = ProtocolConfig(robust="centered-clip"), ProtocolConfig(robust="off")
+    real, crowd = frozenset("abcd"), frozenset(f"sybil{i}" for i in range(2000))
+    book = WorkBook()
+    assert book.working(real | crowd, 100.0, 30.0) is None  # nothing merged yet: unknown
+    for learner in "abc":
+        book.merged(learner, 0, 100.0)
+    assert book.working(real | crowd, 110.0, 30.0) is None  # watched for 10 s of a 30 s window: unknown
+    book.merged("d", 1, 125.0)
+    assert book.working(real | crowd, 130.0, 30.0) == real
+    assert book.working(real | crowd, 140.0, 30.0) == frozenset("d")  # a, b, c last merged 40 s ago
+    assert book.working(real | crowd, 130.0, 0.0) is None  # no schedule: no window
+
+    sched = SyncState(0, due_at=10.0, due_every=4.0)
+    crowded = on_membership(robust, sched, real | crowd, 0.0).state
+    assert effective_quorum(robust, crowded) == 1503  # the records counted: three quarters of 2,004
+    counted = on_membership(robust, sched, real | crowd, 0.0, book.working(real | crowd, 130.0, 30.0)).state
+    assert quorum_basis(robust, counted) == real and effective_quorum(robust, counted) == 3
+    assert quorum_basis(plain, counted) == real | crowd  # a private swarm counts its members as before
+    # a working learner that left the view does not count: the basis is the live ones among the workers
+    gone = on_membership(robust, counted, frozenset("abc") | crowd, 0.0, counted.working).state
+    assert quorum_basis(robust, gone) == frozenset("abc") and effective_quorum(robust, gone) == 2
+    # no worker live: every live one counts (never a quorum of none)
+    none = on_membership(robust, counted, crowd, 0.0, frozenset("abcd")).state
+    assert quorum_basis(robust, none) == crowd
+
+    def contrib(learner):
+        return Contribution(learner, 0, 0, 8, 800, 0.1, None, f"{learner}:0:8")
+
+    st = counted
+    for learner, t in (("a", 9.9), ("b", 10.0)):
+        st = on_contribution(robust, st, contrib(learner), t).state
+    assert st.quorum_at is None
+    d = on_contribution(robust, st, contrib("c"), 10.1)  # 3 of the 4 workers, past the slot: merged
+    merge = next(a for a in d.actions if isinstance(a, Merge))
+    share = round_share(merge.contributions, robust, len(quorum_basis(robust, d.state)))
+    assert share == pytest.approx(3 * 8 / (4 * robust.sync_every))  # 3 of 4 workers' rounds, not 3 of 2,004
 
 
 @pytest.mark.parametrize("merge", ["rda", "mean"])

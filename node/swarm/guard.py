@@ -20,7 +20,9 @@ sender nothing. Only a second copy is refused and counted.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from protocol.errors import ProtocolError, RejectCode
 
@@ -136,6 +138,15 @@ class WorkBook:
         self.remember = remember
         self.since: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.worked: OrderedDict[str, float] = OrderedDict()
+        self.first: float | None = None  # when this node first saw work merged
+
+    def working(self, live: Iterable[str], now: float, window_s: float) -> frozenset[str] | None:
+        """The learners of ``live`` whose work was merged here within the last ``window_s`` seconds; None
+        until this node has watched the swarm merge for that long (a joiner, a restart: it cannot tell a
+        learner that merges every few minutes from an identity that never will)."""
+        if window_s <= 0 or self.first is None or now - self.first < window_s:
+            return None
+        return frozenset(pid for pid in live if now - self.worked.get(pid, -math.inf) <= window_s)
 
     def heard(self, learner: str, p: int, now: float) -> float:
         since = self.since.setdefault((learner, p), now)
@@ -143,6 +154,8 @@ class WorkBook:
         return since
 
     def merged(self, learner: str, p: int, now: float) -> None:
+        if self.first is None:
+            self.first = now
         self.since[(learner, p)] = now
         self.since.move_to_end((learner, p))
         self.worked[learner] = now

@@ -41,6 +41,7 @@ from protocol.synchroniser import (
     on_contribution,
     on_merged,
     on_tick,
+    quorum_basis,
     scheduled,
 )
 
@@ -164,7 +165,7 @@ class Replication(RecordPush, MergeWatch):
         rep = self.replicas[p]
         due = self._schedule_of(p)
         st = replace(
-            SyncState(fragment=p, global_round=rep.round, live=old.live),
+            SyncState(fragment=p, global_round=rep.round, live=old.live, working=old.working),
             due_at=None if due is None else due[0],
             due_every=0.0 if due is None else due[1],
             xi_step=old.xi_step,
@@ -240,7 +241,7 @@ class Replication(RecordPush, MergeWatch):
         period = steered_period(
             record_period(rates, clock, self.pcfg.sync_every, reported), due, p, clocks, self.plan
         )
-        self._spawn(self._merge_off_loop(p, a, len(st.live), due, period, t0))
+        self._spawn(self._merge_off_loop(p, a, len(quorum_basis(self.pcfg, st)), due, period, t0))
 
     async def _merge_off_loop(
         self, p: int, a: Merge, live: int, due: float, period: float, t0: float

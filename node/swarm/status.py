@@ -23,7 +23,7 @@ from node.common.status_client import ACTIONS, StatusError  # noqa: F401 - re-ex
 from node.swarm.memory import breakdown as memory_breakdown
 from protocol.errors import DDiLoCoError
 from protocol.goodput import compute_goodput
-from protocol.synchroniser import has_quorum
+from protocol.synchroniser import effective_quorum, has_quorum
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024  # the largest request body the endpoint reads
@@ -84,6 +84,9 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 "hash": rep.hash[:16],
                 "synchroniser": cands[0] if cands else None,
                 "collecting": node.syncs[p].phase.value if p in node.leases else None,
+                # learners its open round waits for, counted from those whose work was merged lately where
+                # members are not trusted (``protocol.synchroniser.quorum_basis``)
+                "quorum": effective_quorum(node.pcfg, node.syncs[p]),
                 "behind": node.rounds_behind(p),  # rounds the newest credible head is ahead of ours
             }
         )

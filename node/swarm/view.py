@@ -26,6 +26,11 @@ RELINK_MEMORY_S = 600.0  # a member not seen in any view for this long is no lon
 
 
 LIFETIME_TTLS = 2.0  # a record counts at most this many ttl_s after it was issued, whatever its expires_at
+# a learner counts in a robust round's quorum and share while its work was merged here within this many of
+# the fragment's round periods (``protocol.synchroniser.quorum_basis``): a learner on time is merged in every
+# fragment about once a period, a Sybil identity with no process behind it never is (at 3 periods, 3 real
+# nodes on a loaded machine counted only 2 of themselves at times, and took a lone learner's round as quorum)
+WORKING_ROUNDS = 8.0
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
@@ -247,10 +252,12 @@ class SwarmView:
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
         live = frozenset(self.live_members())
-        now = self.loop.time()
+        now, mono = self.loop.time(), time.monotonic()
         for p in range(len(self.syncs)):
-            if self.syncs[p].live != live:
-                self._decide(p, on_membership(self.pcfg, self.syncs[p], live, now))
+            st = self.syncs[p]
+            working = self.work.working(live, mono, WORKING_ROUNDS * st.due_every)
+            if st.live != live or st.working != working:
+                self._decide(p, on_membership(self.pcfg, st, live, now, working))
 
     async def _heartbeat_loop(self) -> None:
         parent = os.getppid()
