@@ -37,7 +37,7 @@ from protocol.merge import (
 )
 from protocol.norms import NormBook, global_norm, sq_norm
 from protocol.record_checks import check_record, readable
-from protocol.robust import robust_parts
+from protocol.robust import agreements, robust_parts
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution, round_share
 
@@ -54,6 +54,7 @@ class MergeRecord:
     block: int = 64
     wire: Mapping[str, Encoded] | None = None  # ``grad`` encoded with ``codec``; None: fp32 as is
     clipped: tuple[str, ...] = ()  # contribution ids scaled down by the robust merge (local, not signed)
+    agreement: tuple[float, ...] = ()  # per contributor (robust merges): protocol.robust.agreements; local
     due: float = 0.0  # when this round was taken, on the swarm's clock (protocol.schedule); signed
     period: float = 0.0  # the swarm's step period then (0: no schedule); the next round is due H periods on
     # Signed, for an audit to recompute the merge (protocol.audit): per contributor, the sha256 of the message
@@ -320,6 +321,8 @@ class FragmentReplica:
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
         lr, mu = cfg.outer_lr, cfg.outer_momentum
         grad, new_theta = {}, {}
+        robust = cfg.robust == "centered-clip" and given is None and len(contributions) > 1
+        gram = torch.zeros(len(contributions), len(contributions), dtype=torch.float64) if robust else None
         for k, theta in self.theta.items():
             mean = self.is_embedding or cfg.merge == "mean"  # a range at a time, whatever the tensor's size
             if mean or cfg.robust == "centered-clip":
@@ -327,7 +330,7 @@ class FragmentReplica:
                     (c.delta[k], None if b is self.theta else b[k], s)
                     for c, b, s in zip(contributions, bases, scales)
                 ]
-                parts, ws = robust_parts(theta, parts, weights, cfg, radial=not mean)
+                parts, ws = robust_parts(theta, parts, weights, cfg, radial=not mean, gram=gram)
                 grad[k], new_theta[k] = mean_step(
                     theta, self.momentum[k], parts, ws, share, codec, cfg.codec_block, lr, mu, given is None
                 )
@@ -352,6 +355,7 @@ class FragmentReplica:
             block=cfg.codec_block,
             wire=None if codec is None else grad,
             clipped=tuple(clipped),
+            agreement=() if gram is None else tuple(agreements(gram)),
             due=float(due),
             period=float(period),
             digests=tuple(c.digest for c in contributions),

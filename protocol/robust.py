@@ -64,16 +64,40 @@ def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
 
 
 def robust_parts(
-    theta: torch.Tensor, parts: list[Part], weights: Sequence[float], cfg, radial: bool
+    theta: torch.Tensor,
+    parts: list[Part],
+    weights: Sequence[float],
+    cfg,
+    radial: bool,
+    gram: torch.Tensor | None = None,
 ) -> tuple[list[Part], list[float]]:
     """What ``protocol.merge.mean_step`` merges for one tensor under ``cfg.robust``: the parts and weights
-    as they are (``off``), or the one robust outer gradient with weight 1."""
+    as they are (``off``), or the one robust outer gradient with weight 1. ``gram``: the contributions'
+    inner products over this tensor are added to it (``agreements``)."""
     if cfg.robust != "centered-clip":  # auto, unresolved: trusted learners (protocol.systems resolves it)
         return parts, list(weights)
     if len(parts) == 1:  # CenteredClip of one contribution is that contribution: no passes over it
         return parts, [1.0]
     ws = capped_weights(weights, cfg.share_cap)
-    return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS), None, 1.0)], [1.0]
+    return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS, gram_out=gram), None, 1.0)], [1.0]
+
+
+def agreements(gram: torch.Tensor) -> list[float]:
+    """Per contribution, the cosine between its outer gradient and the sum of the others' (``gram``: their
+    inner products over a whole fragment): an honest learner's shares the swarm's direction and is above 0
+    on average; a learner that sends the negated direction is below it, however noisy one round is
+    (``protocol.agreement``). NaN where it has no meaning (a zero contribution, fewer than 2)."""
+    n = gram.shape[0]
+    if n < 2:
+        return [math.nan] * n
+    total, rows = float(gram.sum()), gram.sum(dim=1).tolist()
+    out = []
+    for i in range(n):
+        g_ii = float(gram[i, i])
+        rest = total - 2.0 * rows[i] + g_ii  # |sum of the others|^2
+        dot_i = rows[i] - g_ii
+        out.append(dot_i / math.sqrt(g_ii * rest) if g_ii > 0 and rest > 0 else math.nan)
+    return out
 
 
 def centered_clip(
@@ -82,6 +106,7 @@ def centered_clip(
     weights: Sequence[float],
     radial: bool = False,
     iters: int = ITERS,
+    gram_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted CenteredClip of one tensor's contributions, anchored at the current global ``theta``: an
     fp32 tensor of ``theta``'s shape. ``weights``: as merged (capped by the caller), positive. ``radial``:
@@ -116,6 +141,8 @@ def centered_clip(
                 gram[i, j] += dot(xs[i], xs[j])
         del xs
     gram = torch.triu(gram) + torch.triu(gram, 1).T
+    if gram_out is not None:
+        gram_out += gram
     norms = gram.diagonal().clamp(min=0).sqrt().tolist()
     unit = torch.tensor([1.0 / x if radial and x > 0 else 1.0 for x in norms], dtype=torch.float64)
     gram = gram * unit.outer(unit)  # radial: the unit directions' inner products

@@ -46,6 +46,7 @@ class _Sender(Contributions):
         )
         self.replicas = {3: SimpleNamespace(round=0)}
         self.members: dict = {}
+        self.lease_seen: dict = {}
         self.last_contribution: dict = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
@@ -180,9 +181,18 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         s.members = {"A": SimpleNamespace(leases={"3": 1}), "B": SimpleNamespace(leases={"3": 7})}
         now = s.loop.time()
         s._schedule_of = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
+        assert not s._stalled_here(3, "A")  # a lease never seen in a view read: no evidence
+        s.lease_seen = {("A", "3", 1): now - 30.0, ("B", "3", 7): now - 30.0}  # both held for 30 s
         assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
         s._schedule_of = lambda p: (now - 1.5, 1.0)
         assert not s._stalled_here(3, "A")
+        # a swarm at rest: the open round's slot long past, A's lease first seen a moment ago (it just took
+        # the first contribution in a while): not stalled until two repeats after that
+        s._schedule_of = lambda p: (now - 100.0, 1.0)
+        s.lease_seen = {("A", "3", 1): now - 0.5}
+        assert not s._stalled_here(3, "A")
+        s.lease_seen = {("A", "3", 1): now - 2.5}
+        assert s._stalled_here(3, "A")
 
     asyncio.run(go())
 

@@ -25,6 +25,7 @@ from node.local.dp import run_dp
 from node.local.hostile import hostile_gradient
 from node.local.learner_slot import LearnerSlot, align, keep_in_phase, live_set, swarm_step
 from node.local.run_config import RunConfig, RunResult, jittered
+from protocol.agreement import AgreementBook
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
@@ -118,7 +119,7 @@ class VirtualSwarm:
         self._last_step_end = 0.0
         self.bytes_sent = 0
         self.rejected = 0
-        self.merges = 0
+        self.merges, self.agreement = 0, AgreementBook()  # one book: the node's each see 1/N of the merges
         self.evals: list[tuple[int, float, float]] = []
 
     # ---- plumbing
@@ -300,12 +301,19 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
+        a = Merge(
+            a.round, self.agreement.keep_trusted(a.contributions)
+        )  # as a node does (protocol.agreement)
+        if not a.contributions:  # the round starts over without them
+            self.syncs[p] = SyncState(p, rep.round, live=st.live, due_at=st.due_at, due_every=st.due_every)
+            return
         live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]  # as a node does
         period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
         period = steered_period(period, due, p, clocks, self.plan)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
+        self.agreement.add([c[0] for c in rec.contributors], rec.agreement)
         for q, c in enumerate(self._clocks(now)):  # idle rounds with no clock of their own take the stagger's
             if self.replicas[q].clock is None and c is not None:
                 self.syncs[q] = scheduled(self.syncs[q], (c.first, c.every))

@@ -61,6 +61,7 @@ from node.swarm.transport import Transport, max_frame_bytes
 from node.swarm.view import SwarmView
 from node.swarm.vouch import Vouching
 from node.swarm.wire import SignedRecord
+from protocol.agreement import AgreementBook
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
@@ -188,6 +189,9 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.lagging_since: dict[int, float] = {}
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
         self.work = WorkBook()  # since when each learner's counters must fit (protocol.work)
+        self.agreement = (
+            AgreementBook()
+        )  # learners whose outer gradients oppose the rest (protocol.agreement)
         self._syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
@@ -198,6 +202,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._addrs: list[str] = []
         self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
         # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
+        self.lease_seen: dict[tuple[str, str, int], float] = {}  # node.swarm.view: (member, fragment, round)
         self._peer_book: dict[str, float] = dict.fromkeys(
             peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")
         )

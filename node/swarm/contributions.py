@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -277,13 +278,17 @@ class Contributions(MergeWatch):
 
     def _stalled_here(self, p: int, q: str) -> bool:
         """This node's own evidence that ``q`` took fragment p's open round and did not merge it: ``q``
-        publishes the lease of that round, and the round's first slot is ``STALL_PERIODS`` repeats past.
-        (A member that answers pings and never merges is passed over by a node whose learner sent it
-        nothing, as by one whose own watch fired.)"""
+        publishes the lease of that round, and ``STALL_PERIODS`` repeats have passed since the round's first
+        slot or since this node first saw that lease, whichever is later. (A member that answers pings and
+        never merges is passed over by a node whose learner sent it nothing, as by one whose own watch fired.
+        Counted from the slot alone, a swarm at rest, whose open round's slot was long past, took the first
+        contribution's synchroniser for stalled the moment its lease was read: two nodes took the round.)"""
         m, sched = self.members.get(q), self._schedule_of(p)
-        if m is None or sched is None or m.leases.get(str(p)) != self.replicas[p].round + 1:
+        r = self.replicas[p].round + 1
+        if m is None or sched is None or m.leases.get(str(p)) != r:
             return False
-        return self.loop.time() > sched[0] + STALL_PERIODS * sched[1]
+        seen = self.lease_seen.get((q, str(p), r), math.inf)
+        return self.loop.time() > max(sched[0], seen) + STALL_PERIODS * sched[1]
 
     async def _answers(self, q: str) -> bool:
         """Whether ``q`` answers a ping (one call per peer at a time, a yes remembered for a heartbeat);

@@ -40,6 +40,7 @@ NODE_COUNTERS = (
     "audits",  # records this node recomputed from their contributions (node.swarm.audit)
     "audits_unfetched",  # audits whose signed contributions could not be fetched
     "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
+    "distrusted_left_out",  # contributions this synchroniser left out: their learner opposes the rest
 )
 
 PREFIX = "ddiloco"

@@ -226,6 +226,20 @@ class Replication(RecordPush, MergeWatch):
             # senders' watches find the round unmerged and send their contributions again.
             logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
             return
+        kept = self.agreement.keep_trusted(a.contributions)  # protocol.agreement (robust merges only)
+        if len(kept) < len(a.contributions):
+            out = [c for c in a.contributions if c not in kept]
+            self.counters["distrusted_left_out"] += len(out)
+            self.events.emit(
+                "distrusted", t=time.time(), fragment=p, round=a.round, learners=[c.learner for c in out]
+            )
+            if not kept:  # nothing to merge: the round starts over without them
+                logger.info(
+                    "fragment %d round %d: every contribution is from a distrusted learner", p, a.round
+                )
+                self._reset_sync(p, merged={c.cid for c in out})
+                return
+            a = replace(a, contributions=kept)
         t0 = self.loop.time()
         st = self.syncs[p]
         # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
@@ -272,6 +286,13 @@ class Replication(RecordPush, MergeWatch):
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)
+        for learner in self.agreement.add([c[0] for c in rec.contributors], rec.agreement):
+            logger.warning(
+                "fragment %d round %d: %s distrusted (its outer gradients oppose the rest)",
+                p,
+                a.round,
+                learner,
+            )
         rep._made = view._made
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
         self._apply(sr, made_here=True)

@@ -164,6 +164,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "refused": dict(t.refused) if t else {},
         "transfers": t.transfers(now) if t else {"in_flight": [], "recent": []},
         "guard": node.guard.status(),
+        "distrusted": node.agreement.status()["distrusted"],  # left out of this node's merges
         "counters": dict(node.counters),
         "goodput": goodput,
         "goodput_since": since,  # the node's start, or its oldest record still in memory

@@ -248,6 +248,12 @@ class SwarmView:
         seen = self.loop.time()
         for pid in self.members:
             self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
+        # when each lease a member publishes was first seen here (``Contributions._stalled_here``): the
+        # evidence that a member took a round and did not merge it runs from then, not from the round's slot
+        old, self.lease_seen = self.lease_seen, {}
+        for pid, m in self.members.items():
+            for frag, r in m.leases.items():
+                self.lease_seen[(pid, frag, r)] = old.get((pid, frag, r), seen)
         self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)

@@ -1,0 +1,85 @@
+"""Issue 32, item 2: learners whose outer gradients oppose the rest, found over many rounds
+(``protocol.agreement``) from the cosines the robust merge measures (``protocol.robust.agreements``)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from protocol.agreement import FORGET_EVERY, MIN_ROUNDS, AgreementBook
+from protocol.config import ProtocolConfig
+from protocol.replica import FragmentReplica
+from protocol.robust import agreements
+from protocol.synchroniser import Contribution
+
+
+def _gram(xs: list[torch.Tensor]) -> torch.Tensor:
+    m = torch.stack(xs).double()
+    return m @ m.T
+
+
+def test_the_cosine_of_each_contribution_with_the_sum_of_the_others():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(50, generator=g) for _ in range(4)]
+    got = agreements(_gram(xs))
+    for i, x in enumerate(xs):
+        rest = sum(xs[j] for j in range(4) if j != i)
+        assert math.isclose(got[i], float(torch.nn.functional.cosine_similarity(x, rest, dim=0)), abs_tol=1e-6)
+    assert all(math.isnan(a) for a in agreements(_gram([xs[0]])))  # one: no others
+    assert math.isnan(agreements(_gram([torch.zeros(50), xs[1]]))[0])  # a zero contribution: no direction
+
+
+def test_a_learner_that_negates_a_weak_signal_is_distrusted_and_honest_noisy_ones_are_not():
+    """Signal a tenth of the noise: one round's cosines do not tell the negated learner apart; a few dozen
+    merges do, and no honest learner is judged in the same run."""
+    g = torch.Generator().manual_seed(1)
+    signal = torch.randn(4000, generator=g) * 0.1
+    book, turned_at = AgreementBook(), None
+    for r in range(64):
+        xs = [signal + torch.randn(4000, generator=g) for _ in range(4)]
+        xs.append(-(signal + torch.randn(4000, generator=g)))  # the liar, at honest size
+        turned = book.add(["h0", "h1", "h2", "h3", "liar"], agreements(_gram(xs)))
+        if turned and turned_at is None:
+            assert turned == ["liar"]
+            turned_at = r
+    assert turned_at is not None and turned_at >= MIN_ROUNDS - 1, turned_at
+    assert book.status()["distrusted"] == ["liar"]
+    cs = [SimpleNamespace(learner=x) for x in ("h0", "liar", "h1")]
+    assert [c.learner for c in book.keep_trusted(cs)] == ["h0", "h1"]
+    # left out long enough, its evidence ages: it is merged (and measured) again
+    assert len(book.seen["liar"]) == 64
+    n = 0
+    while book.distrusted("liar"):
+        assert book.keep_trusted(cs) == (cs[0], cs[2])
+        n += 1
+    # one (the oldest) cosine forgotten every FORGET_EVERY left out, until the rest no longer convict it
+    assert n >= FORGET_EVERY and n + 1 == FORGET_EVERY * (64 - len(book.seen["liar"]))  # 1: above
+    assert book.keep_trusted(cs) == tuple(cs)
+
+
+def test_bad_cosines_are_ignored_and_few_rounds_judge_nobody():
+    book = AgreementBook()
+    book.add(["a", "b", "c"], [math.nan, 7.0, -math.inf])
+    assert not book.seen
+    for _ in range(MIN_ROUNDS - 1):
+        book.add(["a"], [-0.9])
+    assert not book.distrusted("a")
+    book.add(["a"], [-0.9])
+    assert book.distrusted("a")
+
+
+def test_a_robust_record_carries_each_contributors_cosine_and_a_plain_one_none():
+    theta = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
+    g = torch.Generator().manual_seed(2)
+    sig = {k: torch.randn(v.shape, generator=g) for k, v in theta.items()}
+    deltas = [{k: sig[k] + 0.3 * torch.randn(v.shape, generator=g) for k, v in theta.items()} for _ in range(3)]
+    deltas.append({k: -v for k, v in deltas[0].items()})
+    cs = [Contribution(f"l{i}", 0, 0, 8, 800, 0.1, d, f"l{i}:0:8") for i, d in enumerate(deltas)]
+    robust = ProtocolConfig(robust="centered-clip", clip_factor=0.0)
+    rec = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs, robust)
+    assert len(rec.agreement) == 4
+    assert all(a > 0.2 for a in rec.agreement[1:3]) and rec.agreement[3] < -0.2, rec.agreement
+    plain = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs, ProtocolConfig(robust="off"))
+    assert plain.agreement == ()
