@@ -26,7 +26,9 @@ def test_the_cosine_of_each_contribution_with_the_sum_of_the_others():
     got = agreements(_gram(xs))
     for i, x in enumerate(xs):
         rest = sum(xs[j] for j in range(4) if j != i)
-        assert math.isclose(got[i], float(torch.nn.functional.cosine_similarity(x, rest, dim=0)), abs_tol=1e-6)
+        assert math.isclose(
+            got[i], float(torch.nn.functional.cosine_similarity(x, rest, dim=0)), abs_tol=1e-6
+        )
     assert all(math.isnan(a) for a in agreements(_gram([xs[0]])))  # one: no others
     assert math.isnan(agreements(_gram([torch.zeros(50), xs[1]]))[0])  # a zero contribution: no direction
 
@@ -74,7 +76,9 @@ def test_a_robust_record_carries_each_contributors_cosine_and_a_plain_one_none()
     theta = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
     g = torch.Generator().manual_seed(2)
     sig = {k: torch.randn(v.shape, generator=g) for k, v in theta.items()}
-    deltas = [{k: sig[k] + 0.3 * torch.randn(v.shape, generator=g) for k, v in theta.items()} for _ in range(3)]
+    deltas = [
+        {k: sig[k] + 0.3 * torch.randn(v.shape, generator=g) for k, v in theta.items()} for _ in range(3)
+    ]
     deltas.append({k: -v for k, v in deltas[0].items()})
     cs = [Contribution(f"l{i}", 0, 0, 8, 800, 0.1, d, f"l{i}:0:8") for i, d in enumerate(deltas)]
     robust = ProtocolConfig(robust="centered-clip", clip_factor=0.0)
