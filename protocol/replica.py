@@ -37,7 +37,7 @@ from protocol.merge import (
 )
 from protocol.norms import NormBook, global_norm, sq_norm
 from protocol.record_checks import check_record, readable
-from protocol.robust import agreements, robust_parts
+from protocol.robust import agreements, new_gram, robust_parts
 from protocol.schedule import RoundClock, next_clock
 from protocol.synchroniser import Contribution, round_share
 
@@ -116,8 +116,7 @@ class FragmentReplica:
         self.norms = norms if norms is not None else NormBook()  # shared by a node's fragments
         self.numel = sum(t.numel() for t in self.theta.values())
         self.clock: RoundClock | None = None  # when the open round is due (None: no record says yet)
-        # Readers of the momentum off this thread (a checkpoint's writer, a snapshot's encoder): while any
-        # holds it, a record steps the momentum into new tensors; else in place (one fragment's size less)
+        # >0 while another thread reads the momentum (a checkpoint, a snapshot): records step it out of place
         self.lent = 0
 
     def norm_reference(self) -> float | None:
@@ -226,8 +225,7 @@ class FragmentReplica:
     ) -> float:
         """Shape, name and finiteness checks of an outer gradient against this fragment (fp32 tensors, or
         their wire form, decoded here one tensor at a time), and with ``cfg`` its norm against ``max_rms``
-        and ``refuse_factor`` times the learners' typical one. Returns its global norm (from the same
-        pass)."""
+        and ``refuse_factor`` times the learners' typical one. Returns its global norm (the same pass)."""
         if set(delta) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE,
@@ -300,9 +298,8 @@ class FragmentReplica:
             scales = list(given.scales)
 
         def anchored(k: str) -> Iterator[torch.Tensor]:
-            """Each contribution's outer gradient of tensor ``k`` at the current global, decoded one at a
-            time and the merge's own (a tensor the contribution holds is copied): a merge holds one fp32
-            contribution of one tensor at a time, not all of them for the whole fragment."""
+            """Each contribution's outer gradient of tensor ``k`` at the current global, decoded one at a time
+            and the merge's own (a tensor it holds is copied): one fp32 contribution of one tensor at a time."""
             for c, base, scale in zip(contributions, bases, scales):
                 v = c.delta[k]
                 d = _fp32(v)
@@ -321,8 +318,7 @@ class FragmentReplica:
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
         lr, mu = cfg.outer_lr, cfg.outer_momentum
         grad, new_theta = {}, {}
-        robust = cfg.robust == "centered-clip" and given is None and len(contributions) > 1
-        gram = torch.zeros(len(contributions), len(contributions), dtype=torch.float64) if robust else None
+        gram = new_gram(cfg, len(contributions)) if given is None else None  # their inner products, if robust
         for k, theta in self.theta.items():
             mean = self.is_embedding or cfg.merge == "mean"  # a range at a time, whatever the tensor's size
             if mean or cfg.robust == "centered-clip":
@@ -355,7 +351,7 @@ class FragmentReplica:
             block=cfg.codec_block,
             wire=None if codec is None else grad,
             clipped=tuple(clipped),
-            agreement=() if gram is None else tuple(agreements(gram)),
+            agreement=() if gram is None else agreements(gram),
             due=float(due),
             period=float(period),
             digests=tuple(c.digest for c in contributions),

@@ -82,14 +82,20 @@ def robust_parts(
     return [(centered_clip(theta, parts, ws, radial=radial, iters=ITERS, gram_out=gram), None, 1.0)], [1.0]
 
 
-def agreements(gram: torch.Tensor) -> list[float]:
+def new_gram(cfg, n: int) -> torch.Tensor | None:
+    """Where a merge of ``n`` contributions under ``cfg`` is robust, a zero matrix for ``robust_parts`` to
+    add their inner products to (``agreements``); else None."""
+    return torch.zeros(n, n, dtype=torch.float64) if cfg.robust == "centered-clip" and n > 1 else None
+
+
+def agreements(gram: torch.Tensor) -> tuple[float, ...]:
     """Per contribution, the cosine between its outer gradient and the sum of the others' (``gram``: their
     inner products over a whole fragment): an honest learner's shares the swarm's direction and is above 0
     on average; a learner that sends the negated direction is below it, however noisy one round is
     (``protocol.agreement``). NaN where it has no meaning (a zero contribution, fewer than 2)."""
     n = gram.shape[0]
     if n < 2:
-        return [math.nan] * n
+        return (math.nan,) * n
     total, rows = float(gram.sum()), gram.sum(dim=1).tolist()
     out = []
     for i in range(n):
@@ -97,7 +103,7 @@ def agreements(gram: torch.Tensor) -> list[float]:
         rest = total - 2.0 * rows[i] + g_ii  # |sum of the others|^2
         dot_i = rows[i] - g_ii
         out.append(dot_i / math.sqrt(g_ii * rest) if g_ii > 0 and rest > 0 else math.nan)
-    return out
+    return tuple(out)
 
 
 def centered_clip(

@@ -301,12 +301,10 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
-        a = Merge(
-            a.round, self.agreement.keep_trusted(a.contributions)
-        )  # as a node does (protocol.agreement)
-        if not a.contributions:  # the round starts over without them
+        if not (kept := self.agreement.keep_trusted(a.contributions)):  # as a node does (protocol.agreement)
             self.syncs[p] = SyncState(p, rep.round, live=st.live, due_at=st.due_at, due_every=st.due_every)
-            return
+            return  # the round starts over without them
+        a = Merge(a.round, kept)
         live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]  # as a node does
         period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
         due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)

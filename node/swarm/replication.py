@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import replace
 
+from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
 from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
@@ -24,12 +25,9 @@ from node.swarm.wire import (
 from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
 from protocol.schedule import (
-    RoundClock,
     record_period,
     round_due,
     steered_period,
-    swarm_clocks,
-    usable,
 )
 from protocol.synchroniser import (
     Decision,
@@ -42,13 +40,12 @@ from protocol.synchroniser import (
     on_merged,
     on_tick,
     quorum_basis,
-    scheduled,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class Replication(RecordPush, MergeWatch):
+class Replication(RecordPush, MergeWatch, Clocks):
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -113,6 +110,7 @@ class Replication(RecordPush, MergeWatch):
             signer=sr.signer,
             due=rec.due,
             period=rec.period,
+            agreement=[round(a, 4) for a in rec.agreement],  # made here, robust: protocol.agreement
         )
         if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
@@ -180,32 +178,6 @@ class Replication(RecordPush, MergeWatch):
                 continue
             with contextlib.suppress(ProtocolError):
                 self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
-
-    def clocks(self) -> list[RoundClock | None]:
-        """Each fragment's round clock on the swarm's schedule: its own, or before its first record the
-        stagger's slot (``protocol.schedule.swarm_clocks``). Unchecked against now (``usable``)."""
-        reps = self.replicas
-        return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, time.time())
-
-    def _schedule_unclocked(self) -> None:
-        """A record gave the swarm a newer clock: the idle rounds of fragments with none of their own take
-        the stagger's slot from it."""
-        if all(rep.clock is not None for rep in self.replicas):
-            return  # past start-up: every fragment has its own
-        clocks = self.clocks()
-        for p, rep in enumerate(self.replicas):
-            if rep.clock is None:
-                self.syncs[p] = scheduled(self.syncs[p], self._schedule_of(p, clocks[p]))
-
-    def _schedule_of(self, p: int, clock: RoundClock | None = None) -> tuple[float, float] | None:
-        """When fragment p's open round is due on the swarm's schedule (``clock``, or its own or the
-        stagger's), on this loop's clock (the state machines run on it; the schedule is on the wall clock
-        every node shares), and its repeat period."""
-        now = time.time()
-        c = usable(clock if clock is not None else self.clocks()[p], now)
-        if c is None:
-            return None
-        return c.first - now + self.loop.time(), c.every
 
     def _decide(self, p: int, d: Decision) -> None:
         self.syncs[p] = d.state
