@@ -87,3 +87,22 @@ def test_a_robust_record_carries_each_contributors_cosine_and_a_plain_one_none()
     assert all(a > 0.2 for a in rec.agreement[1:3]) and rec.agreement[3] < -0.2, rec.agreement
     plain = FragmentReplica(0, theta, is_embedding=False).make_record(1, cs, ProtocolConfig(robust="off"))
     assert plain.agreement == ()
+
+
+def test_the_cosines_leave_out_the_anchoring_that_stale_contributions_share():
+    """Contributions taken a round back are re-anchored by the global's last outer step, the same vector for
+    each of them: measured on anchored gradients, a negated learner on that base agreed with the others
+    through it. The cosines are of the learners' own outer gradients."""
+    theta = {"w": torch.zeros(64, 32)}
+    g = torch.Generator().manual_seed(3)
+    robust = ProtocolConfig(robust="centered-clip", clip_factor=0.0)
+    rep = FragmentReplica(0, theta, is_embedding=False)
+    big = {"w": 5.0 * torch.randn(64, 32, generator=g)}  # a large first round: a large anchor after it
+    first = [Contribution(f"x{i}", 0, 0, 8, 800, 0.1, big, f"x{i}:0:8") for i in range(2)]
+    rep.apply_record(rep.make_record(1, first, robust), robust)
+    sig = torch.randn(64, 32, generator=g)
+    deltas = [{"w": sig + 0.5 * torch.randn(64, 32, generator=g)} for _ in range(3)]
+    deltas.append({"w": -deltas[0]["w"]})
+    cs = [Contribution(f"l{i}", 0, 0, 8, 800, 0.1, d, f"l{i}:0:9") for i, d in enumerate(deltas)]  # base 0
+    rec = rep.make_record(2, cs, robust)
+    assert all(a > 0.2 for a in rec.agreement[1:3]) and rec.agreement[3] < -0.2, rec.agreement
