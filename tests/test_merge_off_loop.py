@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from dht.identity import Identity
+from node.common.events import EventLog
 from node.swarm.replication import Replication
+from protocol.agreement import MIN_ROUNDS, AgreementBook
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
@@ -26,6 +29,7 @@ class _Node(Replication):
         self._stop = None
         self.applied, self.resets, self.decided = [], [], []
         self.loop = asyncio.get_running_loop()
+        self.agreement = AgreementBook()
 
     def _apply(self, sr, made_here=False):
         assert made_here
@@ -33,7 +37,7 @@ class _Node(Replication):
         self.applied.append(sr.record.round)
 
     def _reset_sync(self, p, merged=frozenset()):
-        self.resets.append(p)
+        self.resets.append((p, set(merged)))
         self.syncs[p] = SyncState(fragment=p, global_round=self.replicas[p].round)
 
 
@@ -117,7 +121,38 @@ def test_a_merge_the_replica_moved_under_is_dropped_and_its_round_started_over(m
         rep.apply_record(theirs, node.pcfg)
         go.set()
         await task
-        assert node.applied == [] and node.resets == [0]
+        assert node.applied == [] and node.resets == [(0, set())]
         assert rep.round == 1 and rep.hash == theirs.new_hash  # theirs stands
+
+    _run(main)
+
+
+def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_starts_the_round_over():
+    """``protocol.agreement`` at the node: the merge takes every contribution but those of a learner whose
+    cosines with the rest stayed below zero in this node's merges (counted, and a ``distrusted`` event); a
+    round of only such contributions is not merged: the round starts over without them."""
+    theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+
+    async def main():
+        node = _Node(FragmentReplica(0, theta, is_embedding=False))
+        node.agreement.add(["l1"] * MIN_ROUNDS, [-0.6] * MIN_ROUNDS)
+        node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
+        node._stop, node.plan = None, SimpleNamespace(sync_every=8)
+        node.clocks = lambda: [None]
+        node.live_members = lambda: {}
+        node._spawn = lambda coro: coro.close()
+        merged = []
+
+        def merge_off_loop(p, a, *rest):
+            merged.append(tuple(c.learner for c in a.contributions))
+            return asyncio.sleep(0)
+
+        node._merge_off_loop = merge_off_loop
+        cs = _contributions(theta)
+        node._merge(0, Merge(1, cs))
+        assert merged == [("l0", "l2")] and node.counters["distrusted_left_out"] == 1
+        assert [e["learners"] for e in node.events.of("distrusted")] == [["l1"]]
+        node._merge(0, Merge(1, cs[1:2]))
+        assert merged == [("l0", "l2")] and node.resets == [(0, {cs[1].cid})]
 
     _run(main)
