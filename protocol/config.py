@@ -97,6 +97,14 @@ class ProtocolConfig:
             "bounded amount whatever it sends; docs/security.md)"
         },
     )
+    distrust: bool = field(
+        default=False,
+        metadata={
+            "help": "robust merge: leave out of this node's merges a learner whose outer gradients' cosines with "
+            "the rest stayed below zero (protocol.agreement). Off: with 2 liars of 6 it also distrusted "
+            "honest learners where liars held a merge's majority (docs/security.md)"
+        },
+    )
     share_cap: float = field(
         default=1.0,
         metadata={

@@ -301,7 +301,8 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
-        if not (kept := self.agreement.keep_trusted(a.contributions)):  # as a node does (protocol.agreement)
+        kept = self.agreement.keep_trusted(a.contributions) if self.cfg.distrust else a.contributions
+        if not kept:  # as a node does (protocol.agreement)
             self.syncs[p] = SyncState(p, rep.round, live=st.live, due_at=st.due_at, due_every=st.due_every)
             return  # the round starts over without them
         a = Merge(a.round, kept)
@@ -311,7 +312,7 @@ class VirtualSwarm:
         period = steered_period(period, due, p, clocks, self.plan)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
-        self.agreement.add([c[0] for c in rec.contributors], rec.agreement)
+        self.agreement.add([c[0] for c in rec.contributors], rec.agreement if self.cfg.distrust else ())
         for q, c in enumerate(self._clocks(now)):  # idle rounds with no clock of their own take the stagger's
             if self.replicas[q].clock is None and c is not None:
                 self.syncs[q] = scheduled(self.syncs[q], (c.first, c.every))

@@ -198,7 +198,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             # senders' watches find the round unmerged and send their contributions again.
             logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
             return
-        kept = self.agreement.keep_trusted(a.contributions)  # protocol.agreement (robust merges only)
+        kept = self.agreement.keep_trusted(a.contributions) if self.pcfg.distrust else a.contributions
         if len(kept) < len(a.contributions):
             out = [c for c in a.contributions if c not in kept]
             self.counters["distrusted_left_out"] += len(out)
@@ -258,7 +258,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)
-        for learner in self.agreement.add([c[0] for c in rec.contributors], rec.agreement):
+        cosines = rec.agreement if self.pcfg.distrust else ()  # protocol.agreement (robust merges only)
+        for learner in self.agreement.add([c[0] for c in rec.contributors], cosines):
             logger.warning(
                 "fragment %d round %d: %s distrusted (its outer gradients oppose the rest)",
                 p,
