@@ -47,6 +47,7 @@ class _Sender(Contributions):
         self.replicas = {3: SimpleNamespace(round=0)}
         self.members: dict = {}
         self.lease_seen: dict = {}
+        self.swarm_steps = 0
         self.last_contribution: dict = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
@@ -169,7 +170,8 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
     """The dead-list check (``_checked_dead``): a peer that answers a ping, even ``unknown_peer`` (it has not
     seen us yet), is up; ``unknown_op`` (takes no contribution, or too old to ping) or no answer is down and
     suspected. A peer that publishes the lease of fragment p's open round two repeats after its first slot
-    stalled it, in this node's own view, with no ping asked."""
+    stalled it, in this node's own view, with no ping asked, if the swarm's learners worked two rounds'
+    steps since it was first seen."""
 
     async def go() -> None:
         s = _Sender(["A", "B"], {"C"}, 1.0)
@@ -182,17 +184,22 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         now = s.loop.time()
         s._schedule_of = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
         assert not s._stalled_here(3, "A")  # a lease never seen in a view read: no evidence
-        s.lease_seen = {("A", "3", 1): now - 30.0, ("B", "3", 7): now - 30.0}  # both held for 30 s
+        two = 2 * s.pcfg.sync_every  # the learners' summed steps over two rounds
+        s.swarm_steps = 1000 + two
+        s.lease_seen = {("A", "3", 1): (now - 30.0, 1000), ("B", "3", 7): (now - 30.0, 1000)}  # held 30 s
         assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
         s._schedule_of = lambda p: (now - 1.5, 1.0)
         assert not s._stalled_here(3, "A")
         # a swarm at rest: the open round's slot long past, A's lease first seen a moment ago (it just took
         # the first contribution in a while): not stalled until two repeats after that
         s._schedule_of = lambda p: (now - 100.0, 1.0)
-        s.lease_seen = {("A", "3", 1): now - 0.5}
+        s.lease_seen = {("A", "3", 1): (now - 0.5, 1000)}
         assert not s._stalled_here(3, "A")
-        s.lease_seen = {("A", "3", 1): now - 2.5}
+        s.lease_seen = {("A", "3", 1): (now - 2.5, 1000)}
         assert s._stalled_here(3, "A")
+        # held open for a minute, but no learner stepped since (paused): starved below its quorum, not stalled
+        s.lease_seen = {("A", "3", 1): (now - 60.0, 1000 + two - 1)}
+        assert not s._stalled_here(3, "A")
 
     asyncio.run(go())
 

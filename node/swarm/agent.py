@@ -202,7 +202,9 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._addrs: list[str] = []
         self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
         # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
-        self.lease_seen: dict[tuple[str, str, int], float] = {}  # node.swarm.view: (member, fragment, round)
+        # node.swarm.view: (member, fragment, round) -> (when first seen, the swarm's summed steps then)
+        self.lease_seen: dict[tuple[str, str, int], tuple[float, int]] = {}
+        self.swarm_steps = 0
         self._peer_book: dict[str, float] = dict.fromkeys(
             peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")
         )

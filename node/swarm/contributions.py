@@ -282,12 +282,18 @@ class Contributions(MergeWatch):
         slot or since this node first saw that lease, whichever is later. (A member that answers pings and
         never merges is passed over by a node whose learner sent it nothing, as by one whose own watch fired.
         Counted from the slot alone, a swarm at rest, whose open round's slot was long past, took the first
-        contribution's synchroniser for stalled the moment its lease was read: two nodes took the round.)"""
+        contribution's synchroniser for stalled the moment its lease was read: two nodes took the round.
+        And only if the swarm's learners worked two rounds' steps since that sighting (their published steps,
+        summed): a round held open below its quorum while every learner was paused is starved, not stalled;
+        taken for stalled, a member that held one at rest was passed over unpinged, and two nodes answered
+        ``ok`` to one contribution, in CI.)"""
         m, sched = self.members.get(q), self._schedule_of(p)
         r = self.replicas[p].round + 1
         if m is None or sched is None or m.leases.get(str(p)) != r:
             return False
-        seen = self.lease_seen.get((q, str(p), r), math.inf)
+        seen, steps = self.lease_seen.get((q, str(p), r), (math.inf, 0))
+        if self.swarm_steps - steps < STALL_PERIODS * self.pcfg.sync_every:
+            return False  # the learners did not work two rounds' steps since: starved (a swarm at rest)
         return self.loop.time() > max(sched[0], seen) + STALL_PERIODS * sched[1]
 
     async def _answers(self, q: str) -> bool:

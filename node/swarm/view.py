@@ -250,10 +250,13 @@ class SwarmView:
             self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
         # when each lease a member publishes was first seen here (``Contributions._stalled_here``): the
         # evidence that a member took a round and did not merge it runs from then, not from the round's slot
+        # (and the swarm's summed published learner steps then: a round held open while no learner worked,
+        # a swarm at rest, is starved, not stalled)
+        self.swarm_steps = sum(m.step for m in members)
         old, self.lease_seen = self.lease_seen, {}
         for pid, m in self.members.items():
             for frag, r in m.leases.items():
-                self.lease_seen[(pid, frag, r)] = old.get((pid, frag, r), seen)
+                self.lease_seen[(pid, frag, r)] = old.get((pid, frag, r), (seen, self.swarm_steps))
         self.published_self = next((m for m in members if m.peer_id == self.peer_id), None)
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
