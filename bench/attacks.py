@@ -93,6 +93,7 @@ def _liar_snapshots(run_dir: Path, honest: range, liars: set[str]) -> dict:
 
 def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
     flags = FLAGS + ["--robust", rule, "--audit", audit] + (["--data", args.data] if args.data else [])
+    flags += args.node_flags.split()
     n_hostile = 0 if attack in ("none", "absent") else args.hostile
     keep = args.keep and Path(tempfile.mkdtemp(prefix=f"{rule}-{attack}-", dir=args.keep))
     with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="attacks-") as tmp:
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--keep", help="make each run's folder under this one, and keep it (default: removed)")
     p.add_argument("--data", help="a text file for every node (default: the nodes' generated text)")
+    p.add_argument("--node-flags", default="", help="more flags for every node, e.g. --node-flags=--distrust")
     args = p.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a != "none"]
     cols = [(r, a) for r in args.rules.split(",") for a in args.audits.split(",")]

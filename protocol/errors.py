@@ -47,6 +47,7 @@ class RejectCode(enum.Enum):
     RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
     UNDONE = "undone"  # a merge record on a chain the receiver undid (an audit convicted a record of it)
     FORGED_SNAPSHOT = "forged_snapshot"  # a snapshot that is not the state its donor's own records reach
+    DISTRUSTED = "distrusted"  # --distrust: its learner opposes the rest of the merges here
     INTERNAL = "internal_error"  # the receiver failed on a valid-looking request (a bug on its side)
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from protocol.agreement import FORGET_EVERY, MIN_ROUNDS, AgreementBook
+from protocol.agreement import FORGET_EVERY, MIN_ROUNDS, RECENT, AgreementBook
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.robust import agreements
@@ -66,10 +66,26 @@ def test_bad_cosines_are_ignored_and_few_rounds_judge_nobody():
     book.add(["a", "b", "c"], [math.nan, 7.0, -math.inf])
     assert not book.seen
     for _ in range(MIN_ROUNDS - 1):
-        book.add(["a"], [-0.9])
+        book.add(["a", "b", "c"], [-0.9, 0.5, 0.4])
     assert not book.distrusted("a")
-    book.add(["a"], [-0.9])
+    book.add(["a", "b", "c"], [-0.9, 0.5, 0.4])
     assert book.distrusted("a")
+
+
+def test_a_book_in_which_half_the_learners_oppose_the_rest_distrusts_nobody():
+    """A node whose merges were mostly the liars' reads the honest learners as opposing: it judges only
+    while fewer than half of the learners it judged (recently merged ones) fall below zero."""
+    book = AgreementBook()
+    for _ in range(MIN_ROUNDS):
+        book.add(["h0", "h1", "h2", "l0", "l1"], [-0.5, -0.4, -0.45, 0.3, 0.35])
+    assert book.status()["distrusted"] == []  # 3 of 5 below zero: the book, not they, is wrong
+    for _ in range(2 * MIN_ROUNDS):
+        book.add(["h0", "l0", "l1", "h3", "h4", "h5", "h6"], [-0.5, 0.3, 0.35, 0.5, 0.4, 0.45, 0.5])
+    # its merges mostly honest again: h1 and h2 still below, but not merged lately, so not judged
+    for _ in range(RECENT):
+        book.add(["h0", "l0", "l1", "h3", "h4", "h5", "h6"], [-0.5, 0.3, 0.35, 0.5, 0.4, 0.45, 0.5])
+    assert book.status()["distrusted"] == ["h0"]  # 1 of 7 judged
+    assert book.refuse("h0") and not book.refuse("l0")
 
 
 def test_a_robust_record_carries_each_contributors_cosine_and_a_plain_one_none():

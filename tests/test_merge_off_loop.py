@@ -135,7 +135,8 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
 
     async def main():
         node = _Node(FragmentReplica(0, theta, is_embedding=False))
-        node.agreement.add(["l1"] * MIN_ROUNDS, [-0.6] * MIN_ROUNDS)
+        for _ in range(MIN_ROUNDS):
+            node.agreement.add(["l0", "l1", "l2"], [0.5, -0.6, 0.4])
         node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
         node._stop, node.plan = None, SimpleNamespace(sync_every=8)
         node.clocks = lambda: [None]

@@ -28,7 +28,7 @@ from node.local.run_config import RunConfig, RunResult, jittered
 from protocol.agreement import AgreementBook
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, RejectCode
 from protocol.goodput import compute_goodput
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -266,6 +266,8 @@ class VirtualSwarm:
     def _on_contrib(self, now: float, payload) -> None:
         name, p, base_round, c_steps, c_tokens, step_s, enc, cid = payload
         try:
+            if self.cfg.distrust and self.agreement.refuse(name):  # as a node does (protocol.agreement)
+                raise ProtocolError(RejectCode.DISTRUSTED, f"{name}'s outer gradients oppose the rest")
             delta = decode_tensors(enc)
             n = self.replicas[p].check_delta(delta, self.cfg)
             c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid, n)

@@ -231,6 +231,13 @@ class Contributions(MergeWatch):
                 who = self.synchroniser_of(p, await self._checked_dead(p, dead))
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
+            if self.pcfg.distrust and self.agreement.refuse(h.learner):
+                # protocol.agreement: counted toward no quorum, and not re-sent into the next round (left
+                # out at the merge, such contributions came back as rounds of liars only)
+                self.counters["distrusted_left_out"] += 1
+                raise ProtocolError(
+                    RejectCode.DISTRUSTED, f"{h.learner}'s outer gradients oppose the rest of the merges here"
+                )
             if self.guard.first_resend(h.cid):
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")

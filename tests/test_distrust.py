@@ -1,0 +1,53 @@
+"""Issue 32, item 2, on real nodes: 3 honest nodes and one running ``bench/hostile_node.py flip`` (its learner
+sends its negated outer gradient at honest size) in a public swarm, every node with ``--distrust``. Each honest
+node that merged it often enough finds its cosines with the rest below zero (``protocol.agreement``), then
+refuses its contributions (``distrusted``: counted toward no quorum, and not re-sent into the next round);
+no honest learner is distrusted anywhere, and the honest nodes end on one hash."""
+
+import time
+
+import pytest
+
+from tests.swarm_util import TINY, Swarm, wait_until
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_a_negating_learner_is_distrusted_and_refused_and_no_honest_one_is(tmp_path):
+    from bench.attacks import start_hostile
+    from node.local.launcher import wait_ready
+
+    swarm = Swarm(tmp_path, TINY + ["--distrust"])
+    try:
+        swarm.start_many(3)
+        liar = start_hostile(3, tmp_path, "flip", swarm.flags, swarm.children[0].maddrs)
+        swarm.children[3] = liar
+        wait_ready([liar], 120)
+        honest = {swarm.children[i].peer_id for i in range(3)}
+
+        def refused(i: int) -> int:
+            return sum(
+                1
+                for e in swarm.events(i)
+                if e["kind"] == "reject" and e["code"] == "distrusted" and e["peer"] == liar.peer_id
+            )
+
+        wait_until(
+            lambda: sum(1 for i in range(3) if refused(i)) >= 2,
+            150,
+            "two honest nodes refusing the negating learner's contributions",
+        )
+        st = swarm.status()
+        for i in range(3):
+            assert not honest & set(st[i]["distrusted"]), (i, st[i]["distrusted"])
+        assert sum(1 for i in range(3) if liar.peer_id in st[i]["distrusted"]) >= 2, [
+            st[i]["distrusted"] for i in range(3)
+        ]
+        assert sum(st[i]["counters"]["distrusted_left_out"] for i in range(3)) >= 2
+        swarm.kill9(3)
+        del swarm.children[3]
+        time.sleep(1.0)
+        final = swarm.settle(60)
+        assert len({s["model_hash"] for s in final.values()}) == 1
+    finally:
+        swarm.stop()
