@@ -92,22 +92,31 @@ def new_gram(cfg, n: int) -> torch.Tensor | None:
 
 def agreements(gram: torch.Tensor) -> tuple[float, ...]:
     """Per contribution, the cosine between its learner's own outer gradient and the sum of the others'
-    (``gram``: their inner products over a whole fragment; not re-anchored: the global's movement since a
-    stale base is common to every contribution taken on it, and at 2 learners of 6 negated their cosines
-    were -0.4 to +0.1 against an honest +0.13 to +0.40, 0.3 to 0.6 apart from round to round): an honest
-    learner's shares the swarm's direction and is above 0 on average; a learner that sends the negated
-    direction is below it, however noisy one round is (``protocol.agreement``). NaN where it has no
-    meaning (a zero contribution, fewer than 2)."""
+    *directions* (``gram``: their inner products over a whole fragment). An honest learner's shares the
+    swarm's direction and is above 0 on average; a learner that sends the negated direction is below it,
+    however noisy one round is (``protocol.agreement``). NaN where it has no meaning (a zero contribution,
+    fewer than 2).
+
+    Not re-anchored: the global's movement since a stale base is common to every contribution taken on it
+    (at 2 learners of 6 negated their cosines were -0.4 to +0.1 against an honest +0.13 to +0.40). Of
+    directions, each of unit length, not of the gradients as sent: against the plain sum, two learners of
+    six that negated at 2.5 times honest size outweighed the four honest ones in "the others" of every
+    honest learner, so the honest read below 0 as well, and nobody could be told apart."""
     n = gram.shape[0]
     if n < 2:
         return (math.nan,) * n
-    total, rows = float(gram.sum()), gram.sum(dim=1).tolist()
+    g = gram.double()
+    norms = g.diagonal().clamp(min=0.0).sqrt()
+    live = norms > 0
+    inv = torch.where(live, 1.0 / torch.where(live, norms, torch.ones_like(norms)), torch.zeros_like(norms))
+    unit = g * inv[:, None] * inv[None, :]  # inner products of the directions (0 for a zero contribution)
+    total, rows = float(unit.sum()), unit.sum(dim=1).tolist()
     out = []
     for i in range(n):
-        g_ii = float(gram[i, i])
-        rest = total - 2.0 * rows[i] + g_ii  # |sum of the others|^2
-        dot_i = rows[i] - g_ii
-        out.append(dot_i / math.sqrt(g_ii * rest) if g_ii > 0 and rest > 0 else math.nan)
+        u_ii = float(unit[i, i])  # 1, or 0 for a zero contribution
+        rest = total - 2.0 * rows[i] + u_ii  # |sum of the others' directions|^2
+        dot_i = rows[i] - u_ii
+        out.append(dot_i / math.sqrt(rest) if u_ii > 0 and rest > 1e-12 else math.nan)
     return tuple(out)
 
 

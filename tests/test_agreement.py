@@ -20,12 +20,12 @@ def _gram(xs: list[torch.Tensor]) -> torch.Tensor:
     return m @ m.T
 
 
-def test_the_cosine_of_each_contribution_with_the_sum_of_the_others():
+def test_the_cosine_of_each_contribution_with_the_sum_of_the_others_directions():
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(50, generator=g) for _ in range(4)]
+    xs = [torch.randn(50, generator=g) * (i + 1) for i in range(4)]
     got = agreements(_gram(xs))
     for i, x in enumerate(xs):
-        rest = sum(xs[j] for j in range(4) if j != i)
+        rest = sum(xs[j] / xs[j].norm() for j in range(4) if j != i)
         assert math.isclose(
             got[i], float(torch.nn.functional.cosine_similarity(x, rest, dim=0)), abs_tol=1e-6
         )
@@ -59,6 +59,24 @@ def test_a_learner_that_negates_a_weak_signal_is_distrusted_and_honest_noisy_one
     # one (the oldest) cosine forgotten every FORGET_EVERY left out, until the rest no longer convict it
     assert n >= FORGET_EVERY and n + 1 == FORGET_EVERY * (64 - len(book.seen["liar"]))  # 1: above
     assert book.keep_trusted(cs) == tuple(cs)
+
+
+def test_liars_that_outweigh_the_honest_in_size_still_read_below_zero_and_the_honest_above():
+    """2 of 6 negate at 2.5x honest size: against the plain sum of the others, each honest learner's
+    "others" point the liars' way (3 honest units against 5), and the honest read below 0 too. Against the
+    sum of directions, each learner is one vote."""
+    g = torch.Generator().manual_seed(4)
+    signal = torch.randn(4000, generator=g)
+    honest = [signal + torch.randn(4000, generator=g) for _ in range(4)]
+    liars = [-2.5 * (signal + torch.randn(4000, generator=g)) for _ in range(2)]
+    xs = honest + liars
+    got = agreements(_gram(xs))
+    assert all(a > 0.1 for a in got[:4]) and all(a < -0.3 for a in got[4:]), got
+    plain = [
+        float(torch.nn.functional.cosine_similarity(x, sum(xs[j] for j in range(6) if j != i), dim=0))
+        for i, x in enumerate(xs)
+    ]
+    assert all(a < 0 for a in plain), plain  # what the sum as sent read: nobody told apart
 
 
 def test_bad_cosines_are_ignored_and_few_rounds_judge_nobody():
