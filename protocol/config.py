@@ -98,11 +98,11 @@ class ProtocolConfig:
         },
     )
     distrust: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "robust merge: leave out of this node's merges a learner whose outer gradients' cosines with "
-            "the rest stayed below zero (protocol.agreement). Off: with 2 liars of 6 it also distrusted "
-            "honest learners where liars held a merge's majority (docs/security.md)"
+            "help": "robust merge: refuse the contributions of a learner whose outer gradients' directions "
+            "stayed opposed to the rest of this node's merges, never half the learners it judged "
+            "(protocol.agreement; a plain merge measures nothing and distrusts nobody)"
         },
     )
     share_cap: float = field(

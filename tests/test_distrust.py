@@ -1,5 +1,5 @@
 """Issue 32, item 2, on real nodes: 3 honest nodes and one running ``bench/hostile_node.py flip`` (its learner
-sends its negated outer gradient at honest size) in a public swarm, every node with ``--distrust``. Each honest
+sends its negated outer gradient at honest size) in a public swarm (``--distrust``, the default). Each honest
 node that merged it often enough finds its cosines with the rest below zero (``protocol.agreement``), then
 refuses its contributions (``distrusted``: counted toward no quorum, and not re-sent into the next round);
 no honest learner is distrusted anywhere, and the honest nodes end on one hash."""
@@ -17,7 +17,7 @@ def test_a_negating_learner_is_distrusted_and_refused_and_no_honest_one_is(tmp_p
     from bench.attacks import start_hostile
     from node.local.launcher import wait_ready
 
-    swarm = Swarm(tmp_path, TINY + ["--distrust"])
+    swarm = Swarm(tmp_path, TINY)  # --distrust is on by default
     try:
         swarm.start_many(3)
         liar = start_hostile(3, tmp_path, "flip", swarm.flags, swarm.children[0].maddrs)

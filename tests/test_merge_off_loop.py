@@ -150,9 +150,10 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
 
         node._merge_off_loop = merge_off_loop
         cs = _contributions(theta)
-        node._merge(0, Merge(1, cs))  # --distrust is off by default: every contribution merged
+        node.pcfg = ProtocolConfig(distrust=False)  # --no-distrust: every contribution merged
+        node._merge(0, Merge(1, cs))
         assert merged == [("l0", "l1", "l2")] and node.counters["distrusted_left_out"] == 0
-        node.pcfg, merged[:] = ProtocolConfig(distrust=True), []
+        node.pcfg, merged[:] = ProtocolConfig(), []  # on by default
         node._merge(0, Merge(1, cs))
         assert merged == [("l0", "l2")] and node.counters["distrusted_left_out"] == 1
         assert [e["learners"] for e in node.events.of("distrusted")] == [["l1"]]
