@@ -64,6 +64,17 @@ class Swarm:
         """kill -9 the node's whole process group: the node, its DHT process and its p2pd, as a crash would."""
         kill_group(self.children[index])
 
+    def one_hash_without(self, index: int, timeout_s: float = 60.0) -> dict[int, dict]:
+        """Crash member ``index`` (a hostile one, say), let the others settle, and check they hold one hash."""
+        self.kill9(index)
+        del self.children[index]
+        time.sleep(1.0)
+        final = self.settle(timeout_s)
+        assert len({s["model_hash"] for s in final.values()}) == 1, {
+            i: s["model_hash"] for i, s in final.items()
+        }
+        return final
+
     def events(self, index: int) -> list[dict]:
         return read_events(self.children[index].state_dir / "events.jsonl")
 
