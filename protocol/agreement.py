@@ -57,6 +57,7 @@ class AgreementBook:
         self.merges = 0  # merges this book took
         self.last: dict[str, int] = {}  # learner -> the merge count when it was last merged or refused
         self.out: frozenset[str] = frozenset()  # distrusted now
+        self.on_probation: set[str] = set()  # distrusted, with a contribution taken to be measured again
 
     def add(self, learners: Sequence[str], cosines: Sequence[float]) -> list[str]:
         """Take one merge's cosines (NaN and anything out of [-1, 1] ignored); the learners that became
@@ -106,11 +107,18 @@ class AgreementBook:
             return False
         self.last[learner] = self.merges
         n = self.left_out[learner] = self.left_out.get(learner, 0) + 1
-        return n % PROBATION != 0
+        if n % PROBATION:
+            return True
+        self.on_probation.add(learner)  # taken: the merge that holds it keeps it (``keep_trusted``)
+        return False
 
     def keep_trusted(self, contributions: Iterable) -> tuple:
-        """``contributions`` less those ``refuse`` leaves out (anything with a ``learner``)."""
-        return tuple(c for c in contributions if not self.refuse(c.learner))
+        """``contributions`` less those ``refuse`` leaves out (anything with a ``learner``), but not a
+        learner's taken on probation (counted once, when it came)."""
+        cs = tuple(contributions)
+        kept = tuple(c for c in cs if c.learner in self.on_probation or not self.refuse(c.learner))
+        self.on_probation -= {c.learner for c in cs}
+        return kept
 
     def status(self) -> dict:
         return {"distrusted": sorted(self.out)}

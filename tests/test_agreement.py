@@ -55,6 +55,12 @@ def test_a_learner_that_negates_a_weak_signal_is_distrusted_and_honest_noisy_one
     merged = [len(book.keep_trusted(cs)) == 3 for _ in range(4 * PROBATION - 1)]  # 1: above
     assert sum(merged) == 4 and all(merged[k * PROBATION - 2] for k in range(1, 5)), merged
     assert book.distrusted("liar")
+    # at a node a contribution is judged when it comes (``refuse``) and again at the merge: the one taken on
+    # probation is not refused the second time
+    took = [not book.refuse("liar") for _ in range(PROBATION)]
+    assert sum(took) == 1 and took[-1]
+    assert [c.learner for c in book.keep_trusted(cs)] == ["h0", "liar", "h1"]
+    assert [c.learner for c in book.keep_trusted(cs)] == ["h0", "h1"]  # probation used
     # one that turned honest earns its way back with the cosines of the rounds it is let into
     turned_back = 0
     while book.distrusted("liar"):
