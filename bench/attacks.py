@@ -37,6 +37,7 @@ from pathlib import Path
 
 from node.common.events import read_events
 from node.common.status_client import StatusError, read_control_token, send_control
+from node.local.hostile import alie_z
 from node.local.launcher import Child, poll, private_tmp, quiet_period, start_node, stop_all, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +47,14 @@ FLAGS = (
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
 ATTACKS = (
-    "none", "absent", "flip", "flip-x2.5", "inflate", "random", "sync-flip", "sync-x1.5", "sync-drop", "head-zero"
+    "none", "absent", "flip", "flip-x2.5", "inflate", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
+    "sync-drop", "head-zero",
 )  # fmt: skip
 
 
-def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str]) -> Child:
+def start_hostile(
+    index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str], z: float = 0.25
+) -> Child:
     d = run_dir / f"node-{index}"
     d.mkdir(parents=True, exist_ok=True)
     log = d / "node.log"
@@ -58,6 +62,7 @@ def start_hostile(index: int, run_dir: Path, attack: str, flags: list[str], peer
     cmd += ["--exit-with-parent", *flags, "--initial-peers", ",".join(peers)]
     tmp = private_tmp(index)
     env = dict(os.environ, TMPDIR=tmp, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(DDILOCO_ALIE_Z=str(z), DDILOCO_COLLUDERS=str(run_dir / "colluders.txt"))
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env, cwd=ROOT)
     return Child(index, d, proc, log, tmp=tmp)
@@ -104,8 +109,9 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             peers = children[0].maddrs
             for i in range(1, args.honest + (args.hostile if attack == "none" else 0)):
                 children.append(start_node(i, run_dir, flags, peers))
+            z = alie_z(args.honest + args.hostile, args.hostile)
             for _ in range(n_hostile):
-                children.append(start_hostile(len(children), run_dir, attack, flags, peers))
+                children.append(start_hostile(len(children), run_dir, attack, flags, peers, z))
             wait_ready(children, 120)
             time.sleep(args.seconds)
             poll(children)  # wire bytes and steps of the honest nodes, before the pause

@@ -10,6 +10,12 @@ Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the n
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
 ``sync-drop`` (it answers every contribution ``ok`` and merges only the first it holds: a faithful record of
 a subset, which no audit refutes; its senders send those contributions again).
+"A little is enough" (Baruch, Baruch and Goldberg 2019) as a member can play it: ``alie`` fetches the signed
+contributions each record it applies names (the ``kept`` op audits use: public to members) and sends, for that
+fragment, their coordinate-wise mean less z of their standard deviations, over the other learners' messages
+of the last round and its own honest outer gradient; z from ``DDILOCO_ALIE_Z`` (``bench/attacks.py`` sets the
+paper's for the run's counts). Colluders that name a shared file in ``DDILOCO_COLLUDERS`` leave each other's
+messages out. ``alie-z1`` is the same at z = 1.
 Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
 an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
 """
@@ -91,6 +97,74 @@ def tamper_heads() -> None:
     CatchUp._h_snapshot = snapshot
 
 
+def tamper_alie(z: float) -> None:
+    """``alie``: the last round's honest statistics, fetched after each record, shape what it sends."""
+    import asyncio
+    import os
+
+    from node.swarm.contributions import Contributions
+    from node.swarm.replication import Replication
+    from protocol.codecs import Encoded, decode_tensors, encode_tensors, get_codec
+
+    stats: dict[int, list[dict[str, torch.Tensor]]] = {}  # fragment -> the other learners' last deltas
+    colluders = os.environ.get("DDILOCO_COLLUDERS")
+
+    def friends(node) -> set[str]:
+        if not colluders:
+            return {node.peer_id}
+        with open(colluders, "a+") as fh:
+            fh.seek(0)
+            ids = set(fh.read().split())
+            if node.peer_id not in ids:
+                fh.write(node.peer_id + "\n")
+        return ids | {node.peer_id}
+
+    async def learn(node, sr) -> None:
+        try:
+            msgs = await asyncio.wait_for(node._fetch_messages(sr), 10.0)
+            cs, _ = node._contributions(sr, msgs)
+        except Exception:  # noqa: BLE001 - an attacker that cannot see a round waits for the next
+            return
+        skip = friends(node)
+        deltas = [
+            {
+                k: get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
+                for k, v in c.delta.items()
+            }
+            for c in cs
+            if c.learner not in skip
+        ]
+        if deltas:
+            if sr.record.fragment not in stats:
+                print(
+                    f"alie: fragment {sr.record.fragment} from {len(deltas)} messages, z {z}", file=sys.stderr
+                )
+            stats[sr.record.fragment] = deltas
+
+    honest_apply = Replication._apply
+
+    def _apply(self, sr, made_here=False):
+        honest_apply(self, sr, made_here)
+        if sr.record.digests and "" not in sr.record.digests:
+            self._spawn(learn(self, sr))
+
+    honest_post = Contributions.post_contribution
+
+    def post_contribution(self, header, enc):
+        others = stats.get(header.fragment)
+        if others:
+            own = decode_tensors(enc)
+            out = {}
+            for k, d in own.items():
+                stack = torch.stack([d, *(g[k] for g in others)])
+                out[k] = stack.mean(0) - z * stack.std(0, correction=0)
+            enc = encode_tensors(out, header.codec, header.block)
+        honest_post(self, header, enc)
+
+    Replication._apply = _apply
+    Contributions.post_contribution = post_contribution
+
+
 def tamper(attack: str) -> None:
     from node.swarm.contributions import Contributions
     from protocol.codecs import decode_tensors, encode_tensors
@@ -116,12 +190,16 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero"]
+    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1"]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
     if sys.argv[1] == "head-zero":
         tamper_heads()
+    elif sys.argv[1].startswith("alie"):
+        import os
+
+        tamper_alie(1.0 if sys.argv[1] == "alie-z1" else float(os.environ.get("DDILOCO_ALIE_Z", "0.25")))
     else:
         (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
     from node.cli.main import main as ddiloco
