@@ -14,7 +14,8 @@ for). Cells: the honest nodes' eval loss, mean over ``--repeats`` runs (each a f
 so new data orders), its ratio to the unattacked run of the same column, the tokens the swarm merged, and how
 many runs ended on one hash. Then the wire bytes per inner step of each column's unattacked runs, and for
 the synchroniser attacks how many of the liar's records got in, how many were convicted, and how long until
-every honest node had banned it.
+every honest node had banned it; for ``sybil`` (32 more identities per hostile member, no process behind
+them) how many contributions the honest nodes sent past a candidate that did not answer.
 
     python bench/attacks.py                              # 4 honest + 1 hostile, every attack, 3 repeats
     python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
@@ -48,7 +49,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
-    "sync-drop", "head-zero",
+    "sync-drop", "head-zero", "sybil",
 )  # fmt: skip
 
 
@@ -137,6 +138,12 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
             **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
             **(_liar_snapshots(run_dir, honest, liars) if attack == "head-zero" else {}),
+            # contributions sent past a candidate that did not answer (a Sybil flood's cost)
+            "failovers": sum(
+                e["kind"] == "failover"
+                for i in honest
+                for e in read_events(run_dir / f"node-{i}" / "events.jsonl")
+            ),
         }
 
 
@@ -199,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{attack} --robust {rule} --audit {audit}: records of the liar applied per run "
                 f"{[x['liar_records'] for x in xs]}, convicted {[x['convicted'] for x in xs]}, "
                 f"seconds from its first record to every honest node's ban {[x['all_banned_s'] for x in xs]}"
+            )
+    for attack in (a for a in attacks if a == "sybil"):
+        for rule, audit in cols:
+            xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
+            print(
+                f"{attack} --robust {rule} --audit {audit}: contributions failed over past a candidate per run "
+                f"{[x['failovers'] for x in xs]} (unattacked {[x['failovers'] for x in base]})"
             )
     for attack in (a for a in attacks if a == "head-zero"):
         for rule, audit in cols:

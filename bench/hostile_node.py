@@ -16,6 +16,9 @@ fragment, their coordinate-wise mean less z of their standard deviations, over t
 of the last round and its own honest outer gradient; z from ``DDILOCO_ALIE_Z`` (``bench/attacks.py`` sets the
 paper's for the run's counts). Colluders that name a shared file in ``DDILOCO_COLLUDERS`` leave each other's
 messages out. ``alie-z1`` is the same at z = 1.
+Sybil flood: ``sybil`` (its learner honest; beside its own record it publishes, every heartbeat, the signed
+records of ``DDILOCO_SYBILS`` (32) identities of its own with no process behind them, each a copy of its own
+record: its address, its heads, its step and rates; so every one is as electable as an honest member).
 Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
 an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
 """
@@ -165,6 +168,29 @@ def tamper_alie(z: float) -> None:
     Contributions.post_contribution = post_contribution
 
 
+def tamper_sybils(n: int) -> None:
+    from dataclasses import replace as dc_replace
+
+    from dht.identity import Identity
+    from dht.records import bucket_of, members_key, sign_member
+    from dht.swarm import Membership
+
+    sybils = [Identity.generate() for _ in range(n)]
+    honest_publish = Membership.publish
+
+    def publish(self, member) -> None:
+        honest_publish(self, member)
+        if member.peer_id != self.identity.peer_id:
+            return
+        for ident in sybils:
+            m = dc_replace(member, peer_id=ident.peer_id)
+            key = members_key(self.swarm, bucket_of(ident.peer_id))
+            raw = sign_member(self.swarm, ident, m)
+            self.dht.store(key, raw, expiration_time=m.expires_at, subkey=m.peer_id, return_future=True)
+
+    Membership.publish = publish
+
+
 def tamper(attack: str) -> None:
     from node.swarm.contributions import Contributions
     from protocol.codecs import decode_tensors, encode_tensors
@@ -190,12 +216,16 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1"]
+    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "sybil"]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
     if sys.argv[1] == "head-zero":
         tamper_heads()
+    elif sys.argv[1] == "sybil":
+        import os
+
+        tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")))
     elif sys.argv[1].startswith("alie"):
         import os
 
