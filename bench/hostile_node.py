@@ -30,6 +30,8 @@ from dataclasses import replace
 
 import torch
 
+import node.common.lifetime  # noqa: F401 - first: its launcher read at start (--exit-with-parent)
+
 ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction)
     "flip": (-1.0, 1, False),
     "flip-x2.5": (-2.5, 1, False),

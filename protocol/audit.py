@@ -59,11 +59,17 @@ def frozen_view(rep: FragmentReplica, merge: bool = False) -> FragmentReplica:
 
 
 def audit_gap(
-    view: FragmentReplica, rec: MergeRecord, contributions: Sequence[Contribution], cfg: ProtocolConfig
+    view: FragmentReplica,
+    rec: MergeRecord,
+    contributions: Sequence[Contribution],
+    cfg: ProtocolConfig,
+    agreement: list[float] | None = None,
 ) -> float:
     """||g_record - g_recomputed|| / ||g_recomputed||, recomputed on ``view`` (a ``frozen_view``, walked back to
     the record's parent here; raises ``stale_base`` where its history does not reach). ``contributions``: in
-    the record's order, each already checked against the record's digest and its learner's signature."""
+    the record's order, each already checked against the record's digest and its learner's signature.
+    ``agreement``: where given, the recomputed merge's cosines (``protocol.robust.agreements``; none where the
+    merge is plain) are added to it, in the record's order: the auditor's own measurement of each learner."""
     if [c.cid for c in contributions] != [c[1] for c in rec.contributors]:
         raise ProtocolError(RejectCode.MALFORMED, "the contributions are not the ones the record names")
     if rec.round - 1 > view.round:
@@ -72,6 +78,8 @@ def audit_gap(
         # the momentum is walked too only where a contribution's older base is rebuilt from it
         view.rewind(rec.round - 1, momentum=any(c.base_round < rec.round - 1 for c in contributions))
     mine = view.make_record(rec.round, contributions, cfg, given=rec)
+    if agreement is not None:
+        agreement.extend(mine.agreement)
     diff = ref = 0.0
     theirs = readable(rec.grad)
     for k, g in readable(mine.grad).items():  # a range at a time: whole, the comparison held 8x the tensor

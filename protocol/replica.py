@@ -318,7 +318,7 @@ class FragmentReplica:
         codec = None if cfg.record_codec == "fp32" else get_codec(cfg.record_codec)
         lr, mu = cfg.outer_lr, cfg.outer_momentum
         grad, new_theta = {}, {}
-        gram = new_gram(cfg, len(contributions)) if given is None else None  # their inner products, if robust
+        gram = new_gram(cfg, len(contributions))  # their inner products, if robust (in an audit too)
         for k, theta in self.theta.items():
             mean = self.is_embedding or cfg.merge == "mean"  # a range at a time, whatever the tensor's size
             if mean or cfg.robust == "centered-clip":

@@ -88,7 +88,12 @@ def test_an_honest_record_recomputes_within_tolerance_and_a_lie_does_not(robust,
         honest.append((rec, cs))
     round_now, hash_now = rep.round, rep.hash
     for rec, cs in honest:  # audited after the fact: the replica is walked back to each record's parent
-        assert audit_gap(frozen_view(rep), rec, cs, cfg) < AUDIT_TOLERANCE / 50
+        cosines: list[float] = []
+        assert audit_gap(frozen_view(rep), rec, cs, cfg, cosines) < AUDIT_TOLERANCE / 50
+        # the auditor measures each learner as the synchroniser did (protocol.agreement): robust merges only
+        assert cosines == pytest.approx(list(rec.agreement), abs=1e-6) and len(cosines) == (
+            len(cs) if robust == "centered-clip" else 0
+        )
     for (r, scale), (rec, cs) in lies.items():
         gap = audit_gap(frozen_view(rep), rec, cs, cfg)
         assert gap > 0.09, (r, scale, gap)

@@ -6,6 +6,15 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
+# The process that started this one, read when this module is first imported: ``python -m node`` imports it
+# before anything else. Read later (once the node's heartbeats began), a launcher killed during the seconds of
+# imports and start-up was never noticed: its nodes, orphaned, trained on for minutes.
+_PARENT = os.getppid()
+
+
+def parent_gone() -> bool:
+    """Whether the process that started this one has died since it started (this one was handed on)."""
+    return os.getppid() != _PARENT
 
 
 def die_with_parent() -> bool:

@@ -100,8 +100,9 @@ class Audit:
                 "audit of fragment %d round %d: messages not fetched (%s)", rec.fragment, rec.round, e
             )
             return None
+        cosines: list[float] = []
         try:
-            gap = await self._recompute(sr, msgs, parent)
+            gap = await self._recompute(sr, msgs, parent, cosines)
         except ProtocolError as e:  # a message that is not what the record names, or not its learner's
             logger.info("audit of fragment %d round %d: %s", rec.fragment, rec.round, e)
             gap = None
@@ -124,6 +125,10 @@ class Audit:
             cleared[rec.new_hash] = None
             while len(cleared) > CLEARED:
                 cleared.popitem(last=False)
+            if self.pcfg.distrust and cosines:
+                # the merge recomputed here measured each learner as this node's own merges do: evidence for
+                # its judgement (protocol.agreement), with each merge an auditor sees beside those it makes
+                self._agreed(rec, cosines)
         return gap
 
     async def _audit_held(self, peer: str) -> None:
@@ -209,7 +214,11 @@ class Audit:
         return out, lie
 
     async def _recompute(
-        self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]], parent: FragmentReplica | None = None
+        self,
+        sr: SignedRecord,
+        msgs: list[tuple[bytes, bytes]],
+        parent: FragmentReplica | None = None,
+        agreement: list[float] | None = None,
     ) -> float | None:
         """How far ``sr`` lands from its contributions merged again here (inf: it names what they refute);
         None where this node cannot tell (its state does not reach the record's parent). On ``parent`` (the
@@ -231,7 +240,7 @@ class Audit:
             view = parent if at else frozen_view(rep)
             with momentum_lent([] if at else [rep]):
                 try:
-                    return await asyncio.to_thread(audit_gap, view, rec, cs, self.pcfg)
+                    return await asyncio.to_thread(audit_gap, view, rec, cs, self.pcfg, agreement)
                 except ProtocolError as e:
                     logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
                     return None

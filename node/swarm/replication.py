@@ -258,14 +258,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)
-        cosines = rec.agreement if self.pcfg.distrust else ()  # protocol.agreement (robust merges only)
-        for learner in self.agreement.add([c[0] for c in rec.contributors], cosines):
-            logger.warning(
-                "fragment %d round %d: %s distrusted (its outer gradients oppose the rest)",
-                p,
-                a.round,
-                learner,
-            )
+        if self.pcfg.distrust:
+            self._agreed(rec, rec.agreement)  # protocol.agreement (robust merges only)
         rep._made = view._made
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
         self._apply(sr, made_here=True)
@@ -274,6 +268,16 @@ class Replication(RecordPush, MergeWatch, Clocks):
         sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
         self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self._schedule_of(p)))
         self._spawn(self._broadcast(p, sr))
+
+    def _agreed(self, rec, cosines) -> None:
+        """Take one robust merge's cosines, made here or recomputed by an audit here (``protocol.agreement``)."""
+        for learner in self.agreement.add([c[0] for c in rec.contributors], cosines):
+            logger.warning(
+                "fragment %d round %d: %s distrusted (its outer gradients oppose the rest)",
+                rec.fragment,
+                rec.round,
+                learner,
+            )
 
     def _stop_set(self) -> bool:
         return self._stop is not None and self._stop.is_set()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Collection
 
 from dht.launch import peer_ids_of
 from dht.records import Member, eligible
 from dht.swarm import get_dht_time
+from node.common.lifetime import parent_gone
 from node.swarm.settings import NodeSettings
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
@@ -269,9 +269,8 @@ class SwarmView:
                 self._decide(p, on_membership(self.pcfg, st, live, now, working))
 
     async def _heartbeat_loop(self) -> None:
-        parent = os.getppid()
         while True:
-            if self.settings.exit_with_parent and os.getppid() != parent:
+            if self.settings.exit_with_parent and parent_gone():
                 self.request_stop("the launching process is gone")
             t0 = self.loop.time()
             try:
