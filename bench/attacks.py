@@ -4,8 +4,9 @@ synchronisers.
 Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' tiny model and fast rounds) and
 ``--hostile`` members running ``bench/hostile_node.py`` (the project's node with its learner's contributions,
 or its merges when it is elected, tampered with: see that file for the attacks), all in one public swarm on
-loopback. After ``--seconds`` of training it reads the honest nodes' wire bytes and steps, pauses every
-learner, waits for one model hash, stops the nodes and reads each honest node's final eval loss
+loopback. After ``--seconds`` of training (or, with ``--steps``, once the honest learners have made that many
+inner steps each on average: the same honest work in every run) it reads the honest nodes' wire bytes and
+steps, pauses every learner, waits for one model hash, stops the nodes and reads each honest node's final eval loss
 (``final.json``). The unattacked run (``none``) has the same number of nodes, all honest, for the same time;
 ``absent`` has the honest nodes alone: what a defence that threw away exactly the hostile members' work would
 reach. Rows: attack; columns: the merge rule (``--robust``; ``auto`` is what a public swarm runs:
@@ -21,6 +22,7 @@ them) how many contributions the honest nodes sent past a candidate that did not
     python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
     python bench/attacks.py --attacks sync-flip --rules auto --audits auto,0   # audits on and off
     python bench/attacks.py --attacks flip --repeats 1 --seconds 30   # a smoke run
+    python bench/attacks.py --hostile 2 --rules auto --steps 600 --seconds 240   # equal honest work
 """
 
 from __future__ import annotations
@@ -114,9 +116,15 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             for _ in range(n_hostile):
                 children.append(start_hostile(len(children), run_dir, attack, flags, peers, z))
             wait_ready(children, 120)
-            time.sleep(args.seconds)
+            honest_now = children[: len(children) - n_hostile]
+            if args.steps:  # the same honest work in every run, however the 2 cores were shared
+                deadline = time.monotonic() + args.seconds
+                while time.monotonic() < deadline and _mean_steps(honest_now) < args.steps:
+                    time.sleep(0.5)
+            else:
+                time.sleep(args.seconds)
             poll(children)  # wire bytes and steps of the honest nodes, before the pause
-            wire = [(c.last or {}) for c in children[: len(children) - n_hostile]]
+            wire = [(c.last or {}) for c in honest_now]
             for c in children:
                 try:
                     send_control(c.url, "pause", token=read_control_token(c.state_dir))
@@ -136,6 +144,7 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "tokens": min(f.get("tokens_merged", 0) for f in finals),
             "one_hash": len(hashes) == 1 and settled,
             "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
+            "steps": steps / len(wire) if wire else 0,
             **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
             **(_liar_snapshots(run_dir, honest, liars) if attack == "head-zero" else {}),
             # contributions sent past a candidate that did not answer (a Sybil flood's cost)
@@ -152,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--honest", type=int, default=4)
     p.add_argument("--hostile", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=90.0, help="training time of each run")
+    p.add_argument(
+        "--seconds", type=float, default=90.0, help="training time of each run (with --steps: at most)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="train until the honest nodes' learners have made this many inner steps each, on average: runs "
+        "of the same honest work (6 nodes on 2 cores made 15%% more or fewer steps in 60 s from run to run)",
+    )
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--rules", default="auto,off", help="--robust values to compare (auto: a public swarm's)")
     p.add_argument(
@@ -177,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+    length = f"{args.steps} honest steps" if args.steps else f"{args.seconds:g} s"
     print(
-        f"\n{args.honest} honest + {args.hostile} hostile nodes, {args.seconds:g} s each, {args.repeats} repeats; "
+        f"\n{args.honest} honest + {args.hostile} hostile nodes, {length} each, {args.repeats} repeats; "
         f"eval loss of the honest nodes (x the unattacked run of the same column), tokens merged, runs on one hash"
     )
     print(f"{'attack':12s}" + "".join(f"{'--robust ' + r + ' --audit ' + a:>40s}" for r, a in cols))
@@ -222,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{[x['liar_snapshots'] for x in xs]}, its heads refused before fetching {[x['unwitnessed'] for x in xs]}"
             )
     return 0
+
+
+def _mean_steps(children: list[Child]) -> float:
+    """The honest nodes' learners' mean inner steps now (a node that does not answer counts 0)."""
+    poll(children)
+    return statistics.mean((c.last or {}).get("learner", {}).get("steps", 0) for c in children)
 
 
 def _mean(xs: list) -> float | None:

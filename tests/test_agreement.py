@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 from types import SimpleNamespace
 
 import torch
 
-from protocol.agreement import MIN_ROUNDS, PROBATION, RECENT, AgreementBook
+from protocol.agreement import FLOOR, MIN_ROUNDS, PROBATION, RECENT, AgreementBook
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.robust import agreements
@@ -67,6 +68,31 @@ def test_a_learner_that_negates_a_weak_signal_is_distrusted_and_honest_noisy_one
         book.add(["h0", "liar", "h1"], [0.5, 0.5, 0.5])
         turned_back += 1
     assert 0 < turned_back < 64 and book.keep_trusted(cs) == tuple(cs)
+
+
+def _random_learners_run(signal_scale: float, rounds: int = 64) -> tuple[AgreementBook, list[float]]:
+    """4 honest learners (a shared signal plus noise) and 2 that send a random direction at 3x their size."""
+    g = torch.Generator().manual_seed(5)
+    book = AgreementBook()
+    for _ in range(rounds):
+        signal = torch.randn(4000, generator=g) * signal_scale
+        xs = [signal + torch.randn(4000, generator=g) for _ in range(4)]
+        xs += [3.0 * torch.randn(4000, generator=g) for _ in range(2)]
+        book.add(["h0", "h1", "h2", "h3", "r0", "r1"], agreements(_gram(xs)))
+    return book, [book.mean(x) for x in ("h0", "h1", "h2", "h3", "r0", "r1")]
+
+
+def test_a_learner_that_sends_a_random_direction_is_distrusted_where_the_swarm_has_a_direction():
+    """A random direction reads about 0 round after round; the honest learners read well above: under the
+    floor (a quarter of the median learner's mean) the random ones are told apart, as a floor of zero never
+    did. Where the honest cosines are themselves small (a signal a tenth of the noise: late in training),
+    the floor is small too and no honest learner is judged."""
+    book, means = _random_learners_run(1.0)
+    assert all(m > 0.3 for m in means[:4]) and all(abs(m) < 0.05 for m in means[4:]), means
+    assert book.status()["distrusted"] == ["r0", "r1"]
+    assert FLOOR * statistics.median(means) > 0.05  # what a floor of zero would have missed
+    weak, means = _random_learners_run(0.1)
+    assert not set(weak.status()["distrusted"]) & {"h0", "h1", "h2", "h3"}, (weak.status(), means)
 
 
 def test_liars_that_outweigh_the_honest_in_size_still_read_below_zero_and_the_honest_above():
