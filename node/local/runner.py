@@ -305,7 +305,8 @@ class VirtualSwarm:
         rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
         kept = self.agreement.keep_trusted(a.contributions) if self.cfg.distrust else a.contributions
         if not kept:  # as a node does (protocol.agreement)
-            self.syncs[p] = SyncState(p, rep.round, live=st.live, due_at=st.due_at, due_every=st.due_every)
+            self.syncs[p] = SyncState(p, rep.round, live=st.live, working=st.working, due_at=st.due_at,
+                                      due_every=st.due_every)  # fmt: skip
             return  # the round starts over without them
         a = Merge(a.round, kept)
         live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]  # as a node does
@@ -314,7 +315,10 @@ class VirtualSwarm:
         period = steered_period(period, due, p, clocks, self.plan)
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
+        was = self.agreement.out
         self.agreement.add([c[0] for c in rec.contributors], rec.agreement if self.cfg.distrust else ())
+        if self.agreement.out != was:  # one refused leaves the quorum's basis; trusted again, it is back
+            self._membership(now)
         for q, c in enumerate(self._clocks(now)):  # idle rounds with no clock of their own take the stagger's
             if self.replicas[q].clock is None and c is not None:
                 self.syncs[q] = scheduled(self.syncs[q], (c.first, c.every))
@@ -403,7 +407,9 @@ class VirtualSwarm:
         self._push(now, "step", m)
 
     def _membership(self, now: float, fragments: list[int] | None = None) -> None:
+        out = self.agreement.out if self.cfg.distrust else frozenset()
         for p in range(len(self.syncs)) if fragments is None else fragments:
             live = live_set(self.slots, p)
-            if live != self.syncs[p].live:
-                self._decide(p, on_membership(self.cfg, self.syncs[p], live, now), now)
+            working = live - out if out else None  # as a node: no quorum waits for a learner it refuses
+            if live != self.syncs[p].live or working != self.syncs[p].working:
+                self._decide(p, on_membership(self.cfg, self.syncs[p], live, now, working), now)

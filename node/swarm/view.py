@@ -265,6 +265,10 @@ class SwarmView:
         for p in range(len(self.syncs)):
             st = self.syncs[p]
             working = self.work.working(live, mono, WORKING_ROUNDS * st.due_every)
+            if self.pcfg.distrust and self.agreement.out:
+                # a learner this node refuses is no part of the quorum it waits for: with 2 of 6 refused,
+                # every robust round waited for 5 learners of 4 coming, a period each (protocol.quorum)
+                working = (live if working is None else working) - self.agreement.out
             if st.live != live or st.working != working:
                 self._decide(p, on_membership(self.pcfg, st, live, now, working))
 
