@@ -65,11 +65,25 @@ def test_learners_refused_as_distrusted_leave_the_quorum_a_robust_round_waits_fo
     run = RunConfig(
         learners=6, token_budget=6 * 120 * tiny_task.tokens_per_batch, eval_points=1, seed=3, plans=plans
     )
-    swarm = VirtualSwarm(tiny_task, run, pcfg, InnerConfig(), EventLog())
+    seen = []  # at each merge: who is distrusted, who is live, and what the round's quorum counted
+
+    class Watched(VirtualSwarm):
+        def _merge(self, p, a, now):
+            st = self.syncs[p]
+            seen.append(
+                (
+                    frozenset(self.agreement.out),
+                    st.live,
+                    quorum_basis(self.cfg, st),
+                    effective_quorum(self.cfg, st),
+                )
+            )
+            super()._merge(p, a, now)
+
+    swarm = Watched(tiny_task, run, pcfg, InnerConfig(), EventLog())
     swarm.run()
     names = [s.learner.name for s in swarm.slots]
-    liars = set(names[4:])
-    assert set(swarm.agreement.out) == liars
-    for st in swarm.syncs:
-        assert quorum_basis(swarm.cfg, st) == frozenset(names[:4])
-        assert effective_quorum(swarm.cfg, st) <= 3
+    honest, liars = frozenset(names[:4]), frozenset(names[4:])
+    after = [(basis, k) for out, live, basis, k in seen if out == liars and live == honest | liars]
+    assert len(after) >= 10, seen  # both distrusted while all six were live, for many merges
+    assert all(basis == honest and k <= 3 for basis, k in after), after
