@@ -135,14 +135,17 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
         finally:
             stop_all(children)
         honest = range(len(children) - n_hostile)
-        finals = [json.loads((run_dir / f"node-{i}" / "final.json").read_text()) for i in honest]
+        # a node that did not stop in time writes no final state (one did, beside a Sybil flood): left out, counted
+        paths = [run_dir / f"node-{i}" / "final.json" for i in honest]
+        finals = [json.loads(f.read_text()) for f in paths if f.exists()]
         hashes = {f.get("model_hash") for f in finals}
         steps = sum(w.get("learner", {}).get("steps", 0) for w in wire)
         liars = {c.peer_id for c in children[len(children) - n_hostile :]}
         return {
             "eval_loss": statistics.mean(f["eval_loss"] for f in finals),
             "tokens": min(f.get("tokens_merged", 0) for f in finals),
-            "one_hash": len(hashes) == 1 and settled,
+            "one_hash": len(hashes) == 1 and settled and len(finals) == len(paths),
+            "no_final": len(paths) - len(finals),
             "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
             "steps": steps / len(wire) if wire else 0,
             **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
