@@ -6,25 +6,26 @@ does over many: a learner that sends its negated outer gradient at honest size s
 clipped little or not at all, and each round it takes back its share of the signal the others brought.
 Two such learners in rounds of five held 40% of the weight; the merge kept a fifth of the honest signal.
 
-No single round tells it apart; many do. Each robust merge measures, per contribution, the cosine between
-its outer gradient and the sum of the others' (``protocol.robust.agreements``, read off the inner products
-CenteredClip computes anyway). An honest learner's expected cosine is positive (its signal is the swarm's);
-a negated one's is negative. A synchroniser keeps the last ``KEEP`` cosines of each learner it merged, and
-leaves a learner out of its merges while the mean of those is below a floor by ``Z`` standard errors (after
-``MIN_ROUNDS`` of them). The floor is a quarter (``FLOOR``) of the median learner's mean where that is
-positive, else zero: a learner that sends a random direction (large, so that it carries noise) reads 0.0 to
-two decimals, round after round, against an honest +0.44 to +0.54 (4 honest and 2 such learners on real
-nodes); under a floor of zero it was never told apart and was in nearly every round of a run. Where the
-honest learners' own cosines are small (late in training, where an outer gradient is mostly noise), the
-floor is small too, and nothing but a negative mean is judged. Each node judges from its own merges: nothing here is a vote, and an identity
-earns nothing by existing. Every ``PROBATION``-th contribution of a distrusted learner is merged anyway,
-and so measured again: one judged wrongly (or one that turned honest) earns its way back with its next
-cosines, and a liar holds a share of one in ``PROBATION`` of its rounds. (The first version forgot the
-oldest cosine every 4 left out instead: a liar judged on 10 cosines was back after 12, then after every 4,
-and 2 negating learners of 6 were in half of all rounds from start to end of a 60 s run.)
+No single round tells it apart; many do. Each robust merge measures, per contribution, the cosine between its
+outer gradient and the sum of the others' (``protocol.robust.agreements``, read off the inner products
+CenteredClip computes anyway). An honest learner's expected cosine is positive (its signal is the swarm's); a
+negated one's is negative. A node keeps the last ``KEEP`` cosines of each learner it merged or audited
+(``node.swarm.audit``: an audit recomputes the merge, and its cosines), and leaves a learner out of its merges
+while the mean of those is below a floor by ``Z`` standard errors (after ``MIN_ROUNDS`` of them). The floor is
+a quarter (``FLOOR``) of the median learner's mean where that is positive, else zero: a learner that sends a
+random direction (large, so that it carries noise) reads 0.0 to two decimals, round after round, against an
+honest +0.44 to +0.54 (4 honest and 2 such learners on real nodes); under a floor of zero it was never told
+apart and was in nearly every round of a run. Where the honest learners' own cosines are small (late in
+training, where an outer gradient is mostly noise), the floor is small too, and nothing but a negative mean is
+judged. Each node judges from its own merges and audits: nothing here is a vote, and an identity earns nothing
+by existing. Every ``PROBATION``-th contribution of a distrusted learner is merged anyway, and so measured
+again: one judged wrongly (or one that turned honest) earns its way back with its next cosines, and a liar
+holds a share of one in ``PROBATION`` of its rounds. (The first version forgot the oldest cosine every 4 left
+out instead: a liar judged on 10 cosines was back after 12, then after every 4, and 2 negating learners of 6
+were in half of all rounds from start to end of a 60 s run.)
 
 Never half: a node judges only while fewer than half of the learners it has judged (merged ``MIN_ROUNDS``
-times, within its last ``RECENT`` merges) fall below zero. A node whose merges were mostly the liars' reads
+times, within its last ``RECENT`` merges) fall below the floor. A node whose merges were mostly the liars' reads
 the honest learners as the ones opposing "the rest" (one did, in a 4+2 run: honest -0.45, liars +0.33);
 with this it distrusts nobody until its merges are again mostly honest. A node that distrusts a learner also
 refuses its contributions (``node.swarm.contributions``: ``distrusted``), so they count toward no quorum
