@@ -25,6 +25,7 @@ an all-zero fragment, and its snapshot op serves that all-zero state; no record 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 
@@ -42,17 +43,20 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
 SYNC_ATTACKS = {"sync-flip": (-1.0, False), "sync-x1.5": (1.5, False), "sync-drop": (1.0, True)}
 
 
+def fp32(v) -> torch.Tensor:
+    """A contribution's tensor, decoded from its wire form where it is one."""
+    from protocol.codecs import Encoded, get_codec
+
+    return get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
+
+
 def tamper_merges(attack: str) -> None:
     from dataclasses import replace as dc_replace
 
-    from protocol.codecs import Encoded, get_codec
     from protocol.replica import FragmentReplica
 
     scale, drop = SYNC_ATTACKS[attack]
     honest_make = FragmentReplica.make_record
-
-    def fp32(v):
-        return get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
 
     def make_record(self, round_, contributions, cfg, *args, **kwargs):
         if kwargs.get("given") is None:  # its own merges, not its audits of others'
@@ -105,11 +109,10 @@ def tamper_heads() -> None:
 def tamper_alie(z: float) -> None:
     """``alie``: the last round's honest statistics, fetched after each record, shape what it sends."""
     import asyncio
-    import os
 
     from node.swarm.contributions import Contributions
     from node.swarm.replication import Replication
-    from protocol.codecs import Encoded, decode_tensors, encode_tensors, get_codec
+    from protocol.codecs import decode_tensors, encode_tensors
 
     stats: dict[int, list[dict[str, torch.Tensor]]] = {}  # fragment -> the other learners' last deltas
     colluders = os.environ.get("DDILOCO_COLLUDERS")
@@ -131,14 +134,10 @@ def tamper_alie(z: float) -> None:
         except Exception:  # noqa: BLE001 - an attacker that cannot see a round waits for the next
             return
         skip = friends(node)
-        deltas = [
-            {
-                k: get_codec(v.codec).decode(v) if isinstance(v, Encoded) else v.float()
-                for k, v in c.delta.items()
-            }
-            for c in cs
-            if c.learner not in skip
-        ]
+        # decoded off the node's loop, as its own merges are
+        deltas = await asyncio.to_thread(
+            lambda: [{k: fp32(v) for k, v in c.delta.items()} for c in cs if c.learner not in skip]
+        )
         if deltas:
             if sr.record.fragment not in stats:
                 print(
@@ -225,12 +224,8 @@ def main() -> int:
     if sys.argv[1] == "head-zero":
         tamper_heads()
     elif sys.argv[1] == "sybil":
-        import os
-
         tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")))
     elif sys.argv[1].startswith("alie"):
-        import os
-
         tamper_alie(1.0 if sys.argv[1] == "alie-z1" else float(os.environ.get("DDILOCO_ALIE_Z", "0.25")))
     else:
         (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
