@@ -42,7 +42,7 @@ from protocol.config import ProtocolConfig
 from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight, outer_step
 from protocol.replica import MergeRecord
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import TINY, Swarm, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -309,8 +309,10 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
     """Issue 31: three honest nodes and a member whose published head stays one round ahead of theirs (inside
     the slack a claim needs no backing for), so that it is the only member at the newest round and wins every
     election, while it serves no op at all. Each sender fails over from it on ``unknown_op``, names it dead to
-    the next candidate, and the round is taken by an honest node: merging goes on, and the swarm agrees."""
-    swarm = Swarm(tmp_path / "swarm")
+    the next candidate, and the round is taken by an honest node: merging goes on, and the swarm agrees.
+    Electing anyone (``--elect anyone``, as where an authority certifies synchronisers): in a public swarm a
+    member whose work is never merged is not elected at all (``test_sybil_election.py``)."""
+    swarm = Swarm(tmp_path / "swarm", TINY + ["--elect", "anyone"])
     bad = None
     stop = threading.Event()
     try:
@@ -420,8 +422,8 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
     merges. Each sender watches the rounds it gave a contribution to; one not merged two due periods after
     its due moment makes the sender suspect the member (out of its elections) and send again, so the round
     goes to the next candidate, which knows the member stalled from its own watch. Every fragment keeps
-    merging and the swarm ends on one hash."""
-    swarm = Swarm(tmp_path / "swarm")
+    merging and the swarm ends on one hash. Electing anyone, as the test above."""
+    swarm = Swarm(tmp_path / "swarm", TINY + ["--elect", "anyone"])
     bad = None
     stop = threading.Event()
     try:

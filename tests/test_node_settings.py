@@ -15,6 +15,7 @@ from protocol.errors import ConfigError
         ({"eval_every_s": 0.0}, "eval_every_s=0.0 is invalid"),
         ({"malloc_mmap_mib": 33.0}, "malloc_mmap_mib=33.0 is invalid"),
         ({"malloc_mmap_mib": -0.5}, "malloc_mmap_mib=-0.5 is invalid"),
+        ({"elect": "everyone"}, "elect='everyone' is invalid"),
     ],
 )
 def test_out_of_range_settings_are_refused(kwargs, match):
@@ -25,6 +26,14 @@ def test_out_of_range_settings_are_refused(kwargs, match):
 def test_the_defaults_are_valid():
     s = NodeSettings()
     assert s.learner_nice == 0 and s.agent_nice == 0 and s.eval_every_s > 0
+    assert s.elect_workers  # a public swarm: only workers are elected
+
+
+def test_elect_auto_elects_anyone_where_an_authority_certifies_synchronisers():
+    certified = NodeSettings(authority="x", open_learners=True)
+    assert not certified.elect_workers
+    assert NodeSettings(authority="x", open_learners=True, elect="workers").elect_workers
+    assert not NodeSettings(elect="anyone").elect_workers
 
 
 def test_the_allocator_threshold_follows_the_model_unless_set():

@@ -148,6 +148,14 @@ class WorkBook:
             return None
         return frozenset(pid for pid in live if now - self.worked.get(pid, -math.inf) <= window_s)
 
+    def workers(self, live: Iterable[str], now: float, window_s: float) -> frozenset[str] | None:
+        """The learners of ``live`` whose work was ever merged here (of the ``remember`` newest); None until
+        this node has watched the swarm merge for ``window_s`` seconds, as ``working``. Not windowed: a set
+        that only grows while members live, so that views do not part when learners pause one by one."""
+        if window_s <= 0 or self.first is None or now - self.first < window_s:
+            return None
+        return frozenset(pid for pid in live if pid in self.worked)
+
     def heard(self, learner: str, p: int, now: float) -> float:
         since = self.since.setdefault((learner, p), now)
         self._trim()

@@ -106,6 +106,15 @@ class NodeSettings:
             "where learners are not vouched for (a public or open-learners swarm), else 0 (docs/security.md)"
         },
     )
+    elect: str = field(
+        default="auto",
+        metadata={
+            "help": "who may be elected synchroniser: workers (members whose learner's work this node has "
+            "merged, once it has watched the swarm merge for 8 round periods; anyone where none has), or anyone; "
+            "auto: workers in a public swarm (no --authority), anyone where an authority certifies "
+            "synchronisers (docs/security.md)"
+        },
+    )
     revoked: str = field(
         default="",
         metadata={"help": "private swarm: file of revoked peer ids, one a line (re-read on change)"},
@@ -227,6 +236,8 @@ class NodeSettings:
                 ok = False
             if not ok:
                 raise ConfigError(f"audit={self.audit!r} is invalid: auto, or a share of records in [0, 1]")
+        if self.elect not in ("auto", "workers", "anyone"):
+            raise ConfigError(f"elect={self.elect!r} is invalid: auto, workers or anyone")
         if not 0 <= self.agent_nice <= 19:
             raise ConfigError(f"agent_nice={self.agent_nice} is invalid: must be in [0, 19]")
         if not 0 <= self.learner_nice <= 19:
@@ -289,6 +300,12 @@ class NodeSettings:
         """Every learner is vouched for: a private swarm, sealed, each member with a certificate (``robust``
         ``auto`` then leaves the merge plain)."""
         return bool(self.authority) and not self.open_learners
+
+    @property
+    def elect_workers(self) -> bool:
+        """Only members whose work was merged lately are electable (``elect``, with auto resolved): identities
+        are free where no authority certifies synchronisers (issue 32, Sybils)."""
+        return self.elect == "workers" or (self.elect == "auto" and not self.authority)
 
     @property
     def audit_share(self) -> float:

@@ -83,6 +83,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 "round": rep.round,
                 "hash": rep.hash[:16],
                 "synchroniser": cands[0] if cands else None,
+                "electable": len(cands),  # members this node would elect in turn (``elect``)
                 "collecting": node.syncs[p].phase.value if p in node.leases else None,
                 # learners its open round waits for, counted from those whose work was merged lately where
                 # members are not trusted (``protocol.synchroniser.quorum_basis``)
@@ -106,7 +107,10 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "peer_id": node.peer_id,
         "swarm": node.settings.swarm,
         "client_mode": node.settings.client_mode,
-        "merge_rule": node.pcfg.robust,  # centered-clip where learners are not trusted (protocol.robust)
+        "merge_rule": node.pcfg.robust,
+        "elect": "workers"
+        if node.settings.elect_workers
+        else "anyone",  # centered-clip where learners are not trusted (protocol.robust)
         "uptime_s": now - node.started_at,
         "joined_by": node.joined_by,
         "maddrs": node._addrs,

@@ -203,12 +203,29 @@ class SwarmView:
                 and self.credible(p, q, m.head_round(p), seen)
             )
         }
+        if self.settings.elect_workers:
+            seen = self._workers(p, seen)
         elig = eligible(list(seen.values()), p)
         order = candidates(self.settings.swarm, p, open_round, elig)
         holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
         if holders:
             order = [holders[0]] + [x for x in order if x != holders[0]]
         return order
+
+    def _workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
+        """The members of ``seen`` whose learner's work was merged here (``elect`` workers; issue 32, Sybils).
+        A signed membership record costs nothing to make: a member that published 32 copies of its own under
+        new identities had them win rounds, and every sender failed over past each (600-1,900 times a run).
+        Every node applies the same records, so views that have watched the swarm merge for
+        ``WORKING_ROUNDS`` of fragment p's periods hold the same workers, whoever merged which round; the set
+        is not windowed (a worker that pauses stays electable), so views do not part as learners pause one
+        by one. All of ``seen`` while this node has watched for less (a joiner, a restart: it cannot yet
+        tell), or where none of them ever worked here."""
+        window = WORKING_ROUNDS * self.syncs[p].due_every
+        workers = self.work.workers(seen, time.monotonic(), window)
+        if not workers:
+            return seen
+        return {q: m for q, m in seen.items() if q in workers}
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
