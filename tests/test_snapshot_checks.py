@@ -212,7 +212,14 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     assert node.unfollowed(0, forked) == ([4, "y4", 2, 1.0], ["b", "c"])
     node.logs[0][5] = SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="y4"))
     assert node.unfollowed(0, forked) == (None, [])
-    del node.logs[0][5]
+    # rounds below: a lone head two rounds past a fork (the others paused) is given up as well
+    node.logs[0][5] = SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="x4"))
+    node.logs[0][4] = SimpleNamespace(record=SimpleNamespace(new_hash="x4", parent_hash="x3"))
+    two_below = {"b": _member("b", (3, "y3", 2, 1.0)), "c": _member("c", (3, "y3", 2, 1.0))}
+    assert node.unfollowed(0, two_below) == ([3, "y3", 2, 1.0], ["b", "c"])
+    on_ours = {"b": _member("b", (3, "x3", 2, 1.0)), "c": _member("c", (3, "x3", 2, 1.0))}
+    assert node.unfollowed(0, on_ours) == (None, [])  # behind on our chain: they follow our records
+    node.logs[0].clear()
     node.settings.heartbeat_s = 1000.0
     node.unfollowed(0, node.members)
     clients = {q: _member(q, (5, "y5", 2, 1.0), client=True) for q in ("b", "c")}

@@ -182,7 +182,8 @@ class Vouching:
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
         """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
         its own: no member publishes our head, while two or more members whose work this node merged agree on
-        another head of our round, and have for ``LONE_HEARTBEATS`` heartbeats. Ours may rank first, but they
+        another head of our round, or of an earlier round where our chain holds another hash (a fork), and
+        have for ``LONE_HEARTBEATS`` heartbeats. Ours may rank first, but they
         refuse it when it is ``unwitnessed`` and no chain of our records reaches it from a round they keep (a
         fork deeper than the records kept), and ``outvoted`` does not move a node whose round the others
         share: under load a 2-to-1 split at one round stood until the run ended. (None, []) otherwise."""
@@ -195,10 +196,14 @@ class Vouching:
             if (int(h[0]), str(h[1])) == (r, ours):
                 groups = {}  # a member holds ours
                 break
-            # ours, or (a lone head a round past theirs, on another chain: its record is refused as
-            # ``wrong_parent``, its snapshot as unwitnessed) the round below, where it is not ours
-            behind = int(h[0]) == r - 1 and self.hash_at(p, r - 1) != str(h[1])
-            if (int(h[0]) == r or behind) and q in self.work.worked:
+            # ours, or (a lone head rounds past theirs, on another chain: its records are refused as
+            # ``wrong_parent``, its snapshot as unwitnessed) a round below, where our chain holds another
+            # hash or none we know (no record of ours reaches them from there). Not only the round below: a
+            # node two rounds past a 2-to-1 fork, the others paused, stood until the run ended
+            # (test_membership_at_size, one suite run)
+            k = int(h[0])
+            behind = k < r and self.hash_at(p, k) != str(h[1])
+            if (k == r or behind) and q in self.work.worked:
                 groups.setdefault(tuple(h), []).append(q)
         best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
         lone = self.__dict__.setdefault("_lone_since", {})
