@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from node.swarm.guard import WorkBook
 from node.swarm.push import RECORD_FANOUT
 from node.swarm.replication import Replication
+from node.swarm.view import SwarmView
 
 
 class _Node(Replication):
@@ -15,6 +17,7 @@ class _Node(Replication):
         self.peer_id = "me"
         self.members = {f"p{i:04d}": SimpleNamespace(client_mode=f"p{i:04d}" in client) for i in range(n)}
         self.suspect: dict[str, float] = {}
+        self.settings = SimpleNamespace(elect_workers=False)
 
     def live_members(self):
         return {**self.members, "me": SimpleNamespace(client_mode=False)}
@@ -49,3 +52,59 @@ def test_a_large_swarm_gets_contributors_candidates_and_a_bounded_sample():
     assert rest and all(int(pid[1:]) < 20 for pid in rest)  # the sample avoids peers under suspicion
     many = _record(*(f"p{i:04d}" for i in range(200, 400)))  # a merge of 200 learners: each gets it
     assert len(node._record_targets(0, many)) == 200 + 4
+
+
+class _Public(_Node):
+    """A node of a public swarm (``--elect`` workers) that has merged the work of ``workers``, ``watched_s``
+    seconds ago (the watch is 3 periods of 1 s)."""
+
+    _workers = SwarmView._workers
+
+    def __init__(self, n: int, workers: list[str], watched_s: float) -> None:
+        super().__init__(n)
+        self.settings = SimpleNamespace(elect_workers=True)
+        self.syncs = [SimpleNamespace(due_every=1.0)]
+        self.work = WorkBook()
+        for q in workers:
+            self.work.merged(q, 0, time.monotonic() - watched_s)
+
+
+def test_a_public_swarm_pushes_to_members_whose_work_was_merged_not_to_identities_that_never_worked():
+    workers = [f"p{i:04d}" for i in range(6)]  # 6 real nodes beside 64 identities with no process behind them
+    node = _Public(70, workers, watched_s=100.0)
+    assert node._record_targets(0, _record("p0001", "p0002")) == workers
+    # a node that has watched for less than the window cannot tell them apart yet: the sample as before
+    fresh = _Public(70, workers, watched_s=1.0)
+    got = fresh._record_targets(0, _record("p0001", "p0002"))
+    assert len(got) == RECORD_FANOUT and set(got) - set(workers)
+
+
+def test_a_public_swarm_relinks_members_whose_work_was_merged_not_identities_that_never_worked():
+    """``SwarmView._relink`` pings the known peers the DHT lost; an identity with no process behind it is never
+    in the routing table, so it was pinged (dialled) every heartbeat for as long as its record lived."""
+    import asyncio
+
+    asked: list[list[str]] = []
+
+    class _Membership:
+        def relink(self, peer_ids, first=()):
+            asked.append(sorted(peer_ids))
+            return []
+
+    class _View(_Public):
+        _relink = SwarmView._relink
+
+    async def go(view: _View) -> list[str]:
+        view.loop = asyncio.get_running_loop()
+        view.membership, view.events = _Membership(), None
+        view._peer_book = {pid: view.loop.time() for pid in view.members}
+        await view._relink()
+        return asked.pop()
+
+    workers = [f"p{i:04d}" for i in range(6)]
+    view = _View(70, workers, watched_s=100.0)
+    view.settings.initial_peers = ""
+    assert asyncio.run(go(view)) == workers
+    everyone = _View(70, workers, watched_s=100.0)
+    everyone.settings = SimpleNamespace(elect_workers=False, initial_peers="")
+    assert len(asyncio.run(go(everyone))) == 70

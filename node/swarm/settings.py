@@ -110,7 +110,7 @@ class NodeSettings:
         default="auto",
         metadata={
             "help": "who may be elected synchroniser: workers (members whose learner's work this node has "
-            "merged, once it has watched the swarm merge for 8 round periods; anyone where none has), or anyone; "
+            "merged, once it has watched the swarm merge for 3 round periods; anyone where none has), or anyone; "
             "auto: workers in a public swarm (no --authority), anyone where an authority certifies "
             "synchronisers (docs/security.md)"
         },

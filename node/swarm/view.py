@@ -31,6 +31,11 @@ LIFETIME_TTLS = 2.0  # a record counts at most this many ttl_s after it was issu
 # fragment about once a period, a Sybil identity with no process behind it never is (at 3 periods, 3 real
 # nodes on a loaded machine counted only 2 of themselves at times, and took a lone learner's round as quorum)
 WORKING_ROUNDS = 8.0
+# a public swarm elects only members whose work was merged once a node has watched it merge this many of a
+# fragment's round periods (``_workers``): every learner on time is credited in a record by then. Until then
+# every member is electable, and 64 identities with no process behind them won most rounds: at 8 periods the
+# first 10 s of a bench run failed over past them 73-135 times a node
+ELECT_WATCH_ROUNDS = 3.0
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
@@ -217,11 +222,11 @@ class SwarmView:
         A signed membership record costs nothing to make: a member that published 32 copies of its own under
         new identities had them win rounds, and every sender failed over past each (600-1,900 times a run).
         Every node applies the same records, so views that have watched the swarm merge for
-        ``WORKING_ROUNDS`` of fragment p's periods hold the same workers, whoever merged which round; the set
+        ``ELECT_WATCH_ROUNDS`` of fragment p's periods hold the same workers, whoever merged which round; the set
         is not windowed (a worker that pauses stays electable), so views do not part as learners pause one
         by one. All of ``seen`` while this node has watched for less (a joiner, a restart: it cannot yet
         tell), or where none of them ever worked here."""
-        window = WORKING_ROUNDS * self.syncs[p].due_every
+        window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
         workers = self.work.workers(seen, time.monotonic(), window)
         if not workers:
             return seen
@@ -307,12 +312,18 @@ class SwarmView:
 
     async def _relink(self) -> None:
         """Put back into the DHT's routing table the peers it lost (``Membership.relink``): initial peers, and
-        members seen within ``RELINK_MEMORY_S``. Without it a saturated link can cut a node off for good."""
+        members seen within ``RELINK_MEMORY_S`` (in a public swarm, those whose work was merged here, once this
+        node can tell: ``_workers``). Without it a saturated link can cut a node off for good."""
         now = self.loop.time()
         self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
+        book = list(self._peer_book)
+        if self.settings.elect_workers and self.syncs:
+            # an identity with no process behind it is never in the routing table, so every beat pinged each
+            # one again, and each ping dialled it (64 Sybils: the honest p2p daemons' CPU up 60%)
+            book = list(self._workers(0, dict.fromkeys(book)))
         try:
             first = peer_ids_of(NodeSettings.split(self.settings.initial_peers))
-            back = await asyncio.to_thread(self.membership.relink, list(self._peer_book), first)
+            back = await asyncio.to_thread(self.membership.relink, book, first)
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("relinking the DHT failed: %s", e)
             return
