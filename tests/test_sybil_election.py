@@ -95,3 +95,51 @@ def test_members_whose_work_is_never_merged_are_not_elected_in_a_public_swarm(tm
             liar.join(10)
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+
+
+def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
+    """``CatchUp._reconcile`` in a public swarm: where the best head is held by a worker and by 32 copies of
+    its record, the pull goes to the worker (nearly every pull went to a copy, with no process behind it);
+    where this node cannot tell workers yet, any holder."""
+    from types import SimpleNamespace
+
+    from node.swarm.catch_up import CatchUp
+    from node.swarm.guard import WorkBook
+    from node.swarm.view import SwarmView
+
+    class _Node(CatchUp):
+        _workers = SwarmView._workers
+
+        def __init__(self, watched_s: float) -> None:
+            self.replicas = [None]
+            self.settings = SimpleNamespace(elect_workers=True, heartbeat_s=0.5)
+            self.syncs = [SimpleNamespace(due_every=1.0)]
+            self.work = WorkBook()
+            self.work.merged("worker", 0, time.monotonic() - watched_s)
+            self.lagging_since = {0: time.monotonic() - 60}
+            self._syncing: set = set()
+            self.pulled: list[str] = []
+
+        def live_members(self) -> dict:
+            return {}
+
+        def refused_heads(self, p: int) -> set:
+            return set()
+
+        def winning_heads(self, p, members, strict=False, refused=()):
+            return [9, "h9", 2, 1.0], ["worker", *(f"sybil{i:02d}" for i in range(32))]
+
+        def _catch_up(self, p, pid, head, yielding=False):
+            self.pulled.append(pid)
+
+        def _spawn(self, coro) -> None:
+            pass
+
+    node = _Node(watched_s=100.0)
+    for _ in range(20):
+        node._reconcile()
+    assert node.pulled == ["worker"] * 20
+    fresh = _Node(watched_s=0.0)  # has not watched the swarm merge for 3 periods: cannot tell
+    for _ in range(20):
+        fresh._reconcile()
+    assert set(fresh.pulled) - {"worker"}

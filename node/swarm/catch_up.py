@@ -295,6 +295,12 @@ class CatchUp:
             if not holders:
                 self.lagging_since.pop(p, None)
                 continue
+            if self.settings.elect_workers:
+                # fetched from a holder whose work was merged here where one holds it: copies of a member's
+                # record under 32 identities each (Sybils) echo its head, and nearly every pull went to one
+                # (no route), backed off, and went to the next: learners fell behind, and their contributions
+                # came on stale bases (61 dropped in a 60 s run, none unattacked)
+                holders = list(self._workers(p, dict.fromkeys(holders)))
             since = self.lagging_since.setdefault(p, now)
             # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
             if now - since >= 1.5 * self.settings.heartbeat_s and p not in self._syncing:
