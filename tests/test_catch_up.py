@@ -42,7 +42,7 @@ def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
     node = SimpleNamespace(
         replicas=[object()],
         lagging_since={0: time.monotonic() - 60},
-        settings=SimpleNamespace(heartbeat_s=0.5),
+        settings=SimpleNamespace(heartbeat_s=0.5, elect_workers=False),
         _syncing=set(),
         live_members=lambda: {},
         winning_heads=lambda p, ms, refused: ([9, "h", 1, 1.0], ["a", "b", "c"]),
