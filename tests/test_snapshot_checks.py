@@ -220,6 +220,7 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     on_ours = {"b": _member("b", (3, "x3", 2, 1.0)), "c": _member("c", (3, "x3", 2, 1.0))}
     assert node.unfollowed(0, on_ours) == (None, [])  # behind on our chain: they follow our records
     node.logs[0].clear()
+    assert node.unfollowed(0, two_below) == (None, [])  # rounds our log no longer holds: no fork we can see
     node.settings.heartbeat_s = 1000.0
     node.unfollowed(0, node.members)
     clients = {q: _member(q, (5, "y5", 2, 1.0), client=True) for q in ("b", "c")}

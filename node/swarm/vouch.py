@@ -197,12 +197,14 @@ class Vouching:
                 groups = {}  # a member holds ours
                 break
             # ours, or (a lone head rounds past theirs, on another chain: its records are refused as
-            # ``wrong_parent``, its snapshot as unwitnessed) a round below, where our chain holds another
-            # hash or none we know (no record of ours reaches them from there). Not only the round below: a
-            # node two rounds past a 2-to-1 fork, the others paused, stood until the run ended
-            # (test_membership_at_size, one suite run)
+            # ``wrong_parent``, its snapshot as unwitnessed) a round below where our chain holds another hash
+            # (the round just below: or none we know, our head having come by snapshot). Not only the round
+            # just below: a node two rounds past a 2-to-1 fork, the others paused, stood until the run ended
+            # (test_membership_at_size, one suite run). Further below, a hash we do not know is no fork: they
+            # may be catching up on our chain
             k = int(h[0])
-            behind = k < r and self.hash_at(p, k) != str(h[1])
+            ours_k = self.hash_at(p, k)
+            behind = k < r and ours_k != str(h[1]) and (ours_k is not None or k == r - 1)
             if (k == r or behind) and q in self.work.worked:
                 groups.setdefault(tuple(h), []).append(q)
         best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
