@@ -296,10 +296,8 @@ class CatchUp:
                 self.lagging_since.pop(p, None)
                 continue
             if self.settings.elect_workers:
-                # fetched from a holder whose work was merged here where one holds it: copies of a member's
-                # record under 32 identities each (Sybils) echo its head, and nearly every pull went to one
-                # (no route), backed off, and went to the next: learners fell behind, and their contributions
-                # came on stale bases (61 dropped in a 60 s run, none unattacked)
+                # from a worker where one holds it: 32 Sybils echoing a member's head took nearly every pull
+                # (no route), and learners fell behind (61 stale contributions in a 60 s run, none unattacked)
                 holders = list(self._workers(p, dict.fromkeys(holders)))
             since = self.lagging_since.setdefault(p, now)
             # A pushed record is usually on its way; pull only when the gap outlives a heartbeat.
