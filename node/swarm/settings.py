@@ -303,8 +303,8 @@ class NodeSettings:
 
     @property
     def elect_workers(self) -> bool:
-        """Only members whose work was merged lately are electable (``elect``, with auto resolved): identities
-        are free where no authority certifies synchronisers (issue 32, Sybils)."""
+        """Only members whose work this node has merged are electable (``elect``, with auto resolved):
+        identities are free where no authority certifies synchronisers (issue 32, Sybils)."""
         return self.elect == "workers" or (self.elect == "auto" and not self.authority)
 
     @property

@@ -107,10 +107,8 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "peer_id": node.peer_id,
         "swarm": node.settings.swarm,
         "client_mode": node.settings.client_mode,
-        "merge_rule": node.pcfg.robust,
-        "elect": "workers"
-        if node.settings.elect_workers
-        else "anyone",  # centered-clip where learners are not trusted (protocol.robust)
+        "merge_rule": node.pcfg.robust,  # centered-clip where learners are not trusted (protocol.robust)
+        "elect": "workers" if node.settings.elect_workers else "anyone",  # who may synchronise (``elect``)
         "uptime_s": now - node.started_at,
         "joined_by": node.joined_by,
         "maddrs": node._addrs,
