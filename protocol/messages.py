@@ -30,10 +30,23 @@ _PART_DTYPES = {
 }
 
 
+CID_PEER_CHARS = 10  # a contribution id names its sender by the last this many characters of its peer id
+
+
 def contribution_id(peer_id: str, fragment: int, step: int, t: float) -> str:
     """A contribution's id: who, which fragment, the step, and the moment the step ended in ms, which makes
     ids unique and growing through a node's lives (``node.swarm.contributions.OwnCids``)."""
-    return f"{peer_id[-10:]}:{fragment}:{step}:{int(t * 1000)}"
+    return f"{sender_tag(peer_id)}:{fragment}:{step}:{int(t * 1000)}"
+
+
+def sender_tag(peer_id: str) -> str:
+    """How a contribution id names its sender: the last ``CID_PEER_CHARS`` characters of its peer id."""
+    return peer_id[-CID_PEER_CHARS:]
+
+
+def cid_sender(cid: str) -> str:
+    """The sender a contribution id names (``sender_tag``)."""
+    return cid.split(":", 1)[0]
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,10 @@ class _Public(_Node):
         super().__init__(n)
         self.settings = SimpleNamespace(elect_workers=True)
         self.syncs = [SimpleNamespace(due_every=1.0)]
-        self.work = WorkBook()
+        self.work, self.logs = WorkBook(), []
         for q in workers:
             self.work.merged(q, 0, time.monotonic() - watched_s)
+        self.work.settle(workers)  # credited on the chain (records past a fork's reach)
 
 
 def test_a_public_swarm_pushes_to_members_whose_work_was_merged_not_to_identities_that_never_worked():

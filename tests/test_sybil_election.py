@@ -114,8 +114,9 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
             self.replicas = [None]
             self.settings = SimpleNamespace(elect_workers=True, heartbeat_s=0.5)
             self.syncs = [SimpleNamespace(due_every=1.0)]
-            self.work = WorkBook()
+            self.work, self.logs = WorkBook(), []
             self.work.merged("worker", 0, time.monotonic() - watched_s)
+            self.work.settle(["worker"])
             self.lagging_since = {0: time.monotonic() - 60}
             self._syncing: set = set()
             self.pulled: list[str] = []

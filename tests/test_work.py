@@ -6,6 +6,7 @@ import pytest
 from node.swarm.guard import WorkBook
 from protocol.config import ConfigError, ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
+from protocol.messages import contribution_id, sender_tag
 from protocol.work import VisibleWork, check_counters, visible_work
 
 # three members at 256 tokens a step and 2 steps a second, one that publishes nothing yet
@@ -53,6 +54,31 @@ def test_the_work_book_starts_at_first_word_and_moves_with_each_merge():
     assert book.heard("a", 0, 70.0) == 60.0 and book.heard("a", 1, 70.0) == 70.0
     book.heard("b", 0, 80.0)  # the oldest entry goes
     assert len(book.since) == 2 and ("a", 0) not in book.since
+
+
+def test_the_workers_a_public_swarm_elects_are_those_its_chain_credits_not_those_merged_here():
+    """``WorkBook.workers``: the learners credited in a record the logs hold, or in one that settled (left
+    the log, or named by an installed snapshot's merged ids), once this node has watched for the window. A
+    round merged here that a fork then undid (its record gone from the log) credits no one: a joiner's own
+    lost round elected it in its view alone, and the swarm's views parted while it rested (CI)."""
+    a, b, c = "12D3KooW" + "A" * 44, "12D3KooW" + "B" * 44, "12D3KooW" + "C" * 44
+    sybil = "12D3KooW" + "S" * 44
+    book = WorkBook()
+    for q in (a, b, c):
+        book.merged(q, 0, 100.0)  # c's round was ours, and lost a fork: its record left the log unsettled
+    live = (a, b, c, sybil)
+    assert book.workers(live, 101.0, 30.0, logged=[a, b]) is None  # not watched for the window: unknown
+    assert book.workers(live, 140.0, 30.0, logged=[a, b]) == {a, b}
+    assert book.workers(live, 140.0, 30.0) == frozenset()  # nothing on the chain: none (the caller takes all)
+    book.settle([a])  # a's record left the log, history rounds deep
+    assert book.workers(live, 140.0, 30.0, logged=[b]) == {a, b}
+    # a snapshot's merged ids name their senders by their id's last 10 characters
+    book.settle(cids=[contribution_id(c, 2, 40, 1.5)])
+    assert book.workers(live, 140.0, 30.0) == {a, c}
+    assert book.workers(live, 140.0, 0.0) is None  # no schedule: no window
+    small = WorkBook(remember=2)
+    small.settle([a, b, c])
+    assert list(small.settled) == [sender_tag(b), sender_tag(c)]
 
 
 def test_a_negative_or_nan_work_factor_is_refused():

@@ -265,6 +265,10 @@ class CatchUp:
         )
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
+        # credited learners (whom a public swarm elects, node.swarm.view): the snapshot's chain names them in
+        # its merged ids; of our log, only rounds too deep for a fork it resolved to undo
+        deep = [sr for r, sr in self.logs[p].items() if r <= st.round - self.pcfg.history]
+        self.work.settle((c[0] for sr in deep for c in sr.record.contributors), st.merged)
         self.logs[p].clear()
         # The records of the rounds this state skips are never applied here: their contribution ids come
         # with it, so a copy of one is refused as a replay and a queued one is not merged a second time.

@@ -28,7 +28,13 @@ from node.swarm.wire import (
 )
 from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
-from protocol.messages import ContributionHeader, decode_contribution, encode_contribution, peek_fragment
+from protocol.messages import (
+    ContributionHeader,
+    decode_contribution,
+    encode_contribution,
+    peek_fragment,
+    sender_tag,
+)
 from protocol.synchroniser import Contribution, on_contribution
 from protocol.work import check_counters, visible_work
 
@@ -48,7 +54,7 @@ class OwnCids:
     only when it knows."""
 
     def __init__(self, peer_id: str, keep: int = 65536) -> None:
-        self.prefix = f"{peer_id[-10:]}:"
+        self.prefix = f"{sender_tag(peer_id)}:"
         self.keep = keep
         self.sent: OrderedDict[str, None] = OrderedDict()
         self.since: int | None = None  # the moment from which every id we sent is in ``sent``

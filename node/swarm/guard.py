@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from protocol.errors import ProtocolError, RejectCode
+from protocol.messages import cid_sender, sender_tag
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +131,18 @@ class Guard:
 
 class WorkBook:
     """Per learner and fragment, since when its next contribution's counters must fit (``protocol.work``):
-    the moment a contribution of it was last merged here, or this node first heard of it; and per learner,
+    the moment a contribution of it was last merged here, or this node first heard of it; per learner,
     when its work was last merged here (``worked``: whose word counts as a snapshot's witness,
-    ``node.swarm.vouch``). Keeps the ``remember`` newest of each."""
+    ``node.swarm.vouch``); and the learners credited on the chain this node follows (``settled``: whom a
+    public swarm elects, ``node.swarm.view``). Keeps the ``remember`` newest of each."""
 
     def __init__(self, remember: int = 8192) -> None:
         self.remember = remember
         self.since: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.worked: OrderedDict[str, float] = OrderedDict()
+        # keyed as a contribution id names its sender (``protocol.messages.cid_sender``): a snapshot's
+        # merged ids name them so
+        self.settled: OrderedDict[str, None] = OrderedDict()
         self.first: float | None = None  # when this node first saw work merged
 
     def working(self, live: Iterable[str], now: float, window_s: float) -> frozenset[str] | None:
@@ -148,13 +153,28 @@ class WorkBook:
             return None
         return frozenset(pid for pid in live if now - self.worked.get(pid, -math.inf) <= window_s)
 
-    def workers(self, live: Iterable[str], now: float, window_s: float) -> frozenset[str] | None:
-        """The learners of ``live`` whose work was ever merged here (of the ``remember`` newest); None until
-        this node has watched the swarm merge for ``window_s`` seconds, as ``working``. Not windowed: a set
-        that only grows while members live, so that views do not part when learners pause one by one."""
+    def workers(
+        self, live: Iterable[str], now: float, window_s: float, logged: Iterable[str] = ()
+    ) -> frozenset[str] | None:
+        """The learners of ``live`` credited on the chain this node follows: in a record its logs hold
+        (``logged``, learner ids) or in one that ``settled``. None until this node has watched the swarm
+        merge for ``window_s`` seconds, as ``working``. Not windowed: a set that only grows while members
+        live, so that views do not part as learners pause one by one; and not what this node merged, but
+        what its chain holds: a joiner's own round that lost a fork credited its learner in its view alone,
+        which elected it there and nowhere else while the swarm rested (a CI failure)."""
         if window_s <= 0 or self.first is None or now - self.first < window_s:
             return None
-        return frozenset(pid for pid in live if pid in self.worked)
+        keys = set(self.settled).union(sender_tag(q) for q in logged)
+        return frozenset(pid for pid in live if sender_tag(pid) in keys)
+
+    def settle(self, learners: Iterable[str] = (), cids: Iterable[str] = ()) -> None:
+        """Credit ``learners`` (ids) and the senders ``cids`` name, on records past a fork's reach: one the
+        log let go of (``history`` rounds deep), or one of the chain a snapshot installed here."""
+        keys = [sender_tag(q) for q in learners] + [cid_sender(c) for c in cids]
+        for key in keys:
+            self.settled[key] = None
+            self.settled.move_to_end(key)
+        self._trim()
 
     def heard(self, learner: str, p: int, now: float) -> float:
         since = self.since.setdefault((learner, p), now)
@@ -175,3 +195,5 @@ class WorkBook:
             self.since.popitem(last=False)
         while len(self.worked) > self.remember:
             self.worked.popitem(last=False)
+        while len(self.settled) > self.remember:
+            self.settled.popitem(last=False)

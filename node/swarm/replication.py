@@ -95,7 +95,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
         # fp32 copy of the fragment per round kept
         log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
-            log.popitem(last=False)
+            _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
+            self.work.settle(c[0] for c in old.record.contributors)
         self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(

@@ -218,16 +218,18 @@ class SwarmView:
         return order
 
     def _workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
-        """The members of ``seen`` whose learner's work was merged here (``elect`` workers; issue 32, Sybils).
-        A signed membership record costs nothing to make: a member that published 32 copies of its own under
+        """The members of ``seen`` whose learner is credited on the chain this node follows (``elect``
+        workers; issue 32, Sybils): in a record its logs hold, or one that settled (``WorkBook.workers``). A
+        signed membership record costs nothing to make: a member that published 32 copies of its own under
         new identities had them win rounds, and every sender failed over past each (600-1,900 times a run).
-        Every node applies the same records, so views that have watched the swarm merge for
+        Nodes on one chain hold the same credits, so views that have watched the swarm merge for
         ``ELECT_WATCH_ROUNDS`` of fragment p's periods hold the same workers, whoever merged which round; the set
         is not windowed (a worker that pauses stays electable), so views do not part as learners pause one
         by one. All of ``seen`` while this node has watched for less (a joiner, a restart: it cannot yet
-        tell), or where none of them ever worked here."""
+        tell), or where none of them is credited."""
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
-        workers = self.work.workers(seen, time.monotonic(), window)
+        logged = {c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors}
+        workers = self.work.workers(seen, time.monotonic(), window, logged)
         if not workers:
             return seen
         return {q: m for q, m in seen.items() if q in workers}
