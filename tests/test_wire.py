@@ -151,18 +151,23 @@ def test_snapshot_carries_its_merged_ids_and_refuses_malformed_ones():
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
-    s = replace(_state(), merged=("a:1:7", "b:1:9"))
+    s = replace(_state(), merged=("a:1:7", "b:1:9"), credited=("a", "b", "c"))
     (got,) = decode_snapshot(encode_snapshot([s]), SPEC)
-    assert got.merged == ("a:1:7", "b:1:9")
+    assert got.merged == ("a:1:7", "b:1:9") and got.credited == ("a", "b", "c")
     raw = encode_snapshot([s])
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
     tensors = st_load(raw)
     # a snapshot from a node that sends no ids: none, not an error
-    old = {k: v for k, v in meta.items() if k != "merged"}
+    old = {k: v for k, v in meta.items() if k not in ("merged", "credited")}
     assert decode_snapshot(st_save(tensors, metadata=old), SPEC)[0].merged == ()
+    assert decode_snapshot(st_save(tensors, metadata=old), SPEC)[0].credited == ()
     for bad in ('{"1": "a:1:7"}', '{"1": [7]}', '{"1": [""]}', json.dumps({"1": ["x"] * 10_000})):
         with pytest.raises(ProtocolError) as e:
             decode_snapshot(st_save(tensors, metadata={**meta, "merged": bad}), SPEC)
+        assert e.value.code is RejectCode.MALFORMED, bad
+    for bad in ('{"a": 1}', '"a"', "[7]", '[""]', json.dumps(["x"] * 10_000), "[", json.dumps(["y" * 300])):
+        with pytest.raises(ProtocolError) as e:
+            decode_snapshot(st_save(tensors, metadata={**meta, "credited": bad}), SPEC)
         assert e.value.code is RejectCode.MALFORMED, bad
 
 

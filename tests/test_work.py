@@ -1,6 +1,8 @@
 """Weights follow work the swarm can see (issue 31, ``protocol.work``): the counters a contribution claims
 against the members' published rates."""
 
+from dataclasses import replace
+
 import pytest
 
 from node.swarm.guard import WorkBook
@@ -79,6 +81,35 @@ def test_the_workers_a_public_swarm_elects_are_those_its_chain_credits_not_those
     small = WorkBook(remember=2)
     small.settle([a, b, c])
     assert list(small.settled) == [sender_tag(b), sender_tag(c)]
+
+
+def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rounds():
+    """``SwarmView.credit_snapshot``: installing a snapshot settles its merged ids' senders and the learners its
+    donor credits (``WorkBook.credited``: settled first, then the donor's logged learners, newest last, capped);
+    of the log it replaces, only records too deep for the fork it resolved to undo."""
+    from types import SimpleNamespace
+
+    from node.swarm.view import SwarmView
+    from node.swarm.wire import FragmentState
+
+    a, b, c, d, e = ("12D3KooW" + ch * 44 for ch in "ABCDE")
+    donor = WorkBook()
+    donor.settle([a])
+    assert donor.credited([b, a], 8) == (sender_tag(a), sender_tag(b))
+    assert donor.credited([b, c], 2) == (sender_tag(b), sender_tag(c)) and donor.credited([b], 0) == ()
+
+    def rec(*learners):
+        return SimpleNamespace(record=SimpleNamespace(contributors=[(q, "cid", 1.0, 1, 1) for q in learners]))
+
+    class _View:
+        credit_snapshot = SwarmView.credit_snapshot
+
+    view = _View()
+    view.work, view.pcfg = WorkBook(), SimpleNamespace(history=4)
+    view.logs = [{3: rec(d), 9: rec(e), 10: rec(c)}]  # round 10: ours, on the fork the snapshot resolves
+    st = FragmentState(0, 10, "h", 1, 1.0, {}, {}, merged=(contribution_id(b, 0, 5, 1.0),))
+    view.credit_snapshot(replace(st, credited=donor.credited([], 8)))
+    assert set(view.work.settled) == {sender_tag(q) for q in (a, b, d)}  # not e (round 9 > 10 - 4), not c
 
 
 def test_a_negative_or_nan_work_factor_is_refused():

@@ -259,16 +259,11 @@ class CatchUp:
         if not replace_ours and not self._improves(st):
             return  # ours is as good or better by now
         rep = self.replicas[p]
-        # the snapshot's tensors were decoded for this alone: the replica takes them without a copy
-        rep.load_state(
-            st.round, st.theta, st.momentum, sane_clock(st.clock, self.pcfg.sync_every), copy=False
-        )
+        clock = sane_clock(st.clock, self.pcfg.sync_every)  # the tensors were decoded for this alone: no copy
+        rep.load_state(st.round, st.theta, st.momentum, clock, copy=False)
         self.heads[p] = (st.round, st.hash, st.n, st.weight)
         self.merged_tokens[p] = st.tokens
-        # credited learners (whom a public swarm elects, node.swarm.view): the snapshot's chain names them in
-        # its merged ids; of our log, only rounds too deep for a fork it resolved to undo
-        deep = [sr for r, sr in self.logs[p].items() if r <= st.round - self.pcfg.history]
-        self.work.settle((c[0] for sr in deep for c in sr.record.contributors), st.merged)
+        self.credit_snapshot(st)  # before the log goes
         self.logs[p].clear()
         # The records of the rounds this state skips are never applied here: their contribution ids come
         # with it, so a copy of one is refused as a replay and a queued one is not merged a second time.
@@ -394,11 +389,11 @@ class CatchUp:
                 f"{bucket.per_s * 60:g} a minute more (retry in {min(wait, 1e9):.0f} s)",
             )
         states, lent = [], [self.replicas[p] for p in frags]
+        credited = self.work.credited(self.logged_learners(), SNAPSHOT_IDS_MAX)
         for p in frags:
-            rep = self.replicas[p]
-            r, h, n, w = self.heads[p]
-            tok, ids = self.merged_tokens[p], self._merged_ids(p)
-            states.append(FragmentState(p, r, h, n, w, rep.theta, rep.momentum, tok, rep.clock, ids))
+            rep, (r, h, n, w), tok = self.replicas[p], self.heads[p], self.merged_tokens[p]
+            args = (rep.theta, rep.momentum, tok, rep.clock, self._merged_ids(p), credited)
+            states.append(FragmentState(p, r, h, n, w, *args))
         with momentum_lent(lent):
             body = await asyncio.to_thread(encode_snapshot, states)
         return Reply(True, body=body)

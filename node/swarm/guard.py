@@ -167,14 +167,24 @@ class WorkBook:
         keys = set(self.settled).union(sender_tag(q) for q in logged)
         return frozenset(pid for pid in live if sender_tag(pid) in keys)
 
-    def settle(self, learners: Iterable[str] = (), cids: Iterable[str] = ()) -> None:
-        """Credit ``learners`` (ids) and the senders ``cids`` name, on records past a fork's reach: one the
-        log let go of (``history`` rounds deep), or one of the chain a snapshot installed here."""
-        keys = [sender_tag(q) for q in learners] + [cid_sender(c) for c in cids]
+    def settle(
+        self, learners: Iterable[str] = (), cids: Iterable[str] = (), tags: Iterable[str] = ()
+    ) -> None:
+        """Credit ``learners`` (ids), the senders ``cids`` name and ``tags`` (as ``sender_tag`` makes them), on
+        records past a fork's reach: one the log let go of (``history`` rounds deep), or one of the chain a
+        snapshot installed here (its merged ids, and the learners its donor's chain credits)."""
+        keys = [sender_tag(q) for q in learners] + [cid_sender(c) for c in cids] + list(tags)
         for key in keys:
             self.settled[key] = None
             self.settled.move_to_end(key)
         self._trim()
+
+    def credited(self, logged: Iterable[str], most: int) -> tuple[str, ...]:
+        """The ``most`` newest tags of the learners credited on this node's chain (``settled``, then the learners
+        of the records its logs hold, ``logged``): what a snapshot it serves names (``settle``'s ``tags``)."""
+        tags = dict.fromkeys(self.settled)
+        tags.update(dict.fromkeys(sender_tag(q) for q in logged))
+        return tuple(tags)[-most:] if most > 0 else ()
 
     def heard(self, learner: str, p: int, now: float) -> float:
         since = self.since.setdefault((learner, p), now)

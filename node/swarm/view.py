@@ -15,6 +15,7 @@ from dht.records import Member, eligible
 from dht.swarm import get_dht_time
 from node.common.lifetime import parent_gone
 from node.swarm.settings import NodeSettings
+from node.swarm.wire import FragmentState
 from protocol.election import candidates, head_key
 from protocol.errors import ProtocolError, RejectCode
 from protocol.synchroniser import on_membership
@@ -228,11 +229,21 @@ class SwarmView:
         by one. All of ``seen`` while this node has watched for less (a joiner, a restart: it cannot yet
         tell), or where none of them is credited."""
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
-        logged = {c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors}
-        workers = self.work.workers(seen, time.monotonic(), window, logged)
+        workers = self.work.workers(seen, time.monotonic(), window, self.logged_learners())
         if not workers:
             return seen
         return {q: m for q, m in seen.items() if q in workers}
+
+    def logged_learners(self) -> set[str]:
+        """The learners the records this node's logs hold credit (``WorkBook.workers``)."""
+        return {c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors}
+
+    def credit_snapshot(self, st: FragmentState) -> None:
+        """On installing snapshot ``st``, before its fragment's log is cleared: the learners its chain credits
+        (its merged ids, its donor's credits) settle, and of our log's records, only those too deep for a
+        fork the snapshot resolved to undo."""
+        deep = [sr for r, sr in self.logs[st.fragment].items() if r <= st.round - self.pcfg.history]
+        self.work.settle((c[0] for sr in deep for c in sr.record.contributors), st.merged, st.credited)
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""

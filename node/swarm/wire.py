@@ -298,6 +298,7 @@ class FragmentState:
     tokens: int = 0  # tokens merged into this fragment so far (for status)
     clock: RoundClock | None = None  # when the round after it is due (protocol.schedule), if known
     merged: tuple[str, ...] = ()  # ids its last rounds merged: replay memory of the records it skips
+    credited: tuple[str, ...] = ()  # the learners the donor's chain credits (``WorkBook.credited``)
 
 
 SNAPSHOT_IDS_MAX = 2048  # merged ids one fragment's snapshot may name (the replay memory holds 65536)
@@ -316,17 +317,17 @@ def encode_snapshot(states: list[FragmentState]) -> bytes:
         if s.merged:
             merged[str(s.fragment)] = list(s.merged)
     meta = {"heads": json.dumps(heads), "clocks": json.dumps(clocks), "merged": json.dumps(merged)}
+    meta["credited"] = json.dumps(list(states[0].credited) if states else [])
     return st_save(tensors, metadata=meta)
 
 
-def _snapshot_ids(merged: dict, p: int) -> tuple[str, ...]:
-    """The merged contribution ids a snapshot names for fragment p: a list of short strings, or none."""
+def _snapshot_ids(merged: dict, p: int | str) -> tuple[str, ...]:
+    """The merged contribution ids a snapshot names for fragment p (or its ``"credited"``): short strings."""
     ids = merged.get(str(p), [])
     ok = isinstance(ids, list) and len(ids) <= SNAPSHOT_IDS_MAX
     if not (ok and all(isinstance(c, str) and 0 < len(c) <= 256 for c in ids)):
-        raise ValueError(
-            f"merged ids of fragment {p} are not a list of at most {SNAPSHOT_IDS_MAX} short strings"
-        )
+        what = "credited learners" if p == "credited" else f"merged ids of fragment {p}"
+        raise ValueError(f"{what} are not a list of at most {SNAPSHOT_IDS_MAX} short strings")
     return tuple(ids)
 
 
@@ -365,6 +366,7 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
             clocks = {}
         merged = json.loads(meta.get("merged", "{}"))  # absent in a snapshot from an older node
         ids = {p: _snapshot_ids(merged if isinstance(merged, dict) else {}, p) for p, *_ in items}
+        credited = _snapshot_ids({"credited": json.loads(meta.get("credited", "[]"))}, "credited")
     except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise ProtocolError(
             RejectCode.MALFORMED, f"bad snapshot metadata: {type(e).__name__}: {str(e)[:200]}"
@@ -393,5 +395,6 @@ def decode_snapshot(raw: bytes, spec: dict[int, dict[str, tuple[int, ...]]]) -> 
             raise ProtocolError(
                 RejectCode.MALFORMED, f"snapshot of fragment {p} lands on {got[:12]}, it claims {h[:12]}"
             )
-        out.append(FragmentState(p, r, h, n, w, theta, mom, tok, _snapshot_clock(clocks, p, r), ids[p]))
+        clock = _snapshot_clock(clocks, p, r)
+        out.append(FragmentState(p, r, h, n, w, theta, mom, tok, clock, ids[p], credited))
     return out
