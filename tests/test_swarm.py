@@ -80,6 +80,12 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     assert all(samples[-1][i] > steps0[i] for i in survivors), "a survivor's learner stopped"
 
     # Restart the killed node on its state folder: it resumes from its checkpoint, catches up, contributes.
+    # The checkpoint names the learners its chain credited (whom a public swarm elects), and it keeps them.
+    from node.swarm.checkpoint import load_latest
+    from protocol.messages import sender_tag
+
+    ck = load_latest(swarm.children[victim].state_dir / "checkpoints", "ddiloco-local")
+    assert len(set(ck.meta["credited"]) & {sender_tag(q) for q in ids.values()}) >= 2, ck.meta["credited"]
     t_restart = time.time()
     swarm.start(victim, peers_from=survivors[0])
     from node.local.launcher import wait_ready
@@ -97,6 +103,8 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
         lambda: any(e["kind"] == "step" for e in this_life()), 60, "the restarted learner's first step"
     )
     life = this_life()
+    (joined,) = [e for e in life if e["kind"] == "join"]
+    assert joined["credited"] >= len(ck.meta["credited"]), (joined, ck.meta["credited"])
     caught = [e for e in life if e["kind"] == "catch_up"]
     assert caught and caught[0]["fragments"], caught
     first_step = next(e["step"] for e in life if e["kind"] == "step")
@@ -117,6 +125,8 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     assert st["joined_by"].startswith("download from"), st["joined_by"]
     downloads = [e for e in swarm.events(4) if e["kind"] == "download"]
     assert downloads and downloads[0]["donors"], downloads
+    (joined,) = [e for e in swarm.events(4) if e["kind"] == "join"]
+    assert joined["credited"] >= 4, joined  # the snapshot named the 4 workers its donors' chain credits
     wait_until(
         lambda: new_id in swarm.merged_contributors(survivors[0], since=t_join),
         60,

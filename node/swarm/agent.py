@@ -307,6 +307,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
                 how=self.joined_by,
                 rounds=[r.round for r in self.replicas],
                 startup=self.startup,
+                credited=len(self.work.settled),  # learners credited by its checkpoint or snapshot (elect)
             )
             self.learner_loop.start()
             if s.agent_nice > 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 from node.common.priority import paced_wait
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
 from node.swarm.memory import momentum_lent, release_free_memory
+from node.swarm.wire import SNAPSHOT_IDS_MAX
 from protocol.synchroniser import SyncState
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
@@ -77,6 +78,9 @@ class Persistence:
             self.heads[p] = (int(r), h, int(n), float(w))
             self.syncs[p] = SyncState(fragment=p, global_round=int(r))
         self.merged_tokens = [int(x) for x in meta["merged_tokens"]]
+        credited = meta.get("credited", [])  # absent in an older node's checkpoint
+        if isinstance(credited, list):
+            self.work.settle(tags=[q for q in credited[-SNAPSHOT_IDS_MAX:] if isinstance(q, str) and q])
         self.learner.load_state(ck.tensors, meta["learner"])
         self.learner.drop_unmerged()
         self.learner_loop.tokens = int(meta.get("tokens", 0))
@@ -102,6 +106,9 @@ class Persistence:
                 fixed[f"mom/{p}/{k}"] = rep.momentum[k]
         shared = {"peer_id": self.peer_id, "heads": [list(h) for h in self.heads]}
         shared["merged_tokens"] = list(self.merged_tokens)
+        # whom a public swarm elects (node.swarm.view): a node back from a restart, caught up by records,
+        # otherwise knew only the workers credited since, and elected past a worker that had paused
+        shared["credited"] = list(self.work.credited(self.logged_learners(), SNAPSHOT_IDS_MAX))
         folder, swarm = self.state_dir / "checkpoints", self.settings.swarm
 
         cpu = [0.0, 0.0]  # CPU seconds of the thread that lays it out, and of the one that finishes it

@@ -109,8 +109,9 @@ class NodeSettings:
     elect: str = field(
         default="auto",
         metadata={
-            "help": "who may be elected synchroniser: workers (members whose learner's work this node has "
-            "merged, once it has watched the swarm merge for 3 round periods; anyone where none has), or anyone; "
+            "help": "who may be elected synchroniser: workers (members whose learner's work the chain this node "
+            "follows credits, once it has watched the swarm merge for 3 round periods; anyone where none is), "
+            "or anyone; "
             "auto: workers in a public swarm (no --authority), anyone where an authority certifies "
             "synchronisers (docs/security.md)"
         },
@@ -303,7 +304,7 @@ class NodeSettings:
 
     @property
     def elect_workers(self) -> bool:
-        """Only members whose work this node has merged are electable (``elect``, with auto resolved):
+        """Only members whose work this node's chain credits are electable (``elect``, with auto resolved):
         identities are free where no authority certifies synchronisers (issue 32, Sybils)."""
         return self.elect == "workers" or (self.elect == "auto" and not self.authority)
 
