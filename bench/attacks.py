@@ -16,7 +16,10 @@ so new data orders), its ratio to the unattacked run of the same column, the tok
 many runs ended on one hash. Then the wire bytes per inner step of each column's unattacked runs, and for
 the synchroniser attacks how many of the liar's records got in, how many were convicted, and how long until
 every honest node had banned it; for ``sybil`` (32 more identities per hostile member, no process behind
-them) how many contributions the honest nodes sent past a candidate that did not answer.
+them) how many contributions the honest nodes sent past a candidate that did not answer; for issue 31's
+``sync-stall`` (a working member that takes rounds and never merges them) and ``dead-list`` (a working member
+whose every contribution goes to every member, each copy naming the others dead) the forks the honest nodes
+met against the unattacked run's, and the rounds found stalled or the copies two nodes took.
 
     python bench/attacks.py                              # 4 honest + 1 hostile, every attack, 3 repeats
     python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
@@ -51,7 +54,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
-    "sync-drop", "head-zero", "sybil",
+    "sync-drop", "head-zero", "sybil", "sync-stall", "dead-list",
 )  # fmt: skip
 
 
@@ -141,6 +144,7 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
         hashes = {f.get("model_hash") for f in finals}
         steps = sum(w.get("learner", {}).get("steps", 0) for w in wire)
         liars = {c.peer_id for c in children[len(children) - n_hostile :]}
+        events = [e for i in honest for e in read_events(run_dir / f"node-{i}" / "events.jsonl")]
         return {
             "eval_loss": statistics.mean(f["eval_loss"] for f in finals),
             "tokens": min(f.get("tokens_merged", 0) for f in finals),
@@ -151,12 +155,19 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
             **(_liar_snapshots(run_dir, honest, liars) if attack == "head-zero" else {}),
             # contributions sent past a candidate that did not answer (a Sybil flood's cost)
-            "failovers": sum(
-                e["kind"] == "failover"
-                for i in honest
-                for e in read_events(run_dir / f"node-{i}" / "events.jsonl")
-            ),
+            "failovers": sum(e["kind"] == "failover" for e in events),
+            "forks": sum(e["kind"] == "fork" for e in events),  # two records of one round met
+            # rounds a member took and left unmerged, found by their senders' watch (issue 31)
+            "stalls": sum(e["kind"] == "stall" and e.get("peer") in liars for e in events),
+            **(_dead_list(run_dir, children[len(children) - n_hostile :]) if attack == "dead-list" else {}),
         }
+
+
+def _dead_list(run_dir: Path, hostile: list) -> dict:
+    """The hostile learner's contributions sent to every member, each copy naming every other one dead: how many
+    were sent, and how many were taken by two or more nodes (each then a round of its own, a fork)."""
+    sent = [e for c in hostile for e in read_events(c.state_dir / "events.jsonl") if e["kind"] == "dead_list"]
+    return {"dead_list_sent": len(sent), "taken_twice": sum(e["taken"] >= 2 for e in sent)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +246,19 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{attack} --robust {rule} --audit {audit}: contributions failed over past a candidate per run "
                 f"{[x['failovers'] for x in xs]} (unattacked {[x['failovers'] for x in base]})"
+            )
+    for attack in (a for a in attacks if a in ("sync-stall", "dead-list")):
+        for rule, audit in cols:
+            xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
+            extra = (
+                f", contributions sent to every member {[x['dead_list_sent'] for x in xs]}, taken by two or more "
+                f"{[x['taken_twice'] for x in xs]}"
+                if attack == "dead-list"
+                else f", rounds found stalled {[x['stalls'] for x in xs]}"
+            )
+            print(
+                f"{attack} --robust {rule} --audit {audit}: forks per run {[x['forks'] for x in xs]} "
+                f"(unattacked {[x['forks'] for x in base]}){extra}"
             )
     for attack in (a for a in attacks if a == "head-zero"):
         for rule, audit in cols:

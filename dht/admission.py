@@ -78,10 +78,14 @@ class Certificate:
                 if not isinstance(getattr(cert, name), str) or len(getattr(cert, name)) > 256:
                     raise TypeError(f"{name} is not a string of at most 256 characters")
             for name in ("issued_at", "expires_at"):  # float() let "123" through, to fail in verify()
-                if type(getattr(cert, name)) not in (int, float):
-                    raise TypeError(f"{name} is not a number")
+                if type(getattr(cert, name)) not in (int, float) or not math.isfinite(
+                    float(getattr(cert, name))
+                ):
+                    raise TypeError(
+                        f"{name} is not a finite number"
+                    )  # float() of a 400-digit int: OverflowError
         # RecursionError: JSON nested deeper than the parser's stack (a certificate is any member's to write)
-        except (ValueError, TypeError, RecursionError) as e:
+        except (ValueError, TypeError, RecursionError, OverflowError) as e:
             raise AdmissionError(
                 f"malformed admission certificate: {type(e).__name__}: {str(e)[:200]}"
             ) from e

@@ -18,7 +18,9 @@ import torch
 from node.learner.loop import LearnerLoop
 from node.swarm import persistence
 from node.swarm.checkpoint import PendingCheckpoint
+from node.swarm.guard import WorkBook
 from node.swarm.persistence import Persistence
+from node.swarm.view import SwarmView
 
 
 class _Loop:
@@ -53,6 +55,9 @@ class _Node(Persistence):
             _Loop(self.learner) if alive else SimpleNamespace(is_alive=lambda: False, tokens=0)
         )
         self.counters, self.events = {"checkpoints": 0}, SimpleNamespace(emit=lambda *a, **k: None)
+        self.work, self.logs = WorkBook(), []
+
+    logged_learners = SwarmView.logged_learners
 
 
 @pytest.mark.parametrize("alive", [True, False])

@@ -16,6 +16,7 @@ from node.learner.evaluation import ParamsModel
 from node.learner.learner import InnerConfig, Learner
 from node.learner.task import TaskConfig, evaluate, load_task
 from node.swarm.checkpoint import CheckpointError, PendingCheckpoint, list_checkpoints, load_checkpoint
+from node.swarm.guard import WorkBook
 from node.swarm.memory import breakdown
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
@@ -425,6 +426,8 @@ def test_a_checkpoint_and_a_snapshot_hold_the_momentum_lent_while_other_threads_
         heads=[(0, r.hash, 1, 1.0) for r in reps],
         merged_tokens=[0, 0],
         _merged_ids=lambda p: (),
+        work=WorkBook(),
+        logged_learners=set,
     )
     reply = asyncio.run(CatchUp._h_snapshot(node, "peer", json.dumps({"fragments": [1]}).encode()))
     assert reply.ok and seen == [("checkpoint", [1, 1]), ("snapshot", [0, 1])]

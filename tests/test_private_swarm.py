@@ -8,6 +8,7 @@ everyone's view."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -46,6 +47,10 @@ def test_admission_certificates_and_sealing(tmp_path):
         adm.check(other.peer_id, forged.to_json(), now)
     with pytest.raises(AdmissionError, match="no admission"):
         adm.check(other.peer_id, "", now)
+    for bad in (10**400, float("inf"), float("nan")):  # 10**400: float() overflows (found by the fuzzer)
+        doc_bad = {**json.loads(cert.to_json()), "expires_at": bad}
+        with pytest.raises(AdmissionError, match="malformed admission certificate"):
+            adm.check(me.peer_id, json.dumps(doc_bad), now)
     revoke(tmp_path / "auth", me.peer_id)
     with pytest.raises(AdmissionError, match="revoked"):
         adm.check(me.peer_id, cert.to_json(), now)

@@ -59,6 +59,7 @@ class _Public(_Node):
     seconds ago (the watch is 3 periods of 1 s)."""
 
     _workers = SwarmView._workers
+    logged_learners = SwarmView.logged_learners
 
     def __init__(self, n: int, workers: list[str], watched_s: float) -> None:
         super().__init__(n)

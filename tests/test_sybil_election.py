@@ -109,6 +109,7 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
 
     class _Node(CatchUp):
         _workers = SwarmView._workers
+        logged_learners = SwarmView.logged_learners
 
         def __init__(self, watched_s: float) -> None:
             self.replicas = [None]
