@@ -17,9 +17,8 @@ many runs ended on one hash. Then the wire bytes per inner step of each column's
 the synchroniser attacks how many of the liar's records got in, how many were convicted, and how long until
 every honest node had banned it; for ``sybil`` (32 more identities per hostile member, no process behind
 them) how many contributions the honest nodes sent past a candidate that did not answer; for issue 31's
-``sync-stall`` (a working member that takes rounds and never merges them) and ``dead-list`` (a working member
-whose every contribution goes to every member, each copy naming the others dead) the forks the honest nodes
-met against the unattacked run's, and the rounds found stalled or the copies two nodes took.
+``sync-stall`` (a working member that takes rounds and never merges them) the forks the honest nodes met
+against the unattacked run's, and the rounds its senders found stalled.
 
     python bench/attacks.py                              # 4 honest + 1 hostile, every attack, 3 repeats
     python bench/attacks.py --hostile 2 --rules auto     # 4 + 2, the public swarm's rule only
@@ -54,7 +53,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
-    "sync-drop", "head-zero", "sybil", "sync-stall", "dead-list",
+    "sync-drop", "head-zero", "sybil", "sync-stall",
 )  # fmt: skip
 
 
@@ -159,15 +158,7 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "forks": sum(e["kind"] == "fork" for e in events),  # two records of one round met
             # rounds a member took and left unmerged, found by their senders' watch (issue 31)
             "stalls": sum(e["kind"] == "stall" and e.get("peer") in liars for e in events),
-            **(_dead_list(run_dir, children[len(children) - n_hostile :]) if attack == "dead-list" else {}),
         }
-
-
-def _dead_list(run_dir: Path, hostile: list) -> dict:
-    """The hostile learner's contributions sent to every member, each copy naming every other one dead: how many
-    were sent, and how many were taken by two or more nodes (each then a round of its own, a fork)."""
-    sent = [e for c in hostile for e in read_events(c.state_dir / "events.jsonl") if e["kind"] == "dead_list"]
-    return {"dead_list_sent": len(sent), "taken_twice": sum(e["taken"] >= 2 for e in sent)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,18 +238,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{attack} --robust {rule} --audit {audit}: contributions failed over past a candidate per run "
                 f"{[x['failovers'] for x in xs]} (unattacked {[x['failovers'] for x in base]})"
             )
-    for attack in (a for a in attacks if a in ("sync-stall", "dead-list")):
+    for attack in (a for a in attacks if a == "sync-stall"):
         for rule, audit in cols:
             xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
-            extra = (
-                f", contributions sent to every member {[x['dead_list_sent'] for x in xs]}, taken by two or more "
-                f"{[x['taken_twice'] for x in xs]}"
-                if attack == "dead-list"
-                else f", rounds found stalled {[x['stalls'] for x in xs]}"
-            )
             print(
                 f"{attack} --robust {rule} --audit {audit}: forks per run {[x['forks'] for x in xs]} "
-                f"(unattacked {[x['forks'] for x in base]}){extra}"
+                f"(unattacked {[x['forks'] for x in base]}), rounds found stalled {[x['stalls'] for x in xs]}"
             )
     for attack in (a for a in attacks if a == "head-zero"):
         for rule, audit in cols:

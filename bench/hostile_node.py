@@ -21,11 +21,9 @@ records of ``DDILOCO_SYBILS`` (32) identities of its own with no process behind 
 record: its address, its heads, its step and rates; so every one is as electable as an honest member).
 Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
 an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
-Issue 31's rows as a member whose learner works honestly (so a public swarm credits and elects it):
+Issue 31's stalled round as a member whose learner works honestly (so a public swarm credits and elects it):
 ``sync-stall`` (when elected it answers every contribution ``ok`` and never merges: each round it takes is
-dropped and taken again, so it swallows every contribution sent to it), ``dead-list`` (each contribution of
-its learner goes to every member at once, each copy naming every other member dead, for every node to take
-it as synchroniser).
+dropped and taken again, so it swallows every contribution sent to it).
 """
 
 from __future__ import annotations
@@ -206,30 +204,6 @@ def tamper_stall() -> None:
     Replication._merge = _merge
 
 
-def tamper_dead_list() -> None:
-    import asyncio
-    import json
-    import time
-
-    from node.swarm.contributions import Contributions
-    from node.swarm.wire import pack_list, sign_contribution
-    from protocol.messages import encode_contribution
-
-    async def post_contribution(self, header, enc) -> None:
-        raw = encode_contribution(header, enc)
-        sig = sign_contribution(self.settings.swarm, self.identity, raw)
-        self.keep_message(raw, sig)  # for the audit of a record that merges it
-        others = sorted(q for q in self.live_members() if q != self.peer_id)
-        payload = pack_list([json.dumps({"dead": others}).encode(), raw, sig])
-        calls = [self.transport.call(q, "contribute", payload, timeout_s=5.0) for q in others]
-        replies = await asyncio.gather(*calls, self._accept(self.peer_id, payload), return_exceptions=True)
-        taken = sum(1 for r in replies if getattr(r, "ok", False))  # more than 1: two nodes took the round
-        self.events.emit("dead_list", t=time.time(), fragment=header.fragment, cid=header.cid, taken=taken)
-        self.counters["contributions_sent"] += 1
-
-    Contributions.post_contribution = post_contribution
-
-
 def tamper(attack: str) -> None:
     from node.swarm.contributions import Contributions
     from protocol.codecs import decode_tensors, encode_tensors
@@ -255,7 +229,7 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "sybil", "sync-stall", "dead-list"]
+    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "sybil", "sync-stall"]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
@@ -263,8 +237,6 @@ def main() -> int:
         tamper_heads()
     elif sys.argv[1] == "sync-stall":
         tamper_stall()
-    elif sys.argv[1] == "dead-list":
-        tamper_dead_list()
     elif sys.argv[1] == "sybil":
         tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")))
     elif sys.argv[1].startswith("alie"):
