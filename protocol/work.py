@@ -6,7 +6,9 @@ synchroniser bounds them by what the swarm can see of the sender:
 
 - tokens per step, c_tokens / c_steps, at most ``factor`` times the median of what the live members publish
   (their tokens per second over their steps per second), once 3 members publish rates: a learner's batch
-  is its own, so mixed hardware differs, but not by orders of magnitude;
+  is its own, so mixed hardware differs, but not by orders of magnitude. Below 3 (a small swarm, members
+  starting, a view a moment stale) the synchroniser's own learner is the measure: the one rate it saw
+  itself, which no other member can bend (a median of two would be half the liar's);
 - steps, at most ``factor`` times what the sender's published step rate (itself at most ``factor`` times the
   members' median) allows over the time since its last merged contribution of the fragment, or since this
   node first heard of it, plus ``factor`` rounds of ``sync_every`` steps of slack.
@@ -33,12 +35,16 @@ class VisibleWork:
     steps_per_s: float = 0.0
 
 
-def visible_work(rates: Iterable[tuple[float, float]]) -> VisibleWork:
+def visible_work(
+    rates: Iterable[tuple[float, float]], own: tuple[float, float] = (0.0, 0.0)
+) -> VisibleWork:
     """From the live members' published (tokens_per_s, steps_per_s); a member that publishes no rate yet
-    (starting, paused) is left out."""
+    (starting, paused) is left out. ``own``: this node's learner's rate, the measure while fewer than
+    ``MIN_MEMBERS`` publish (none: no bound then)."""
     rates = [(t, s) for t, s in rates if t > 0 and s > 0]
     if len(rates) < MIN_MEMBERS:
-        return VisibleWork()
+        t, s = own
+        return VisibleWork(t / s, s) if t > 0 and s > 0 else VisibleWork()
     return VisibleWork(statistics.median(t / s for t, s in rates), statistics.median(s for _, s in rates))
 
 

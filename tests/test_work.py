@@ -23,6 +23,19 @@ def test_the_medians_need_three_members_publishing_rates():
     assert visible_work(RATES + [(5e6, 2e3)]).tokens_per_step == pytest.approx(258.0)
 
 
+def test_below_three_members_the_synchronisers_own_learner_is_the_measure():
+    """Seen in a loaded suite run: a node whose view held two rated members took 1e9 tokens in one step."""
+    liar = (1e12, 1e3)  # a member publishing the rate its lie needs
+    work = visible_work([RATES[0], liar], own=RATES[0])
+    assert work == VisibleWork(256.0, 2.0)  # its own rate alone: a mean with the liar would be bent
+    assert "tokens a step" in _refused(1, 10**9, 2.0, 0.0, work, 4.0, 8)
+    assert "steps in" in _refused(10**6, 256 * 10**6, 2.0, 8.0, work, 4.0, 8)
+    # a node with no learner rate yet (starting, or none) has no measure: no bound, as before
+    assert visible_work([liar], own=(0.0, 0.0)) == VisibleWork()
+    # three members publishing: the median, whatever this node's own rate
+    assert visible_work(RATES, own=(1e6, 1.0)).tokens_per_step == pytest.approx(256.0)
+
+
 def _refused(*args) -> str:
     with pytest.raises(ProtocolError) as e:
         check_counters(*args)
@@ -81,6 +94,19 @@ def test_the_workers_a_public_swarm_elects_are_those_its_chain_credits_not_those
     small = WorkBook(remember=2)
     small.settle([a, b, c])
     assert list(small.settled) == [sender_tag(b), sender_tag(c)]
+
+
+def test_credits_handed_by_a_snapshot_or_checkpoint_are_elected_by_at_once():
+    """A joiner that waited to watch a merge elected among every member, itself too, while the swarm elected
+    a worker: under ``sync-diloco`` each held one learner's contribution of a round and neither merged again
+    (a suite run). Credits that came whole (``settle``'s ``tags``) are the chain's: no wait."""
+    a, me = "12D3KooW" + "A" * 44, "12D3KooW" + "J" * 44
+    book = WorkBook()
+    book.settle([a])  # credits of its own making (a log's record settling) are not handed
+    assert book.workers((a, me), 0.0, 30.0) is None
+    book.settle(tags=[sender_tag(a)])  # a snapshot's or a checkpoint's ``credited``
+    assert book.workers((a, me), 0.0, 30.0) == {a}
+    assert book.workers((a, me), 0.0, 0.0) is None  # still none without a schedule
 
 
 def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rounds():

@@ -342,7 +342,9 @@ class Contributions(MergeWatch):
         now, members = time.monotonic(), self.live_members()
         since = self.work.heard(h.learner, h.fragment, now)
         sender = members.get(h.learner)
-        work = visible_work((m.tokens_per_s, m.steps_per_s) for m in members.values())
+        me = members.get(self.peer_id)
+        own = (me.tokens_per_s, me.steps_per_s) if me is not None else (0.0, 0.0)
+        work = visible_work(((m.tokens_per_s, m.steps_per_s) for m in members.values()), own)
         rate = sender.steps_per_s if sender is not None else 0.0
         f, every = self.pcfg.work_factor, self.pcfg.sync_every
         check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every)

@@ -144,6 +144,8 @@ class WorkBook:
         # merged ids name them so
         self.settled: OrderedDict[str, None] = OrderedDict()
         self.first: float | None = None  # when this node first saw work merged
+        # the chain's credits came whole, from a snapshot's or a checkpoint's ``credited``: elect by them at once
+        self.handed = False
 
     def working(self, live: Iterable[str], now: float, window_s: float) -> frozenset[str] | None:
         """The learners of ``live`` whose work was merged here within the last ``window_s`` seconds; None
@@ -161,8 +163,13 @@ class WorkBook:
         merge for ``window_s`` seconds, as ``working``. Not windowed: a set that only grows while members
         live, so that views do not part as learners pause one by one; and not what this node merged, but
         what its chain holds: a joiner's own round that lost a fork credited its learner in its view alone,
-        which elected it there and nowhere else while the swarm rested (a CI failure)."""
-        if window_s <= 0 or self.first is None or now - self.first < window_s:
+        which elected it there and nowhere else while the swarm rested (a CI failure). No wait where the
+        credits came whole with a snapshot or checkpoint (``handed``): a joiner that waited to see a merge
+        elected among every member, itself too, while the others elected a worker; with ``sync-diloco``'s
+        quorum of every learner, each held one learner's contribution and neither merged again (a suite run)."""
+        if window_s <= 0:
+            return None
+        if not self.handed and (self.first is None or now - self.first < window_s):
             return None
         keys = set(self.settled).union(sender_tag(q) for q in logged)
         return frozenset(pid for pid in live if sender_tag(pid) in keys)
@@ -174,6 +181,7 @@ class WorkBook:
         records past a fork's reach: one the log let go of (``history`` rounds deep), or one of the chain a
         snapshot installed here (its merged ids, and the learners its donor's chain credits)."""
         keys = [sender_tag(q) for q in learners] + [cid_sender(c) for c in cids] + list(tags)
+        self.handed = self.handed or bool(tags)
         for key in keys:
             self.settled[key] = None
             self.settled.move_to_end(key)
