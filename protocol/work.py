@@ -35,9 +35,7 @@ class VisibleWork:
     steps_per_s: float = 0.0
 
 
-def visible_work(
-    rates: Iterable[tuple[float, float]], own: tuple[float, float] = (0.0, 0.0)
-) -> VisibleWork:
+def visible_work(rates: Iterable[tuple[float, float]], own: tuple[float, float] = (0.0, 0.0)) -> VisibleWork:
     """From the live members' published (tokens_per_s, steps_per_s); a member that publishes no rate yet
     (starting, paused) is left out. ``own``: this node's learner's rate, the measure while fewer than
     ``MIN_MEMBERS`` publish (none: no bound then)."""
