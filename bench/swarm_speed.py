@@ -9,11 +9,12 @@ other in memory bandwidth, without any swarm). Printed per node: steps, the mean
 window, the median, and ``plain/node``, the baseline's median step time over the node's mean (1.0 = as fast as
 the plain loop; the issue asks at least 0.85 against one thread), and the same over the window's second half
 (past the start's one-off work: each node's first evaluation and its first checkpoint, which comes soon after
-a join); then the CPU seconds per learner step of each
+a join; ``--settled`` starts the whole window after them); then the CPU seconds per learner step of each
 node's parts over the window (``/proc``): its learner thread, its other threads (agent, merges, checkpoints,
 status), its DHT process and its p2p daemons; and its peak resident memory against its fp32 weights.
 
     .venv/bin/python bench/swarm_speed.py                     # 2 nodes, the 85M configuration, 180 s
+    .venv/bin/python bench/swarm_speed.py --settled               # the steady rate, past the start's work
     .venv/bin/python bench/swarm_speed.py --size tiny --seconds 60 --json
 
 Every process is killed at the end.
@@ -66,6 +67,10 @@ def _cpu_s(stat: str) -> float:
     return (int(f[11]) + int(f[12])) / _TICK  # utime + stime
 
 
+def _faults(stat: str) -> int:
+    return int(stat.rsplit(")", 1)[1].split()[7])  # minflt
+
+
 def cpu_by_part(pid: int) -> dict[str, float]:
     """CPU seconds so far of a node's processes, by part: its learner thread, the rest of the node's own
     process (agent, merges, checkpoints, status), and each kind of child process by its command name."""
@@ -82,28 +87,41 @@ def cpu_by_part(pid: int) -> dict[str, float]:
             key = "p2pd" if comm == "p2pd" else "dht process" if comm.startswith("python") else comm
             parts[key] = parts.get(key, 0.0) + total
             continue
-        learner = 0.0
+        learner, faults = 0.0, 0
         for t in os.listdir(f"/proc/{p}/task"):
             try:
                 with open(f"/proc/{p}/task/{t}/comm") as fh:
                     if fh.read().strip() == "ddiloco-learn":
                         with open(f"/proc/{p}/task/{t}/stat") as fh2:
-                            learner += _cpu_s(fh2.read())
+                            stat = fh2.read()
+                        learner += _cpu_s(stat)
+                        faults += _faults(stat)
             except OSError:
                 pass
         parts["learner thread"] = learner
+        parts["learner thread page faults"] = faults
         parts["node, other threads"] = total - learner
     return parts
 
 
-def _steps(state: Path) -> list[dict]:
+def _events(state: Path, kind: str) -> list[dict]:
     path = state / "events.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, filter(None, lines)) if e.get("kind") == "step"]
+    return [e for e in map(json.loads, filter(None, lines)) if e.get("kind") == kind]
+
+
+def _steps(state: Path) -> list[dict]:
+    return _events(state, "step")
 
 
 def run_nodes(
-    size: str, nodes: int, seconds: float, timeout_s: float, run: Path, extra: list[str]
+    size: str,
+    nodes: int,
+    seconds: float,
+    timeout_s: float,
+    run: Path,
+    extra: list[str],
+    settled: bool = False,
 ) -> list[dict]:
     flags = [*SIZES[size], "--threads", "1", *extra]
     deadline = time.time() + timeout_s
@@ -118,6 +136,12 @@ def run_nodes(
             if time.time() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"not every node stepped; see the node.log files under {run}")
             time.sleep(1)
+        if settled:  # past each node's one-off start work: its first evaluation and first checkpoint
+            print("swarm_speed: waiting for every node's first checkpoint", file=sys.stderr, flush=True)
+            while not all(_events(c.state_dir, "checkpoint") for c in kids):
+                if time.time() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"not every node checkpointed; see the node.log files under {run}")
+                time.sleep(1)
         t0 = time.time()
         cpu0 = [cpu_by_part(p.pid) for p in procs]
         print(f"swarm_speed: every node steps; measuring {seconds:.0f} s", file=sys.stderr, flush=True)
@@ -168,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps of each plain loop")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on the nodes' start")
     ap.add_argument("--flags", default="", help='more node flags, e.g. "--checkpoint-every-s 300"')
+    ap.add_argument(
+        "--settled",
+        action="store_true",
+        help="start the window once every node has written its first checkpoint (10 s after joining) and "
+        "made its first evaluation: the one-off start work left out, the steady rate measured",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument(
         "--keep", help="run the nodes in this new folder and keep it (events, logs); default: removed"
@@ -180,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.keep
         else tempfile.TemporaryDirectory(prefix="ddiloco-speed-") as tmp
     ):
-        rows = run_nodes(a.size, a.nodes, a.seconds, a.timeout_s, Path(tmp), shlex.split(a.flags))
+        rows = run_nodes(a.size, a.nodes, a.seconds, a.timeout_s, Path(tmp), shlex.split(a.flags), a.settled)
     print("swarm_speed: plain loops, one alone and then all at once", file=sys.stderr, flush=True)
     alone = _plain(a.size, a.steps, 1)[0]
     together = statistics.median(_plain(a.size, a.steps, a.nodes))
@@ -191,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "size": a.size,
         "flags": a.flags,
+        "window": "settled" if a.settled else "from the first steps",
         "plain_alone_s": round(alone, 3),
         "plain_together_s": round(together, 3),
         "nodes": rows,
@@ -198,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
+    print(f"window: {out['window']}, {a.seconds:.0f} s")
     print(f"plain loop, one thread: alone {alone:.3f} s/step; {a.nodes} at once {together:.3f} s/step each")
     print(
         "node  steps  mean s/step  median  plain(alone)/node  plain(together)/node  merges"

@@ -58,6 +58,10 @@ def check_counters(
     """Raise ``bad_counters`` when a contribution claims more work than the swarm can see its sender do
     (``factor`` 0: no bound). ``elapsed_s``: seconds since the sender's last merged contribution of this
     fragment, or since this node first heard of the sender."""
+    if c_steps <= 0 or c_tokens <= 0:  # before any bound, which divides by them
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS, f"c_steps={c_steps} c_tokens={c_tokens} must be positive"
+        )
     if factor <= 0 or work.tokens_per_step <= 0:
         return
     per_step = c_tokens / c_steps

@@ -30,6 +30,9 @@ def test_below_three_members_the_synchronisers_own_learner_is_the_measure():
     assert work == VisibleWork(256.0, 2.0)  # its own rate alone: a mean with the liar would be bent
     assert "tokens a step" in _refused(1, 10**9, 2.0, 0.0, work, 4.0, 8)
     assert "steps in" in _refused(10**6, 256 * 10**6, 2.0, 8.0, work, 4.0, 8)
+    # zero counters are refused before any bound divides by them (a suite run: internal_error, ZeroDivision)
+    assert "must be positive" in _refused(0, 256, 2.0, 8.0, work, 4.0, 8)
+    assert "must be positive" in _refused(8, 0, 2.0, 8.0, VisibleWork(), 4.0, 8)
     # a node with no learner rate yet (starting, or none) has no measure: no bound, as before
     assert visible_work([liar], own=(0.0, 0.0)) == VisibleWork()
     # three members publishing: the median, whatever this node's own rate
