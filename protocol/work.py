@@ -6,9 +6,9 @@ synchroniser bounds them by what the swarm can see of the sender:
 
 - tokens per step, c_tokens / c_steps, at most ``factor`` times the median of what the live members publish
   (their tokens per second over their steps per second), once 3 members publish rates: a learner's batch
-  is its own, so mixed hardware differs, but not by orders of magnitude. Below 3 (a small swarm, members
-  starting, a view a moment stale) the synchroniser's own learner is the measure: the one rate it saw
-  itself, which no other member can bend (a median of two would be half the liar's);
+  is its own, so mixed hardware differs, but not by orders of magnitude. A view that drops below 3 for a
+  moment (a record a heartbeat late, a member restarting) keeps the last medians of 3 or more for
+  ``keep_s`` (``WorkMeasure``): a loaded suite run took 1e9 tokens in one step in such a moment;
 - steps, at most ``factor`` times what the sender's published step rate (itself at most ``factor`` times the
   members' median) allows over the time since its last merged contribution of the fragment, or since this
   node first heard of it, plus ``factor`` rounds of ``sync_every`` steps of slack.
@@ -18,6 +18,7 @@ Over a bound the contribution is refused as ``bad_counters``, which costs its se
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,15 +36,34 @@ class VisibleWork:
     steps_per_s: float = 0.0
 
 
-def visible_work(rates: Iterable[tuple[float, float]], own: tuple[float, float] = (0.0, 0.0)) -> VisibleWork:
+def visible_work(rates: Iterable[tuple[float, float]]) -> VisibleWork:
     """From the live members' published (tokens_per_s, steps_per_s); a member that publishes no rate yet
-    (starting, paused) is left out. ``own``: this node's learner's rate, the measure while fewer than
-    ``MIN_MEMBERS`` publish (none: no bound then)."""
+    (starting, paused) is left out."""
     rates = [(t, s) for t, s in rates if t > 0 and s > 0]
     if len(rates) < MIN_MEMBERS:
-        t, s = own
-        return VisibleWork(t / s, s) if t > 0 and s > 0 else VisibleWork()
+        return VisibleWork()
     return VisibleWork(statistics.median(t / s for t, s in rates), statistics.median(s for _, s in rates))
+
+
+class WorkMeasure:
+    """``visible_work`` that outlasts a moment's gap: where fewer than ``MIN_MEMBERS`` publish rates now, the
+    last medians of ``MIN_MEMBERS`` or more, for ``keep_s`` seconds after they were seen. A swarm that has
+    not had 3 rated members for that long bounds nothing (a small swarm of mixed hardware: one member's
+    rate is no measure of another's)."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.last: VisibleWork | None = None
+        self.seen_at = -math.inf
+
+    def measure(self, rates: Iterable[tuple[float, float]], now: float) -> VisibleWork:
+        work = visible_work(rates)
+        if work.tokens_per_step > 0:
+            self.last, self.seen_at = work, now
+            return work
+        if self.last is not None and now - self.seen_at <= self.keep_s:
+            return self.last
+        return work
 
 
 def check_counters(

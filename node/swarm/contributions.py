@@ -36,10 +36,11 @@ from protocol.messages import (
     sender_tag,
 )
 from protocol.synchroniser import Contribution, on_contribution
-from protocol.work import check_counters, visible_work
+from protocol.work import WorkMeasure, check_counters
 
 logger = logging.getLogger(__name__)
 HOLD_BEHIND = 2  # with carry, contributions wait while our fragment is more rounds than this behind
+WORK_KEEP_TTLS = 10  # how long (x ttl_s) the members' last rated medians bound counters when a view has fewer
 PING_AT_MOST = 4  # peers a synchroniser asks whether they are up before it believes a sender's dead list
 
 
@@ -342,9 +343,10 @@ class Contributions(MergeWatch):
         now, members = time.monotonic(), self.live_members()
         since = self.work.heard(h.learner, h.fragment, now)
         sender = members.get(h.learner)
-        me = members.get(self.peer_id)
-        own = (me.tokens_per_s, me.steps_per_s) if me is not None else (0.0, 0.0)
-        work = visible_work(((m.tokens_per_s, m.steps_per_s) for m in members.values()), own)
+        measure = self.__dict__.get("work_measure")
+        if measure is None:  # rates a heartbeat late still count (protocol.work.WorkMeasure)
+            measure = self.work_measure = WorkMeasure(WORK_KEEP_TTLS * self.settings.ttl_s)
+        work = measure.measure(((m.tokens_per_s, m.steps_per_s) for m in members.values()), now)
         rate = sender.steps_per_s if sender is not None else 0.0
         f, every = self.pcfg.work_factor, self.pcfg.sync_every
         check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every)
