@@ -161,6 +161,11 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
         }
 
 
+def _beside(xs: list[dict], base: list[dict], key: str) -> str:
+    """Per run, ``key`` of the attacked runs with the unattacked runs' beside them."""
+    return f"{[x[key] for x in xs]} (unattacked {[x[key] for x in base]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/attacks.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--honest", type=int, default=4)
@@ -236,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
             print(
                 f"{attack} --robust {rule} --audit {audit}: contributions failed over past a candidate per run "
-                f"{[x['failovers'] for x in xs]} (unattacked {[x['failovers'] for x in base]})"
+                f"{_beside(xs, base, 'failovers')}"
             )
     for attack in (a for a in attacks if a == "sync-stall"):
         for rule, audit in cols:
             xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
             print(
-                f"{attack} --robust {rule} --audit {audit}: forks per run {[x['forks'] for x in xs]} "
-                f"(unattacked {[x['forks'] for x in base]}), rounds found stalled {[x['stalls'] for x in xs]}"
+                f"{attack} --robust {rule} --audit {audit}: forks per run {_beside(xs, base, 'forks')}, "
+                f"rounds found stalled {[x['stalls'] for x in xs]}"
             )
     for attack in (a for a in attacks if a == "head-zero"):
         for rule, audit in cols:

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         parts = ", ".join(f"{k} {v}" for k, v in r["cpu_per_step"].items())
         print(
-            f"node {r['node']}: CPU seconds per learner step: {parts}; peak RSS {r['peak_rss_x_weights']}x the weights"
+            f"node {r['node']}: per learner step (CPU seconds; page faults): {parts}; peak RSS {r['peak_rss_x_weights']}x the weights"
         )
     return 0
 
