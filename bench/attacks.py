@@ -52,7 +52,7 @@ FLAGS = (
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
 ATTACKS = (
-    "none", "absent", "flip", "flip-x2.5", "inflate", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
+    "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
     "sync-drop", "head-zero", "sybil", "sync-stall",
 )  # fmt: skip
 
@@ -158,6 +158,10 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "forks": sum(e["kind"] == "fork" for e in events),  # two records of one round met
             # rounds a member took and left unmerged, found by their senders' watch (issue 31)
             "stalls": sum(e["kind"] == "stall" and e.get("peer") in liars for e in events),
+            # issue 31's counters: the liars' contributions refused for claiming more work than they could do,
+            # and the honest merges any liar's contribution was in
+            "bad_counters": sum(e["kind"] == "reject" and e.get("code") == "bad_counters" for e in events),
+            "liar_in_merges": sum(e["kind"] == "merge" and bool(liars & set(e["learners"])) for e in events),
         }
 
 
@@ -249,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{attack} --robust {rule} --audit {audit}: forks per run {_beside(xs, base, 'forks')}, "
                 f"rounds found stalled {[x['stalls'] for x in xs]}"
+            )
+    for attack in (a for a in attacks if a.startswith(("inflate", "flip", "random", "alie"))):
+        for rule, audit in cols:
+            xs = rows[(rule, audit, attack)]
+            print(
+                f"{attack} --robust {rule} --audit {audit}: contributions refused as bad_counters per run "
+                f"{[x['bad_counters'] for x in xs]}, honest merges holding a liar's contribution "
+                f"{[x['liar_in_merges'] for x in xs]}"
             )
     for attack in (a for a in attacks if a == "head-zero"):
         for rule, audit in cols:

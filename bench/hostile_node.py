@@ -5,7 +5,8 @@ hostile member of ``bench/attacks.py`` and ``tests/test_audit.py``. Everything e
 
 Learner attacks: ``flip`` (the negated outer gradient, at honest size), ``flip-x2.5`` (2.5x that: under the
 default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step: the ``work_factor`` bound,
-16x the weight), ``random`` (a random direction at 3x honest size).
+16x the weight), ``inflate-1e6`` (negated, claiming a million times its tokens a step: issue 31's
+unbounded weight, far past the bound), ``random`` (a random direction at 3x honest size).
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
 ``sync-drop`` (it answers every contribution ``ok`` and merges only the first it holds: a faithful record of
@@ -40,6 +41,7 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
     "flip": (-1.0, 1, False),
     "flip-x2.5": (-2.5, 1, False),
     "inflate": (-1.0, 4, False),
+    "inflate-1e6": (-1.0, 10**6, False),
     "random": (3.0, 1, True),
 }
 # (scale of each contribution the record merges, merge only the first)
