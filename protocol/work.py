@@ -9,6 +9,10 @@ synchroniser bounds them by what the swarm can see of the sender:
   is its own, so mixed hardware differs, but not by orders of magnitude. A view that drops below 3 for a
   moment (a record a heartbeat late, a member restarting) keeps the last medians of 3 or more for
   ``keep_s`` (``WorkMeasure``): a loaded suite run took 1e9 tokens in one step in such a moment;
+- tokens per step, also at most ``factor`` times what the sender's own record publishes, whenever it
+  publishes rates: this holds before 3 members do (a swarm's first rounds, a small swarm), where a member
+  whose counters are wrong but whose record is right (a bug, a half-dead process) would otherwise hold the
+  whole weight of a merge; a liar that lies in its record as well is bounded by the medians only;
 - steps, at most ``factor`` times what the sender's published step rate (itself at most ``factor`` times the
   members' median) allows over the time since its last merged contribution of the fragment, or since this
   node first heard of it, plus ``factor`` rounds of ``sync_every`` steps of slack.
@@ -74,17 +78,27 @@ def check_counters(
     work: VisibleWork,
     factor: float,
     sync_every: int,
+    sender_tokens_per_step: float = 0.0,
 ) -> None:
     """Raise ``bad_counters`` when a contribution claims more work than the swarm can see its sender do
     (``factor`` 0: no bound). ``elapsed_s``: seconds since the sender's last merged contribution of this
-    fragment, or since this node first heard of the sender."""
+    fragment, or since this node first heard of the sender. ``sender_tokens_per_step``: what the sender's
+    own record publishes (its tokens per second over its steps per second; 0.0: none yet)."""
     if c_steps <= 0 or c_tokens <= 0:  # before any bound, which divides by them
         raise ProtocolError(
             RejectCode.BAD_COUNTERS, f"c_steps={c_steps} c_tokens={c_tokens} must be positive"
         )
-    if factor <= 0 or work.tokens_per_step <= 0:
+    if factor <= 0:
         return
     per_step = c_tokens / c_steps
+    if sender_tokens_per_step > 0 and per_step > factor * sender_tokens_per_step:
+        raise ProtocolError(
+            RejectCode.BAD_COUNTERS,
+            f"{per_step:.4g} tokens a step is over {factor:g}x what its sender's record publishes "
+            f"({sender_tokens_per_step:.4g})",
+        )
+    if work.tokens_per_step <= 0:
+        return
     if per_step > factor * work.tokens_per_step:
         raise ProtocolError(
             RejectCode.BAD_COUNTERS,

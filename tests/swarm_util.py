@@ -122,6 +122,34 @@ class Swarm:
         stop_all(list(self.children.values()), timeout_s=60)
 
 
+def assert_eval_held(swarm: Swarm, since: float, nodes=None, factor: float = 1.05) -> dict[int, tuple]:
+    """After an attack that began at ``since`` (``time.time()``) and a ``settle``: each honest node's evaluation
+    of the global model made after this call is at most ``factor`` times the last it made before the attack.
+    Training only lowers the loss over a test's few hundred steps, so an attack the swarm neutralised passes
+    and one that got into the model does not (issue 31's: an installed all-zero snapshot read 5.5, inflated
+    flipped weights 9.6-15, against 2.0-2.6 before). Returns each node's (before, after)."""
+    nodes = list(swarm.children) if nodes is None else list(nodes)
+    t_end = time.time()
+
+    def losses():
+        out = {}
+        for i in nodes:
+            ev = [e for e in swarm.events(i) if e["kind"] == "eval"]
+            before = [e["loss"] for e in ev if e["t"] <= since]
+            after = [e["loss"] for e in ev if e["t"] >= t_end]
+            if not before or not after:
+                return None
+            out[i] = (before[-1], after[-1])
+        return out
+
+    held = wait_until(losses, 60, "an evaluation of the settled model on every honest node")
+    for i, (before, after) in held.items():
+        assert after <= factor * before, (
+            f"node {i}: eval loss {after:.4f} after the attack, {before:.4f} before"
+        )
+    return held
+
+
 def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     last = None

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dht.swarm import Membership
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import Swarm, assert_eval_held, wait_until
 from tests.test_hostile_state import SWARM, Attacker, _nodes_merging, every_fragment_merges
 from tests.test_wire_refusals import _contribution, _spec
 
@@ -58,6 +58,7 @@ def test_a_member_claiming_more_work_than_it_could_do_is_refused_then_banned(tmp
         every_fragment_merges(swarm, 2, "after the attack")
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+        assert_eval_held(swarm, bad.since)
         for i in range(3):
             events = swarm.events(i)
             merged = {lrn for e in events if e["kind"] == "merge" for lrn in e["learners"]}

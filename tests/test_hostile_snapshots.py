@@ -38,7 +38,7 @@ from node.swarm.wire import (
 from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight
 from protocol.replica import MergeRecord
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import Swarm, assert_eval_held, wait_until
 from tests.test_hostile_state import (
     SWARM,
     _paused_at_rest,
@@ -136,6 +136,7 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_i
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(f["round"] > head[f["fragment"]] for s in final.values() for f in s["fragments"])
+        assert_eval_held(swarm, bad.since)
 
 
 def _copy(tensors: dict) -> dict:
@@ -206,3 +207,4 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_pat
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(s["model_hash"] not in zero_hash.values() for s in final.values())
+        assert_eval_held(swarm, bad.since)

@@ -42,7 +42,7 @@ from protocol.config import ProtocolConfig
 from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight, outer_step
 from protocol.replica import MergeRecord
-from tests.swarm_util import TINY, Swarm, wait_until
+from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -53,6 +53,7 @@ class Attacker:
     """A member of the swarm by its own signed record, with a transport of its own on a loop in a thread."""
 
     def __init__(self, tmp_path, bootstrap: list[str]) -> None:
+        self.since = time.time()  # the attack's start, for ``assert_eval_held``
         self.ident = Identity.generate()
         self.dht = start_dht(
             self.ident.save(tmp_path / "bad.key"), ["/ip4/127.0.0.1/tcp/0"], bootstrap, timeout_s=30
@@ -219,6 +220,7 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
         )
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+        assert_eval_held(swarm, bad.since)
     finally:
         swarm.stop()
         if bad is not None:
@@ -285,17 +287,21 @@ def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_p
             assert not from_liar, f"node {i} installed the liar's snapshot: {from_liar}"
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+        assert_eval_held(swarm, bad.since)
     finally:
         swarm.stop()
         if bad is not None:
             bad.close()
 
 
-def _stop_the_liar_and_agree(swarm: Swarm, stop: threading.Event, liar: threading.Thread) -> None:
+def _stop_the_liar_and_agree(
+    swarm: Swarm, stop: threading.Event, liar: threading.Thread, since: float
+) -> None:
     stop.set()
     liar.join(10)
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
+    assert_eval_held(swarm, since)
 
 
 def _tear_down(swarm: Swarm, stop: threading.Event, bad: Attacker | None) -> None:
@@ -352,7 +358,7 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
             assert failed_over, f"node {i} never elected the liar: the test did not test anything"
             merges = [e for e in swarm.events(i) if e["kind"] == "merge" and e["t"] > failed_over[0]["t"]]
             assert merges, f"node {i} merged nothing after it failed over from the liar"
-        _stop_the_liar_and_agree(swarm, stop, liar)
+        _stop_the_liar_and_agree(swarm, stop, liar, bad.since)
     finally:
         _tear_down(swarm, stop, bad)
 
@@ -408,6 +414,7 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
         assert elected == {peers[taker[0]]}, (elected, taker)
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+        assert_eval_held(swarm, bad.since)
         forks = [e for i in range(3) for e in swarm.events(i) if e["kind"] == "fork" and e["t"] > t0]
         assert not forks, forks
     finally:
@@ -465,7 +472,7 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
         # often than the member
         mine = [e for e in stalls if e["peer"] == bad.ident.peer_id]
         assert mine and len(stalls) - len(mine) <= len(mine), stalls
-        _stop_the_liar_and_agree(swarm, stop, liar)
+        _stop_the_liar_and_agree(swarm, stop, liar, bad.since)
     finally:
         _tear_down(swarm, stop, bad)
 

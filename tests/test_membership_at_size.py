@@ -17,7 +17,7 @@ from dht.identity import Identity
 from dht.launch import start_dht
 from dht.records import Member, bucket_of, members_key, sign_member
 from node.swarm.status import PEERS_LISTED
-from tests.swarm_util import TINY, Swarm, wait_until
+from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
 from tests.test_hostile_state import SWARM, _nodes_merging
 
 pytestmark = pytest.mark.timeout(420)
@@ -92,6 +92,7 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
             swarm.children[0].maddrs,
             timeout_s=30,
         )
+        since = time.time()
         crowd = Crowd(dht, CROWD)
         crowd.start()
         wait_until(lambda: crowd.cycles >= 1, 240, "the crowd's records stored once")
@@ -129,6 +130,7 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
         crowd.join(timeout=90)
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
+        assert_eval_held(swarm, since)
         for i in range(3):
             log = swarm.children[i].log.read_text(errors="replace")
             for dead in ("EOFError", "BlockingIOError", "DHT process is not running"):

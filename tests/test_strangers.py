@@ -32,7 +32,7 @@ from dht.launch import start_dht
 from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
 from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
-from tests.swarm_util import Swarm, wait_until
+from tests.swarm_util import Swarm, assert_eval_held, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -121,6 +121,7 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
         honest = {c.peer_id for c in swarm.children.values()}
         wait_until(lambda: swarm.status()[0]["rounds_merged"] >= 4, 120, "the swarm merging")
 
+        since = time.time()
         stranger, member = Identity.generate(), Identity.generate()
         for i, ident in enumerate((stranger, member)):
             path = ident.save(tmp_path / f"attacker{i}.key")
@@ -222,6 +223,7 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
         final = swarm.settle()
         assert len({s["model_hash"] for s in final.values()}) == 1
         assert all(stranger.peer_id not in {p["peer_id"] for p in s["peers"]} for s in final.values())
+        assert_eval_held(swarm, since)
     finally:
         swarm.stop()
         for d in dhts:

@@ -67,6 +67,19 @@ def test_counters_over_what_the_swarm_sees_are_refused():
     check_counters(1, 10**9, 0.0, 0.0, work, 0.0, 8)
 
 
+def test_a_sender_is_bounded_by_its_own_record_before_three_members_publish_rates():
+    """A bench run (``bench/attacks.py --attacks inflate-1e6``, 3 honest + 1): the liar's first three
+    contributions, a million times its tokens a step, came before 3 members published rates and held all but
+    1e-12 of their merges' weight. Its own record published 256 tokens a step: that bounds it, with or
+    without the members' medians; a sender that publishes no rate yet is not bounded by it."""
+    own = 256.0
+    check_counters(8, 8 * 1024, 2.0, 0.0, VisibleWork(), 4.0, 8, own)  # 4x its own: passes
+    assert "its sender's record" in _refused(8, 8 * 256 * 10**6, 2.0, 0.0, VisibleWork(), 4.0, 8, own)
+    assert "its sender's record" in _refused(8, 8 * 1280, 2.0, 0.0, visible_work(RATES), 4.0, 8, own)
+    check_counters(8, 8 * 256 * 10**6, 0.0, 0.0, VisibleWork(), 4.0, 8, 0.0)  # no rate published: no bound
+    check_counters(8, 8 * 256 * 10**6, 2.0, 0.0, VisibleWork(), 0.0, 8, own)  # factor 0: no bound at all
+
+
 def test_the_work_book_starts_at_first_word_and_moves_with_each_merge():
     book = WorkBook(remember=2)
     assert book.heard("a", 0, 10.0) == 10.0 and book.heard("a", 0, 50.0) == 10.0

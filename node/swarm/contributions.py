@@ -348,8 +348,11 @@ class Contributions(MergeWatch):
             measure = self.work_measure = WorkMeasure(WORK_KEEP_TTLS * self.settings.ttl_s)
         work = measure.measure(((m.tokens_per_s, m.steps_per_s) for m in members.values()), now)
         rate = sender.steps_per_s if sender is not None else 0.0
+        own = (
+            sender.tokens_per_s / rate if sender is not None and rate > 0 and sender.tokens_per_s > 0 else 0.0
+        )
         f, every = self.pcfg.work_factor, self.pcfg.sync_every
-        check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every)
+        check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every, own)
 
     def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
         if self.guard.penalise(peer, code, time.monotonic(), signed):
