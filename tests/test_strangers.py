@@ -28,7 +28,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
-from dht.launch import start_dht
+from dht.launch import SwarmUnreachable, start_dht
 from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
 from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
@@ -142,8 +142,15 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
             st = swarm.status()
             return len(st) == 3 and all(honest <= {p["peer_id"] for p in s["peers"]} for s in st.values())
 
-        wait_until(lambda: member.peer_id in {p["peer_id"] for p in swarm.status()[0]["peers"]}, 30,
-                   "node 0 to see the attacking member")  # fmt: skip
+        def member_seen() -> bool:
+            # The member heartbeats as a live one does: a record stored once, just before the junk above went
+            # over its bucket key, was not in node 0's view for 30 s in one loaded full-suite run.
+            now = get_dht_time()
+            with contextlib.suppress(SwarmUnreachable):
+                Membership(dhts[1], SWARM, member).publish(Member(member.peer_id, (), "test", now, now + 300))
+            return member.peer_id in {p["peer_id"] for p in swarm.status()[0]["peers"]}
+
+        wait_until(member_seen, 60, "node 0 to see the attacking member", interval_s=1.0)
         for _ in range(8):  # heartbeat after heartbeat, every node keeps seeing every other: no split
             assert views_whole(), {
                 i: [p["peer_id"][-6:] for p in s["peers"]] for i, s in swarm.status().items()
