@@ -232,44 +232,38 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  --robust {rule} --audit {audit}: {b:,.0f} B/step ({b / ref:.3f}x)" if b and ref else "  n/a"
         )
-    for attack in (a for a in attacks if a.startswith("sync-")):
+    for attack in attacks:
         for rule, audit in cols:
-            xs = rows[(rule, audit, attack)]
-            print(
-                f"{attack} --robust {rule} --audit {audit}: records of the liar applied per run "
-                f"{[x['liar_records'] for x in xs]}, convicted {[x['convicted'] for x in xs]}, "
-                f"seconds from its first record to every honest node's ban {[x['all_banned_s'] for x in xs]}"
-            )
-    for attack in (a for a in attacks if a == "sybil"):
-        for rule, audit in cols:
-            xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
-            print(
-                f"{attack} --robust {rule} --audit {audit}: contributions failed over past a candidate per run "
-                f"{_beside(xs, base, 'failovers')}"
-            )
-    for attack in (a for a in attacks if a == "sync-stall"):
-        for rule, audit in cols:
-            xs, base = rows[(rule, audit, attack)], rows[(rule, audit, "none")]
-            print(
-                f"{attack} --robust {rule} --audit {audit}: forks per run {_beside(xs, base, 'forks')}, "
-                f"rounds found stalled {[x['stalls'] for x in xs]}"
-            )
-    for attack in (a for a in attacks if a.startswith(("inflate", "flip", "random", "alie"))):
-        for rule, audit in cols:
-            xs = rows[(rule, audit, attack)]
-            print(
-                f"{attack} --robust {rule} --audit {audit}: contributions refused as bad_counters per run "
-                f"{[x['bad_counters'] for x in xs]}, honest merges holding a liar's contribution "
-                f"{[x['liar_in_merges'] for x in xs]}"
-            )
-    for attack in (a for a in attacks if a == "head-zero"):
-        for rule, audit in cols:
-            xs = rows[(rule, audit, attack)]
-            print(
-                f"{attack} --robust {rule} --audit {audit}: the liar's snapshots installed per run "
-                f"{[x['liar_snapshots'] for x in xs]}, its heads refused before fetching {[x['unwitnessed'] for x in xs]}"
-            )
+            line = _attack_line(attack, rows[(rule, audit, attack)], rows[(rule, audit, "none")])
+            if line:
+                print(f"{attack} --robust {rule} --audit {audit}: {line}")
     return 0
+
+
+def _attack_line(attack: str, xs: list[dict], base: list[dict]) -> str | None:
+    """What an attack's runs counted beyond the loss, per run (None: nothing more for it)."""
+    per = lambda key: [x[key] for x in xs]  # noqa: E731
+    if attack.startswith("sync-"):
+        records = (
+            f"records of the liar applied per run {per('liar_records')}, convicted {per('convicted')}, "
+            f"seconds from its first record to every honest node's ban {per('all_banned_s')}"
+        )
+        if attack != "sync-stall":
+            return records
+        return f"{records}; forks per run {_beside(xs, base, 'forks')}, rounds found stalled {per('stalls')}"
+    if attack == "sybil":
+        return f"contributions failed over past a candidate per run {_beside(xs, base, 'failovers')}"
+    if attack.startswith(("inflate", "flip", "random", "alie")):
+        return (
+            f"contributions refused as bad_counters per run {per('bad_counters')}, honest merges holding a "
+            f"liar's contribution {per('liar_in_merges')}"
+        )
+    if attack == "head-zero":
+        return (
+            f"the liar's snapshots installed per run {per('liar_snapshots')}, its heads refused before "
+            f"fetching {per('unwitnessed')}"
+        )
+    return None
 
 
 def _mean_steps(children: list[Child]) -> float:
