@@ -289,3 +289,49 @@ def test_catch_up_looks_past_a_head_refused_as_unwitnessed_for_a_while():
     node.settings.heartbeat_s = 0.0  # the refusal has lapsed: the head is tried again
     node._unwitnessed_seen(0, "liar", 7, "zero")
     assert node.refused_heads(0) == set()
+
+
+def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ours_has_no_witness():
+    """Ours has no witness (a node alone on its fork) and nobody agrees on another head: a head only its donor
+    publishes is still fetched only where the donor's checked records reach it, or where it serves a signed
+    record of it (a fork deeper than the records kept). A liar's all-zero head a round past the rest has
+    neither: with the plain merge, nodes alone on their forks installed it 1-7 times a run."""
+    import asyncio
+
+    from node.swarm.vouch import UnwitnessedSnapshot
+
+    class _Node(_Views):
+        replicas = [SimpleNamespace(round=6)]
+        pcfg = SimpleNamespace(history=4)
+        transport = SimpleNamespace(_count=lambda code: None)
+        events = SimpleNamespace(emit=lambda *a, **k: None)
+        chain, signed, asked = None, False, []
+
+        async def _donor_chain(self, donor, p, round_, hash_):
+            self.asked.append("records")
+            return self.chain
+
+        async def signed_head(self, donor, p, head, tries=3):
+            self.asked.append("signed")
+            return self.signed
+
+    def vouch(node: _Node, head) -> bool:
+        try:
+            asyncio.run(node.vouch_head("liar", 0, head))
+        except UnwitnessedSnapshot:
+            return False
+        return True
+
+    liar, b = _member("liar", (7, "zero", 9, 9.0)), _member("b", (6, "y6", 2, 1.0))
+    node = _Node({"liar": liar, "b": b}, worked=["b"], head=(6, "x6", 2, 1.0))
+    assert not node.unwitnessed("liar", 0, 7, "zero")  # the three-way split's exemption, as before ...
+    assert not vouch(node, (7, "zero")) and node.asked == ["records", "signed"]  # ... but no record: refused
+    assert node.refused_heads(0) == {(7, "zero")}
+    node.chain = (6, [])  # the donor's checked records reach it from our round: fetched
+    assert vouch(node, (7, "zero"))
+    node.chain, node.signed = None, True  # a fork deeper than the records kept, the head merged by the donor
+    assert vouch(node, (7, "zero"))
+    # another member publishes the same head: the exemption stands, nothing is asked
+    node.chain, node.signed, node.asked = None, False, []
+    node.members["c"] = _member("c", (7, "zero", 9, 9.0))
+    assert vouch(node, (7, "zero")) and node.asked == []
