@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
@@ -42,7 +42,7 @@ class DHTStartError(DDiLoCoError):
     """The local DHT (hivemind's p2pd daemon) could not start; the message says why and what to check."""
 
 
-class NodeDHT(hivemind.DHT):
+class NodeDHT(DHT):
     """``hivemind.DHT`` whose p2pd unix sockets live in a private directory, removed on shutdown.
 
     p2pd leaves its control socket in /tmp when it exits on its own (e.g. unreachable bootstrap peers);

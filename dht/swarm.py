@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import PeerID
@@ -44,7 +44,7 @@ class Membership:
     """Publish this node's signed record and read the swarm's live view through a started DHT."""
 
     def __init__(
-        self, dht: hivemind.DHT, swarm: str, identity: Identity, timeout_s: float = 10.0, admission=None
+        self, dht: DHT, swarm: str, identity: Identity, timeout_s: float = 10.0, admission=None
     ) -> None:
         self.dht, self.swarm, self.identity, self.timeout_s = dht, swarm, identity, timeout_s
         self.admission = admission  # private swarm: values sealed with the swarm key, certificates checked

@@ -14,3 +14,5 @@ below it (``tests/test_layering.py`` holds the rule, and ``tests/test_import_cyc
 
 ``swarm`` and ``local`` are siblings: neither imports the other.
 """
+
+import dht  # noqa: F401, E402 - first: hivemind's DHT and P2P without the rest of hivemind (``dht/__init__``)

@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -242,3 +244,15 @@ def _zombie(pid: int) -> bool:
             return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except OSError:
         return True
+
+
+def test_a_node_imports_hiveminds_dht_without_the_rest_and_the_rest_still_comes_on_first_use():
+    """``dht/__init__``: no averager (nor scipy) in a node process; the rest of hivemind on first use."""
+    code = (
+        "import sys, node.swarm.agent; "
+        "assert 'hivemind.averaging' not in sys.modules and 'scipy' not in sys.modules, 'averager imported'; "
+        "import hivemind; from hivemind import DecentralizedAverager; from hivemind.dht import DHT; "
+        "assert hivemind.DHT is DHT and 'hivemind.averaging' in sys.modules; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
