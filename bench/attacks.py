@@ -52,7 +52,7 @@ FLAGS = (
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
 ATTACKS = (
-    "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "sync-flip", "sync-x1.5",
+    "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5",
     "sync-drop", "head-zero", "sybil", "sync-stall",
 )  # fmt: skip
 

@@ -16,7 +16,9 @@ contributions each record it applies names (the ``kept`` op audits use: public t
 fragment, their coordinate-wise mean less z of their standard deviations, over the other learners' messages
 of the last round and its own honest outer gradient; z from ``DDILOCO_ALIE_Z`` (``bench/attacks.py`` sets the
 paper's for the run's counts). Colluders that name a shared file in ``DDILOCO_COLLUDERS`` leave each other's
-messages out. ``alie-z1`` is the same at z = 1.
+messages out. ``alie-z1`` is the same at z = 1; ``alie-z0`` at z = 0, the control: all of the attack's work
+(fetching and decoding each round's messages), and what it sends the mean of the last round's honest
+messages and its own, no bias.
 Sybil flood: ``sybil`` (its learner honest; beside its own record it publishes, every heartbeat, the signed
 records of ``DDILOCO_SYBILS`` (32) identities of its own with no process behind them, each a copy of its own
 record: its address, its heads, its step and rates; so every one is as electable as an honest member).
@@ -231,7 +233,7 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "sybil", "sync-stall"]
+    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "alie-z0", "sybil", "sync-stall"]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
@@ -242,7 +244,8 @@ def main() -> int:
     elif sys.argv[1] == "sybil":
         tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")))
     elif sys.argv[1].startswith("alie"):
-        tamper_alie(1.0 if sys.argv[1] == "alie-z1" else float(os.environ.get("DDILOCO_ALIE_Z", "0.25")))
+        fixed = {"alie-z1": 1.0, "alie-z0": 0.0}
+        tamper_alie(fixed.get(sys.argv[1], float(os.environ.get("DDILOCO_ALIE_Z", "0.25"))))
     else:
         (tamper_merges if sys.argv[1] in SYNC_ATTACKS else tamper)(sys.argv[1])
     from node.cli.main import main as ddiloco

@@ -160,3 +160,20 @@ def test_a_negative_or_nan_work_factor_is_refused():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="work_factor"):
             ProtocolConfig(work_factor=bad)
+
+
+def test_the_window_of_the_next_contribution_starts_where_the_merged_ones_work_began():
+    """A learner that has not yet seen its last contribution merged counts its steps again in the next one
+    (carry): the bound runs from the start of the merged contribution's work, not from its merge. From the
+    merge, a head-zero run refused an honest "44 steps in 0 s" (41 allowed at 8.28 steps/s) and scored it."""
+    work = VisibleWork(tokens_per_step=256.0, steps_per_s=8.0)
+    book = WorkBook()
+    book.merged("a", 0, 100.0, span_s=32 / 8.0)  # its 32 steps at 8 steps/s, merged late at t = 100
+    since = book.heard("a", 0, 100.3)
+    check_counters(44, 44 * 256, 8.0, 100.3 - since, work, 4.0, 8)  # 32 again + 12 new: within the bound
+    with pytest.raises(ProtocolError):  # from the merge, as before: refused
+        check_counters(44, 44 * 256, 8.0, 0.3, work, 4.0, 8)
+    with pytest.raises(ProtocolError):  # the merged work's span adds its own steps, not a blank cheque
+        check_counters(400, 400 * 256, 8.0, 100.3 - since, work, 4.0, 8)
+    book.merged("a", 0, 101.0)  # no rate published: from the merge
+    assert book.heard("a", 0, 101.5) == 101.0

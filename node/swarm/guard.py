@@ -199,10 +199,15 @@ class WorkBook:
         self._trim()
         return since
 
-    def merged(self, learner: str, p: int, now: float) -> None:
+    def merged(self, learner: str, p: int, now: float, span_s: float = 0.0) -> None:
+        """A contribution of ``learner`` to fragment p merged at ``now``, holding ``span_s`` seconds of its work
+        (its steps at its published rate). The next one's counters are bounded from the start of that work,
+        not from the merge: a learner that has not yet seen its last contribution merged counts those steps
+        again in the one it sends next (with ``carry``), so an honest contribution arriving just after an
+        older one merged late ("44 steps in 0 s", a head-zero run) was refused and scored."""
         if self.first is None:
             self.first = now
-        self.since[(learner, p)] = now
+        self.since[(learner, p)] = now - max(0.0, span_s)
         self.since.move_to_end((learner, p))
         self.worked[learner] = now
         self.worked.move_to_end(learner)

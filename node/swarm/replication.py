@@ -88,8 +88,12 @@ class Replication(RecordPush, MergeWatch, Clocks):
             self.suspect.pop(sr.signer, None)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
+        now = time.monotonic()
         for c in rec.contributors:
-            self.work.merged(c[0], p, time.monotonic())
+            rate = getattr(
+                self.members.get(c[0]), "steps_per_s", 0.0
+            )  # its record's, for the counters' bound
+            self.work.merged(c[0], p, now, c[3] / rate if rate > 0 else 0.0)
         log = self.logs[p]
         # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
         # fp32 copy of the fragment per round kept
