@@ -8,7 +8,10 @@ with its own identities, DHT nodes and p2p daemons:
 - a member sends a contribution with a negative base round (``malformed``) and negative counters
   (``bad_counters``), holds one upload open and starts another over its per-peer budget (``peer_busy``),
   and fetches snapshots until its rate runs out (``rate_limited``);
-- a ``GET /status`` flood is served from a few cached documents, not one built per request.
+- a ``GET /status`` flood is served from a few cached documents, not one built per request, and so is the
+  same flood of ``/ddiloco/status/1`` streams over libp2p from the stranger's daemon;
+- the member's record claims 300 s of life in a swarm whose ``ttl_s`` is 3: once it stops heartbeating it
+  leaves every view within ``LIFETIME_TTLS`` x ``ttl_s``.
 
 After it all the honest nodes still train, rounds still merge, and they end on one hash.
 """
@@ -32,6 +35,7 @@ from dht.launch import SwarmUnreachable, start_dht
 from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
 from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
+from node.swarm.view import LIFETIME_TTLS
 from tests.swarm_util import Swarm, assert_eval_held, wait_until
 from tests.test_wire_refusals import _contribution, _spec
 
@@ -98,6 +102,31 @@ def _flood(url: str, n: int) -> set[int]:
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         return set(pool.map(get, range(n)))
+
+
+async def _p2p_flood(p2p, peer_id: str, n: int) -> set[int]:
+    """``n`` ``/ddiloco/status/1`` streams, 8 open at a time, from a stranger's own p2p daemon (issue 31: 473
+    fresh documents a second, the learner 43% slower); the build numbers of the documents served."""
+    from node.common.status_wire import MAX_REPLY, PROTOCOL, decode_body, encode_frame, frame_size
+
+    async def one() -> int:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTOCOL)
+        try:
+            writer.write(encode_frame({}))
+            await writer.drain()
+            reply = decode_body(await reader.readexactly(frame_size(await reader.readexactly(4), MAX_REPLY)))
+            assert reply["ok"], reply
+            return reply["status"]["status_builds"]
+        finally:
+            writer.close()
+
+    gate = asyncio.Semaphore(8)
+
+    async def gated() -> int:
+        async with gate:
+            return await asyncio.wait_for(one(), 30)
+
+    return set(await asyncio.gather(*(gated() for _ in range(n))))
 
 
 def _fresh(swarm: Swarm, i: int) -> dict:
@@ -193,6 +222,8 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
                     if not snaps[-1].ok:
                         break
                 out["snapshots"] = snaps
+                # 4b. the same flood over libp2p, from the stranger's daemon
+                out["p2p_status"] = await _p2p_flood(p2p_s, node.peer_id, 200)
             finally:
                 await p2p_s.shutdown()
                 await p2p_m.shutdown()
@@ -216,6 +247,18 @@ def test_hostile_members_and_strangers_change_nothing(tmp_path):
         # 4. a status flood: a few documents built, not one per request
         served = _flood(node.url, 200)
         assert 1 <= len(served) < 50 and max(served) - min(served) < 50, served
+        served = out["p2p_status"]  # over libp2p: the same cache
+        assert 1 <= len(served) < 50 and max(served) - min(served) < 50, served
+
+        # 5. the member's record claims 300 s of life, ttl_s 3: out of every view within LIFETIME_TTLS x ttl_s
+        # of its last heartbeat (its last publish came before the attack above)
+        def member_gone() -> bool:
+            st = swarm.status()
+            return len(st) == 3 and all(
+                member.peer_id not in {p["peer_id"] for p in v["peers"]} for v in st.values()
+            )
+
+        wait_until(member_gone, LIFETIME_TTLS * 3 + 30, "the long-lived record out of every view")
 
         # every refusal counted under its own code
         refused = {k: after["refused"].get(k, 0) - before["refused"].get(k, 0) for k in after["refused"]}
