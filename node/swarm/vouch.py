@@ -278,7 +278,7 @@ class Vouching:
         # (a fork deeper than the records kept: two nodes alone on two chains must still meet) a signed record
         # of the head on the donor, which ``_check_snapshot`` then holds the state to where it can. With the
         # plain merge, a node alone on its fork took a liar's all-zero head a round past the rest, which has
-        # no record (1-2 installs in each of 3 runs, 7 in one).
+        # no record (7 installs in one run of six).
         alone = not unwitnessed and not self._published(donor, p, lambda x: (int(x[0]), str(x[1])) == (r, h))
         if not unwitnessed and not alone:
             return
