@@ -89,7 +89,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)
         now = time.monotonic()
-        for c in rec.contributors:  # the span of its work at its record's rate: the counters' bound (WorkBook)
+        # each contributor's work spans its steps at its record's rate: the counters' bound (``WorkBook.merged``)
+        for c in rec.contributors:
             rate = getattr(self.members.get(c[0]), "steps_per_s", 0.0)
             self.work.merged(c[0], p, now, c[3] / rate if rate > 0 else 0.0)
         log = self.logs[p]
