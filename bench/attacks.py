@@ -53,7 +53,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5",
-    "sync-drop", "head-zero", "sybil", "sync-stall",
+    "sync-drop", "sync-censor", "head-zero", "sybil", "sync-stall",
 )  # fmt: skip
 
 
@@ -73,17 +73,20 @@ def start_hostile(
     return Child(index, d, proc, log, tmp=tmp)
 
 
+PROOFS = ("unfaithful_merge", "omitted_contribution")  # bans on a proof: an audit's, a receipt's
+
+
 def _liar_rounds(run_dir: Path, honest: range, liars: set[str]) -> dict:
     """What the hostile synchronisers got in: the distinct records of theirs the honest nodes applied, how many
-    of those were convicted (``unfaithful_merge``), and the seconds from the first to the last honest node's
-    ban of them."""
+    of those were convicted (``PROOFS``), and the seconds from the first to the last honest node's ban of
+    them."""
     applied, convicted, first, bans = set(), set(), None, {}
     for i in honest:
         for e in read_events(run_dir / f"node-{i}" / "events.jsonl"):
             if e["kind"] == "merge" and e.get("signer") in liars:
                 applied.add((e["fragment"], e["round"]))
                 first = e["t"] if first is None else min(first, e["t"])
-            elif e["kind"] == "ban" and e.get("last") == "unfaithful_merge" and e["peer"] in liars:
+            elif e["kind"] == "ban" and e.get("last") in PROOFS and e["peer"] in liars:
                 convicted.add((e["fragment"], e["round"]))
                 bans[i] = min(bans.get(i, e["t"]), e["t"])
     every = max(bans.values()) - first if first is not None and len(bans) == len(honest) else None

@@ -9,8 +9,10 @@ default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step:
 unbounded weight, far past the bound), ``random`` (a random direction at 3x honest size).
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
-``sync-drop`` (it answers every contribution ``ok`` and merges only the first it holds: a faithful record of
-a subset, which no audit refutes; its senders send those contributions again).
+``sync-drop`` (it answers every contribution ``ok``, with the receipt a public swarm's synchroniser signs, and
+merges only the first it holds: a faithful record of a subset, which no audit refutes, and which with the
+receipt proves the drop: ``node.swarm.receipts``), ``sync-censor`` (the same, but it gives no receipts: what a
+dropper that knows of them does).
 "A little is enough" (Baruch, Baruch and Goldberg 2019) as a member can play it: ``alie`` fetches the signed
 contributions each record it applies names (the ``kept`` op audits use: public to members) and sends, for that
 fragment, their coordinate-wise mean less z of their standard deviations, over the other learners' messages
@@ -47,7 +49,12 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
     "random": (3.0, 1, True),
 }
 # (scale of each contribution the record merges, merge only the first)
-SYNC_ATTACKS = {"sync-flip": (-1.0, False), "sync-x1.5": (1.5, False), "sync-drop": (1.0, True)}
+SYNC_ATTACKS = {
+    "sync-flip": (-1.0, False),
+    "sync-x1.5": (1.5, False),
+    "sync-drop": (1.0, True),
+    "sync-censor": (1.0, True),
+}
 
 
 def fp32(v) -> torch.Tensor:
@@ -77,6 +84,12 @@ def tamper_merges(attack: str) -> None:
         return honest_make(self, round_, contributions, cfg, *args, **kwargs)
 
     FragmentReplica.make_record = make_record
+    if drop:  # the honest node's check before it signs (that it breaks no receipt it gave) taken out
+        from node.swarm.receipts import Receipts
+
+        Receipts.holds_receipts = lambda self, rec: False
+        if attack == "sync-censor":
+            Receipts.give_receipt = lambda self, p, learner, cid: b""
 
 
 def tamper_heads() -> None:

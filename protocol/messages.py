@@ -44,6 +44,14 @@ def sender_tag(peer_id: str) -> str:
     return peer_id[-CID_PEER_CHARS:]
 
 
+def cid_moment(cid: str) -> int | None:
+    """The moment (ms on its sender's wall clock) a contribution id ends with; None where it names none."""
+    try:
+        return int(cid.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def cid_sender(cid: str) -> str:
     """The sender a contribution id names (``sender_tag``)."""
     return cid.split(":", 1)[0]

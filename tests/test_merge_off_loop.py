@@ -31,6 +31,9 @@ class _Node(Replication):
         self.loop = asyncio.get_running_loop()
         self.agreement = AgreementBook()
 
+    def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
+        return False
+
     def _apply(self, sr, made_here=False):
         assert made_here
         self.replicas[0].apply_record(sr.record, self.pcfg)

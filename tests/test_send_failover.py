@@ -13,9 +13,11 @@ from collections import Counter
 from types import SimpleNamespace
 
 import node.swarm.contributions as contributions
+from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.contributions import Contributions
 from node.swarm.guard import Guard
+from node.swarm.receipts import Receipts, make_receipt
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
 
@@ -62,6 +64,9 @@ class _Sender(Contributions):
 
     def keep_message(self, raw: bytes, sig: bytes) -> str:  # node.swarm.audit: nothing kept here
         return ""
+
+    def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
+        return False
 
     async def _accept(self, caller: str, payload: bytes) -> Reply:  # this node as the synchroniser
         self.accepted.append(caller)
@@ -136,6 +141,49 @@ def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
     s = _send(monkeypatch, ["A", "B"], hung=set(), setup=setup)
     assert [t for t, _ in s.transport.calls] == ["A"]
     assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")
+
+
+class _ReceiptSender(Receipts, _Sender):
+    """A sender in a public swarm: a synchroniser's ok must carry its receipt (``node.swarm.receipts``)."""
+
+    def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
+        super().__init__(order, hung, failover_s)
+        self.settings.trusted = False
+        self.replicas = {3: SimpleNamespace(round=4, hash="h4")}
+
+
+def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_is_watched(monkeypatch):
+    """A synchroniser that takes a contribution and promises nothing (no receipt, one signed by someone else,
+    for another contribution, or for a round no record of which we would check) is passed over and suspected
+    as a stalled one; the first that gives a good one gets the contribution, and its receipt is what the
+    record of that round is checked against."""
+    monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    ids = {x: Identity.generate() for x in "ABCDE"}
+    order = [ids[x].peer_id for x in "ABCDE"]
+
+    async def go() -> _ReceiptSender:
+        s = _ReceiptSender(order, set(), 5.0)
+        s.peer_id = "me"
+        replies = s.transport.replies
+
+        def receipt(signer: str, round_=5, parent="h4", cid=CID) -> Reply:
+            return Reply(True, body=make_receipt("s", ids[signer], 3, round_, parent, "me", cid).packed())
+
+        replies[order[0]] = Reply(True)  # nothing
+        replies[order[1]] = Reply(True, body=receipt("A").body)  # A's receipt, from B
+        replies[order[2]] = receipt("C", cid="me:3:10:999")  # another contribution's
+        replies[order[3]] = receipt("D", round_=9)  # a round far past ours
+        replies[order[4]] = receipt("E")
+        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
+        return s
+
+    s = asyncio.run(go())
+    assert [t for t, _ in s.transport.calls] == order
+    assert s.counters["no_receipt"] == 4 and s.counters["contributions_sent"] == 1
+    assert set(s.suspect) == set(order[:4])
+    header, target, round_, rc = s._taken()[3]
+    assert (target, round_, rc.signer, rc.cid) == (order[4], 5, order[4], CID)
 
 
 def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_and_sends_again():

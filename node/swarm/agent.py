@@ -52,6 +52,7 @@ from node.swarm.history import History
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
+from node.swarm.receipts import Receipts
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
@@ -91,7 +92,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions):
+class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions, Receipts):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -278,7 +279,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        for op in ("contribute", "record", "records", "snapshot", "ping", "evidence", "kept", "proof"):
+        ops = ("contribute", "record", "records", "snapshot", "ping", "evidence", "kept", "proof", "omission")
+        for op in ops:
             self.transport.register(op, getattr(self, f"_h_{op}"))  # the handlers: _h_contribute, ...
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

@@ -17,6 +17,7 @@ import math
 import time
 from collections import OrderedDict
 
+from node.swarm.receipts import parse_retry
 from node.swarm.transport import Reply, TransportError
 from node.swarm.watch import STALL_PERIODS, MergeWatch
 from node.swarm.wire import (
@@ -30,6 +31,7 @@ from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import (
     ContributionHeader,
+    cid_moment,
     decode_contribution,
     encode_contribution,
     peek_fragment,
@@ -60,12 +62,7 @@ class OwnCids:
         self.sent: OrderedDict[str, None] = OrderedDict()
         self.since: int | None = None  # the moment from which every id we sent is in ``sent``
 
-    @staticmethod
-    def moment_of(cid: str) -> int | None:
-        try:
-            return int(cid.rsplit(":", 1)[1])
-        except (IndexError, ValueError):
-            return None
+    moment_of = staticmethod(cid_moment)
 
     def add(self, cid: str) -> None:
         moment = self.moment_of(cid)
@@ -171,9 +168,17 @@ class Contributions(MergeWatch):
                     )
                     continue
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
+                replayed, rc = reply.code == RejectCode.REPLAYED.value, None
+                if target != self.peer_id and self.receipts_on():  # node.swarm.receipts
+                    if not replayed:
+                        rc = self.check_receipt(target, header, reply.body)
+                        if rc is None:  # took it and promised nothing: as good as dead for this round
+                            dead.add(target)
+                            continue
+                    replayed = False  # its word that it merged it is watched like a receipt-less ok
                 self.counters["contributions_sent"] += 1
-                if target != self.peer_id and reply.code != RejectCode.REPLAYED.value:
-                    self._watch_merge(target, header)
+                if target != self.peer_id and not replayed:
+                    self._watch_merge(target, header, rc)
                 return
             last = f"{target}: {reply.code} {reply.message}"
             if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
@@ -186,6 +191,13 @@ class Contributions(MergeWatch):
                 with contextlib.suppress(ProtocolError):
                     hint = parse_redirect(reply.body)
                 continue
+            if reply.code == RejectCode.PEER_BUSY.value and reply.body:  # merging its round: again, after it
+                # (each try sends the whole contribution again: at 85M, tens of MB a try)
+                with contextlib.suppress(ProtocolError):
+                    wait = parse_retry(reply.body)
+                    await asyncio.sleep(min(wait, max(0.0, deadline - self.loop.time() - 0.5)))
+                    hint = target
+                    continue
             if reply.code in (
                 RejectCode.FUTURE_BASE.value,
                 RejectCode.UNKNOWN_PEER.value,
@@ -238,6 +250,8 @@ class Contributions(MergeWatch):
                 who = self.synchroniser_of(p, await self._checked_dead(p, dead))
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
+            if (busy := self.merging_here(caller, p)) is not None:
+                return busy
             if self.pcfg.distrust and self.agreement.refuse(h.learner):
                 # protocol.agreement: counted toward no quorum, and not re-sent into the next round (left
                 # out at the merge, such contributions came back as rounds of liars only)
@@ -254,12 +268,21 @@ class Contributions(MergeWatch):
             # took the loop for a second a contribution); on a view whose norm book is a copy read here
             view = frozen_view(self.replicas[p], merge=True)
             n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
+            if (busy := self.merging_here(caller, p)) is not None:  # the round began to merge meanwhile
+                return busy
             # the record names its digest; audits fetch it (node.swarm.audit)
             digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )
+            receipt = b""
+            if caller != self.peer_id and self.receipts_on():
+                self.check_taken(p, c.learner, c.cid, c.base_round)  # node.swarm.receipts
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
+            if caller != self.peer_id and self.receipts_on():
+                if d.state.pending.get((c.learner, c.base_round)) is not c:  # not taken: say so, no ok
+                    raise ProtocolError(RejectCode.STALE_BASE, d.reason)
+                receipt = self.give_receipt(p, c.learner, c.cid)  # node.swarm.receipts
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:
@@ -271,7 +294,7 @@ class Contributions(MergeWatch):
         self.leases[p] = self.replicas[p].round + 1
         self.counters["contributions_accepted"] += 1
         self._decide(p, d)
-        return Reply(True)
+        return Reply(True, body=receipt)
 
     async def _h_ping(self, caller: str, raw: bytes) -> Reply:
         """Whether this node is up and takes contributions, asked by a member that was told it is dead."""

@@ -41,6 +41,8 @@ NODE_COUNTERS = (
     "audits_unfetched",  # audits whose signed contributions could not be fetched
     "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
     "distrusted_left_out",  # contributions this synchroniser left out: their learner opposes the rest
+    "no_receipt",  # oks to our contributions that came without a valid receipt (node.swarm.receipts)
+    "receipts_held",  # merges not signed here: they would leave out a contribution we gave a receipt for
 )
 
 PREFIX = "ddiloco"

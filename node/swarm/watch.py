@@ -26,19 +26,22 @@ STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never
 class MergeWatch:
     """The deadline and the record of each round a synchroniser took one of our contributions for."""
 
-    def _taken(self) -> dict[int, tuple[ContributionHeader, str, int]]:
-        """Per fragment, our latest contribution another member took: (header, that member, open round)."""
+    def _taken(self) -> dict[int, tuple[ContributionHeader, str, int, object]]:
+        """Per fragment, our latest contribution another member took: (header, that member, open round, its
+        receipt or None: ``node.swarm.receipts``)."""
         return self.__dict__.setdefault("_taken_by", {})
 
-    def _watch_merge(self, target: str, header: ContributionHeader) -> None:
+    def _watch_merge(self, target: str, header: ContributionHeader, receipt=None) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
         moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
         never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
         its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
         p = header.fragment
         open_round = self.replicas[p].round + 1
-        if self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: no record to watch
-            self._taken()[p] = (header, target, open_round)
+        if receipt is not None:  # the synchroniser's own word of the round it took it into
+            self._taken()[p] = (header, target, receipt.round, receipt)
+        elif self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: nothing to watch
+            self._taken()[p] = (header, target, open_round, None)
         self.loop.call_later(self._merge_deadline(header), self._check_merged, target, header, open_round)
 
     def _merge_deadline(self, header: ContributionHeader) -> float:
@@ -90,9 +93,11 @@ class MergeWatch:
         taken = self._taken().get(rec.fragment)
         if taken is None or rec.round < taken[2]:
             return
-        header, target, _ = self._taken().pop(rec.fragment)
+        header, target, _, receipt = self._taken().pop(rec.fragment)
         if self.guard.was_merged(header.cid):
             return
+        if receipt is not None and rec.round == receipt.round:
+            self.check_omission(sr, receipt)  # node.swarm.receipts: its signer's own receipt, left out
         self.counters["left_out"] += 1
         self.events.emit(
             "left_out",
