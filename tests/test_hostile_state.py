@@ -29,6 +29,7 @@ from dht.identity import Identity
 from dht.launch import SwarmUnreachable, start_dht
 from dht.records import Member
 from dht.swarm import Membership
+from node.swarm.receipts import make_receipt
 from node.swarm.transport import Reply, Transport
 from node.swarm.wire import (
     FragmentState,
@@ -41,6 +42,7 @@ from node.swarm.wire import (
 from protocol.config import ProtocolConfig
 from protocol.hashing import tensors_hash
 from protocol.merge import contribution_weight, outer_step
+from protocol.messages import decode_contribution, peek_fragment
 from protocol.replica import MergeRecord
 from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
 from tests.test_wire_refusals import _contribution, _spec
@@ -425,8 +427,9 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
 
 def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_path):
     """Issue 31, a round that never merges: a member that copies the honest nodes' newest heads into its own
-    record (so it wins its share of elections), answers ``ok`` to every contribution and to pings, and never
-    merges. Each sender watches the rounds it gave a contribution to; one not merged two due periods after
+    record (so it wins its share of elections), answers ``ok`` to every contribution (with the receipt a public
+    swarm's synchroniser signs: ``node.swarm.receipts``; without one it is passed over at once) and to pings,
+    and never merges. Each sender watches the rounds it gave a contribution to; one not merged two due periods after
     its due moment makes the sender suspect the member (out of its elections) and send again, so the round
     goes to the next candidate, which knows the member stalled from its own watch. Every fragment keeps
     merging and the swarm ends on one hash. Electing anyone, as the test above."""
@@ -436,12 +439,20 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
     try:
         _nodes_merging(swarm, 3, 2)
         bad = Attacker(tmp_path, swarm.children[0].maddrs)
+        newest, spec = {}, _spec()
 
         async def ok(caller: str, raw: bytes) -> Reply:
             return Reply(True)
 
-        for op in ("contribute", "ping"):
-            bad.serve(op, ok)
+        async def take(caller: str, payload: bytes) -> Reply:  # ok, and a receipt for the open round
+            raw = unpack_signed_contribution(payload)[1]
+            h = decode_contribution(raw, spec[peek_fragment(raw)], decode=False)[0]
+            r, parent = newest.get(str(h.fragment), (0, ""))[:2]
+            rc = make_receipt(SWARM, bad.ident, h.fragment, int(r) + 1, parent, h.learner, h.cid)
+            return Reply(True, body=rc.packed())
+
+        bad.serve("ping", ok)
+        bad.serve("contribute", take)
         bad.run(bad.tr.start())
 
         def copy_heads() -> None:  # the newest honest head of each fragment, refreshed twice a heartbeat
@@ -453,6 +464,7 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
                     for p, h in m.heads.items():
                         if p not in heads or int(h[0]) > int(heads[p][0]):
                             heads[p] = h
+                newest.update(heads)
                 bad.publish(heads)
 
         liar = threading.Thread(target=copy_heads, daemon=True)
