@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import node.swarm.contributions as contributions
@@ -154,9 +155,9 @@ class _ReceiptSender(Receipts, _Sender):
 
 def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_is_watched(monkeypatch):
     """A synchroniser that takes a contribution and promises nothing (no receipt, one signed by someone else,
-    for another contribution, or for a round no record of which we would check) is passed over and suspected
-    as a stalled one; the first that gives a good one gets the contribution, and its receipt is what the
-    record of that round is checked against."""
+    or for another contribution) is passed over and suspected as a stalled one; the first that gives a good
+    one gets the contribution, and its receipt is what the record of that round is checked against (one on a
+    parent we do not hold too: honest synchronisers on the other side of a fork give them)."""
     monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
     monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
     ids = {x: Identity.generate() for x in "ABCDE"}
@@ -167,14 +168,16 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
         s.peer_id = "me"
         replies = s.transport.replies
 
-        def receipt(signer: str, round_=5, parent="h4", cid=CID) -> Reply:
-            return Reply(True, body=make_receipt("s", ids[signer], 3, round_, parent, "me", cid).packed())
+        def receipt(signer: str, round_=5, parent="h4", cid=CID, fragment=3) -> Reply:
+            return Reply(
+                True, body=make_receipt("s", ids[signer], fragment, round_, parent, "me", cid).packed()
+            )
 
         replies[order[0]] = Reply(True)  # nothing
         replies[order[1]] = Reply(True, body=receipt("A").body)  # A's receipt, from B
         replies[order[2]] = receipt("C", cid="me:3:10:999")  # another contribution's
-        replies[order[3]] = receipt("D", round_=9)  # a round far past ours
-        replies[order[4]] = receipt("E")
+        replies[order[3]] = receipt("D", fragment=2)  # another fragment's
+        replies[order[4]] = receipt("E", parent="h4-fork")  # E on another side of a fork: kept
         await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
         return s
 
@@ -183,7 +186,9 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
     assert s.counters["no_receipt"] == 4 and s.counters["contributions_sent"] == 1
     assert set(s.suspect) == set(order[:4])
     header, target, round_, rc = s._taken()[3]
-    assert (target, round_, rc.signer, rc.cid) == (order[4], 5, order[4], CID)
+    assert (target, round_, rc.signer, rc.cid, rc.parent) == (order[4], 5, order[4], CID, "h4-fork")
+    # the record watched is the receipt's round where it is near ours, else ours (a far one never comes)
+    assert [s.watched_round(replace(rc, round=r), 5) for r in (3, 4, 5, 6, 7, 99)] == [5, 4, 5, 6, 5, 5]
 
 
 def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_and_sends_again():

@@ -195,6 +195,7 @@ class Contributions(MergeWatch):
                 # (each try sends the whole contribution again: at 85M, tens of MB a try)
                 with contextlib.suppress(ProtocolError):
                     wait = parse_retry(reply.body)
+                    self.counters["busy_retries"] += 1
                     await asyncio.sleep(min(wait, max(0.0, deadline - self.loop.time() - 0.5)))
                     hint = target
                     continue

@@ -42,6 +42,7 @@ NODE_COUNTERS = (
     "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
     "distrusted_left_out",  # contributions this synchroniser left out: their learner opposes the rest
     "no_receipt",  # oks to our contributions that came without a valid receipt (node.swarm.receipts)
+    "busy_retries",  # contributions sent again because their synchroniser was merging its round (receipts)
     "receipts_held",  # merges not signed here: they would leave out a contribution we gave a receipt for
 )
 

@@ -270,22 +270,6 @@ class Receipts:
             rc = read_receipt(self.settings.swarm, target, body)
             if (rc.fragment, rc.learner, rc.cid) != (header.fragment, self.peer_id, header.cid):
                 raise ProtocolError(RejectCode.MALFORMED, f"receipt names {rc.learner[-8:]}'s {rc.cid}")
-            rep = self.replicas[rc.fragment]
-            if rc.round <= header.base_round:
-                raise ProtocolError(RejectCode.MALFORMED, f"receipt for round {rc.round}, before our base")
-            # Where we are not behind the swarm, a round no record of which we would check (far ahead, or
-            # behind ours) promises nothing: the synchroniser may be a round ahead of us (its last record on
-            # its way) or one behind (a fork), no further; the open round must be on our parent. Behind, we
-            # cannot tell: the receipt is kept, and proves what it can.
-            if self.rounds_behind(rc.fragment) == 0:
-                if not rep.round <= rc.round <= rep.round + 1 + RECEIPT_AHEAD:
-                    raise ProtocolError(
-                        RejectCode.MALFORMED, f"receipt for round {rc.round}, ours {rep.round}"
-                    )
-                if rc.round == rep.round + 1 and rc.parent != rep.hash:
-                    raise ProtocolError(
-                        RejectCode.MALFORMED, f"receipt for round {rc.round} on another parent"
-                    )
         except ProtocolError as e:
             self.suspect[target] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
             self.counters["no_receipt"] += 1
@@ -294,6 +278,15 @@ class Receipts:
             )
             return None
         return rc
+
+    def watched_round(self, rc: Receipt, open_round: int) -> int:
+        """The round whose record ``left_out`` checks for a contribution ``rc`` receipts, ``open_round`` ours:
+        the receipt's where it is from a round behind ours to ``RECEIPT_AHEAD`` past it (its synchroniser on
+        a fork, or its last record on its way here), ours otherwise (a far round would leave the watch
+        waiting for a record that never comes). A receipt on a parent we do not hold is kept all the same:
+        forks are common on loaded machines (157 honest receipts on the other side of one in a 4-minute run
+        of 6 nodes), and it proves a drop only against a record on its own parent."""
+        return rc.round if open_round - 1 <= rc.round <= open_round + RECEIPT_AHEAD else open_round
 
     def check_omission(self, sr: SignedRecord, rc: Receipt) -> bool:
         """A record applied here, of the round our receipt names: where it leaves our contribution out, ban its

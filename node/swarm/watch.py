@@ -39,7 +39,7 @@ class MergeWatch:
         p = header.fragment
         open_round = self.replicas[p].round + 1
         if receipt is not None:  # the synchroniser's own word of the round it took it into
-            self._taken()[p] = (header, target, receipt.round, receipt)
+            self._taken()[p] = (header, target, self.watched_round(receipt, open_round), receipt)
         elif self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: nothing to watch
             self._taken()[p] = (header, target, open_round, None)
         self.loop.call_later(self._merge_deadline(header), self._check_merged, target, header, open_round)
