@@ -3,6 +3,7 @@ what does not. The real-node checks are in ``tests/test_left_out.py``."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from types import MappingProxyType, SimpleNamespace
 
@@ -162,3 +163,41 @@ def test_a_synchroniser_merging_its_round_asks_senders_to_wait_a_merges_time(tmp
     for junk in (b"", b"[]", b'{"retry_s": "soon"}', b'{"retry_s": true}', b'{"retry_s": NaN}'):
         with pytest.raises(ProtocolError):
             parse_retry(junk)
+
+
+def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_refused_and_scored(tmp_path):
+    """The ``omission`` op: each node checks the record and the receipt alone (two signatures, the names)."""
+    from tests.test_audit import SPEC, _Member
+
+    class _Judge(Receipts, _Member):
+        pass
+
+    sync, learner, other = Identity.generate(), Identity.generate(), Identity.generate()
+    judge = _Judge(tmp_path)
+    judge.ban_and_hand_on = lambda sr, why, source, op, body, **f: judge.guard.ban(sr.signer, 0.0, why)
+    cid = f"{sender_tag(learner.peer_id)}:0:8:1000"
+
+    def record(people, signer=sync):
+        grad = {n: torch.full(s, 1e-4) for n, s in SPEC[0].items()}
+        rows = tuple((who, c, contribution_weight(512, 8), 8, 512) for who, c in people)
+        return encode_record("s", MergeRecord(0, 5, PARENT, "b" * 64, rows, grad), signer)
+
+    def prove(rec: bytes, rc) -> tuple:
+        reply = asyncio.run(judge._h_omission("relay", pack_list([rec, rc.packed()])))
+        return reply.ok, reply.code
+
+    receipt = make_receipt("s", sync, 0, 5, PARENT, learner.peer_id, cid)
+    honours = record([(other.peer_id, "O:0:8:999"), (learner.peer_id, cid)])
+    assert prove(honours, receipt) == (False, "malformed")
+    assert prove(
+        record([(other.peer_id, "O:0:8:999")]), make_receipt("s", other, 0, 5, PARENT, learner.peer_id, cid)
+    ) == (
+        False,
+        "bad_signature",
+    )  # a receipt its signer never gave
+    reply = asyncio.run(judge._h_omission("relay", b"\x00\x01"))
+    assert (reply.ok, reply.code) == (False, "malformed")
+    assert judge.penalised == ["malformed", "bad_signature", "malformed"]
+    assert not judge.guard.banned(sync.peer_id, 1.0)
+    assert prove(record([(other.peer_id, "O:0:8:999")]), receipt) == (True, "ok")
+    assert judge.guard.banned(sync.peer_id, 1.0)
