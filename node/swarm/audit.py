@@ -246,7 +246,8 @@ class Audit:
                     return None
 
     def accused(self, peer: str) -> bool:
-        """Whether a proof this node could not check yet accuses ``peer`` (its records do not lift that)."""
+        """Whether a proof this node could not check yet accuses ``peer``, or it took a contribution of ours
+        without a receipt (``node.swarm.receipts``): its records do not lift that suspicion."""
         return self.__dict__.get("_accused", {}).get(peer, 0.0) > time.monotonic()
 
     def recheck(self, sr: SignedRecord) -> None:

@@ -271,7 +271,11 @@ class Receipts:
             if (rc.fragment, rc.learner, rc.cid) != (header.fragment, self.peer_id, header.cid):
                 raise ProtocolError(RejectCode.MALFORMED, f"receipt names {rc.learner[-8:]}'s {rc.cid}")
         except ProtocolError as e:
-            self.suspect[target] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
+            until = time.monotonic() + STALL_TTLS * self.settings.ttl_s
+            self.suspect[target] = max(self.suspect.get(target, 0.0), until)
+            # its records applied here do not lift it (``Audit.accused``): a censor merges rounds, without us
+            accused = self.__dict__.setdefault("_accused", {})
+            accused[target] = max(accused.get(target, 0.0), until)
             self.counters["no_receipt"] += 1
             self.events.emit(
                 "no_receipt", t=time.time(), peer=target, fragment=header.fragment, cid=header.cid, why=str(e)
