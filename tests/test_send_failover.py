@@ -271,3 +271,35 @@ def test_a_first_round_has_time_for_its_grace_window_before_it_counts_as_stalled
         assert abs(s._merge_deadline(slow) - 65.0) < 0.1
 
     asyncio.run(go())
+
+
+def test_a_synchroniser_merging_its_round_is_tried_again_after_its_merge_time_on_top_of_the_budget(
+    monkeypatch,
+):
+    """``peer_busy`` with a wait (a public swarm's synchroniser merging the round it holds) sends the
+    contribution to the same synchroniser again once that wait is over: no failover, and the wait is added
+    to the sender's failover budget rather than taken from its tries."""
+    monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    a, b = Identity.generate(), Identity.generate()
+
+    async def go() -> _ReceiptSender:
+        s = _ReceiptSender([a.peer_id, b.peer_id], set(), 1.0)
+        s.peer_id = "me"
+        busy = Reply(False, "peer_busy", "merging", b'{"retry_s": 0.8}')
+        good = Reply(True, body=make_receipt("s", a, 3, 5, "h4", "me", CID).packed())
+        s.transport.replies[a.peer_id] = busy
+
+        def second(target: str) -> None:
+            if len(s.transport.calls) == 2:
+                s.transport.replies[a.peer_id] = good
+
+        s.transport.on_call = second
+        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
+        return s
+
+    s = asyncio.run(go())
+    (t1, w1), (t2, w2) = s.transport.calls
+    assert (t1, t2) == (a.peer_id, a.peer_id) and w2 >= 0.8 * w1  # the 0.8 s wait left the try its time
+    assert s.counters["busy_retries"] == 1 and s.counters["contributions_sent"] == 1
+    assert not s.counters["failovers"] and not s.suspect

@@ -127,6 +127,7 @@ class Contributions(MergeWatch):
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
         self.keep_message(raw, sig)  # for the audit of the record that merges it
         deadline = self.loop.time() + self.settings.failover_s
+        grace = self.settings.failover_s  # for a synchroniser merging its round (node.swarm.receipts)
         mono = time.monotonic()
         dead: set[str] = {q for q, until in self.suspect.items() if until > mono}  # named to the next one
         refused: set[str] = set()
@@ -193,10 +194,12 @@ class Contributions(MergeWatch):
                 continue
             if reply.code == RejectCode.PEER_BUSY.value and reply.body:  # merging its round: again, after it
                 # (each try sends the whole contribution again: at 85M, tens of MB a try)
+                # the wait is added to the budget (up to another failover_s in all), not taken from the tries
                 with contextlib.suppress(ProtocolError):
-                    wait = parse_retry(reply.body)
+                    wait = min(parse_retry(reply.body), max(0.0, grace))
+                    grace, deadline = grace - wait, deadline + wait
                     self.counters["busy_retries"] += 1
-                    await asyncio.sleep(min(wait, max(0.0, deadline - self.loop.time() - 0.5)))
+                    await asyncio.sleep(wait)
                     hint = target
                     continue
             if reply.code in (
