@@ -15,8 +15,8 @@ candidate and suspects it for ``STALL_TTLS`` x ``ttl_s``. The next candidate tak
 suspects that synchroniser too (``Contributions._checked_dead`` believes a dead list naming a peer it suspects
 itself, else pings it): a censor that withholds receipts from every learner is passed over by all of them
 once each has been refused one, while one that censors a single learner, and takes the next candidate's
-contributions with receipts, costs that learner its rounds there (its work goes out again with its next
-contribution: ``carry``). Neither can sign a record that drops what it promised without the proof of it.
+contributions with receipts, costs that learner its rounds there (with ``carry`` its work goes out again with
+its next contribution; without, it is lost). Neither can sign a record that drops what it promised without the proof of it.
 
 A mixin of ``node.swarm.agent.Node``, on the node's event loop.
 """
