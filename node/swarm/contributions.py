@@ -279,14 +279,14 @@ class Contributions(MergeWatch):
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )
-            receipt = b""
-            if caller != self.peer_id and self.receipts_on():
-                self.check_taken(p, c.learner, c.cid, c.base_round)  # node.swarm.receipts
+            binding, receipt = caller != self.peer_id and self.receipts_on(), b""  # node.swarm.receipts
+            if binding:
+                self.check_taken(p, c.learner, c.cid, c.base_round)
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
-            if caller != self.peer_id and self.receipts_on():
+            if binding:
                 if d.state.pending.get((c.learner, c.base_round)) is not c:  # not taken: say so, no ok
                     raise ProtocolError(RejectCode.STALE_BASE, d.reason)
-                receipt = self.give_receipt(p, c.learner, c.cid)  # node.swarm.receipts
+                receipt = self.give_receipt(p, c.learner, c.cid)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:
