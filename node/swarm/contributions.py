@@ -254,8 +254,6 @@ class Contributions(MergeWatch):
                 who = self.synchroniser_of(p, await self._checked_dead(p, dead))
             if who != self.peer_id:
                 return self._refuse_role(caller, p, who)
-            if (busy := self.merging_here(caller, p)) is not None:
-                return busy
             if self.pcfg.distrust and self.agreement.refuse(h.learner):
                 # protocol.agreement: counted toward no quorum, and not re-sent into the next round (left
                 # out at the merge, such contributions came back as rounds of liars only)
@@ -272,7 +270,8 @@ class Contributions(MergeWatch):
             # took the loop for a second a contribution); on a view whose norm book is a copy read here
             view = frozen_view(self.replicas[p], merge=True)
             n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
-            if (busy := self.merging_here(caller, p)) is not None:  # the round began to merge meanwhile
+            # after every check of the message: a bad one is refused for what it is, merging or not
+            if (busy := self.merging_here(caller, p)) is not None:
                 return busy
             # the record names its digest; audits fetch it (node.swarm.audit)
             digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
