@@ -53,7 +53,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5",
-    "sync-drop", "sync-censor", "head-zero", "sybil", "sync-stall",
+    "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall",
 )  # fmt: skip
 
 
@@ -254,7 +254,7 @@ def _attack_line(attack: str, xs: list[dict], base: list[dict]) -> str | None:
         if attack != "sync-stall":
             return records
         return f"{records}; forks per run {_beside(xs, base, 'forks')}, rounds found stalled {per('stalls')}"
-    if attack == "sybil":
+    if attack.startswith("sybil"):
         return f"contributions failed over past a candidate per run {_beside(xs, base, 'failovers')}"
     if attack.startswith(("inflate", "flip", "random", "alie")):
         return (

@@ -24,6 +24,8 @@ messages and its own, no bias.
 Sybil flood: ``sybil`` (its learner honest; beside its own record it publishes, every heartbeat, the signed
 records of ``DDILOCO_SYBILS`` (32) identities of its own with no process behind them, each a copy of its own
 record: its address, its heads, its step and rates; so every one is as electable as an honest member).
+``sybil-noise`` is its control: the same records signed and stored every heartbeat, under keys of another swarm
+name that no member reads (the flood's load on every DHT node and daemon, none of its effect on a view).
 Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
 an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
 Issue 31's stalled round as a member whose learner works honestly (so a public swarm credits and elects it):
@@ -189,7 +191,7 @@ def tamper_alie(z: float) -> None:
     Contributions.post_contribution = post_contribution
 
 
-def tamper_sybils(n: int) -> None:
+def tamper_sybils(n: int, noise: bool = False) -> None:
     from dataclasses import replace as dc_replace
 
     from dht.identity import Identity
@@ -205,7 +207,7 @@ def tamper_sybils(n: int) -> None:
             return
         for ident in sybils:
             m = dc_replace(member, peer_id=ident.peer_id)
-            key = members_key(self.swarm, bucket_of(ident.peer_id))
+            key = members_key(f"{self.swarm}-noise" if noise else self.swarm, bucket_of(ident.peer_id))
             raw = sign_member(self.swarm, ident, m)
             self.dht.store(key, raw, expiration_time=m.expires_at, subkey=m.peer_id, return_future=True)
 
@@ -246,7 +248,17 @@ def tamper(attack: str) -> None:
 
 
 def main() -> int:
-    known = [*ATTACKS, *SYNC_ATTACKS, "head-zero", "alie", "alie-z1", "alie-z0", "sybil", "sync-stall"]
+    known = [
+        *ATTACKS,
+        *SYNC_ATTACKS,
+        "head-zero",
+        "alie",
+        "alie-z1",
+        "alie-z0",
+        "sybil",
+        "sybil-noise",
+        "sync-stall",
+    ]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
         return 2
@@ -254,8 +266,8 @@ def main() -> int:
         tamper_heads()
     elif sys.argv[1] == "sync-stall":
         tamper_stall()
-    elif sys.argv[1] == "sybil":
-        tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")))
+    elif sys.argv[1].startswith("sybil"):
+        tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")), noise=sys.argv[1] == "sybil-noise")
     elif sys.argv[1].startswith("alie"):
         fixed = {"alie-z1": 1.0, "alie-z0": 0.0}
         tamper_alie(fixed.get(sys.argv[1], float(os.environ.get("DDILOCO_ALIE_Z", "0.25"))))
