@@ -38,6 +38,7 @@ RELINK_CHUNK = 64  # peer ids a call carries (about 3.5 KB)
 RELINK_MAX = 256  # peers one relink tries: the initial peers, then a random sample of the others
 RELINK_AT_ONCE = 16  # pings in flight at once in the DHT process
 WARN_EVERY_S = 60.0  # a read that keeps failing is logged as a warning this often, and at debug level between
+TABLE_MAX = 1024  # peer ids of the DHT's routing table a read returns (``Membership.processes``): about 55 KB
 
 
 class Membership:
@@ -51,6 +52,9 @@ class Membership:
         self.keys = [members_key(swarm, b) for b in range(BUCKETS)]
         self.key = f"{swarm}/members/*"  # in messages: every bucket
         self._warned_at = float("-inf")  # when a failed read was last logged as a warning
+        # the peers in this node's DHT routing table at the last read that worked: each answered or sent a
+        # DHT call under its own key, so a process stands behind it (a signed record alone proves none)
+        self.processes: frozenset[str] = frozenset()
 
     def _result(self, tried: str, start: Callable[[], Future]) -> Any:
         if not self.dht.is_alive():
@@ -102,7 +106,8 @@ class Membership:
             # subkey with one expiry: TypeError) or never answer. Read this node's own copy instead, raw
             # (which raises SwarmUnreachable in turn if the DHT process is gone).
             return self._local(now, f"the DHT read failed: {type(e).__name__}: {str(e)[:200]}")
-        items, plain = found
+        items, plain, table = found
+        self.processes = frozenset(table)
         if plain:  # a plain value over a key: not ours, whoever stored it
             return self._local(now, f"key holds a plain {plain}, not per-peer records")
         return self._view(dict(items), now, {})
@@ -166,22 +171,24 @@ class Membership:
 
 class _ReadBuckets:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
     """Runs in the DHT process: the newest value of every bucket key, found in one traversal, as the
-    (subkey, value) pairs of all of them, and the type of any plain value found over a key ('' if none)."""
+    (subkey, value) pairs of all of them, the type of any plain value found over a key ('' if none), and the
+    peer ids in the routing table (``TABLE_MAX`` at most)."""
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
 
-    async def __call__(self, _dht, node) -> tuple[list[tuple[Any, Any]], str]:
+    async def __call__(self, _dht, node) -> tuple[list[tuple[Any, Any]], str, list[str]]:
         found = await node.get_many(self.keys, sufficient_expiration_time=float("inf"))
+        table = [pid.to_base58() for pid in list(node.protocol.routing_table.peer_id_to_uid)[:TABLE_MAX]]
         pairs: list[tuple[Any, Any]] = []
         for key in self.keys:
             got = found.get(key)
             if got is None:
                 continue
             if not isinstance(got.value, dict):
-                return [], type(got.value).__name__
+                return [], type(got.value).__name__, table
             pairs += [(k, getattr(v, "value", v)) for k, v in got.value.items()]
-        return pairs, ""
+        return pairs, "", table
 
 
 class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process

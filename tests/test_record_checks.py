@@ -23,7 +23,7 @@ from node.swarm.wire import decode_record, encode_record
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
-from protocol.messages import contribution_id
+from protocol.messages import contribution_id, sender_tag
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution, Merge
 
@@ -120,7 +120,7 @@ def _member(pid: str, round_: int) -> Member:
 
 
 def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
-    node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=10)])
+    node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=10)], voters=lambda p, ms: ms)
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     credible = lambda pid, r, ms: SwarmView.credible(node, 0, pid, r, ms)  # noqa: E731
     liar = {"liar": _member("liar", 1010), "a": _member("a", 11), "b": _member("b", 12)}
@@ -149,6 +149,7 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         heads=[(20, "mine20", 1, 1.0)],
         logs=[{14: rec("mine14"), 15: rec("mine15")}],
         _head_key=lambda h: (-int(h[0]), str(h[1])),
+        voters=lambda p, ms: ms,
     )
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
@@ -173,6 +174,66 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
     assert outvoted({"a": member("a", 19, "x"), "liar": member("liar", 5, "zero")}) == (None, [])
     # one other member only: nobody to outvote this node
     assert outvoted({"a": member("a", 15, "theirs15")}) == (None, [])
+
+
+def _public_view(round_: int, head: str, credited: list[str], processes: set[str]) -> SimpleNamespace:
+    """A public swarm's view at fragment 0's round ``round_`` (its head named ``head``) whose chain credits
+    ``credited`` and whose DHT routing table holds ``processes``: ``SwarmView``'s own majority methods."""
+    work = WorkBook()
+    if credited:
+        work.settle(tags=[sender_tag(q) for q in credited])  # as a snapshot's credits come: known at once
+    node = SimpleNamespace(
+        peer_id="me",
+        replicas=[SimpleNamespace(round=round_)],
+        heads=[(round_, head, 1, 1.0)],
+        logs=[{}],
+        _head_key=lambda h: (-int(h[0]), str(h[1])),
+        settings=SimpleNamespace(elect_workers=True),
+        syncs=[SimpleNamespace(due_every=1.0)],
+        work=work,
+        logged_learners=set,
+        membership=SimpleNamespace(processes=frozenset(processes)),
+    )
+    node.voters = lambda p, ms: SwarmView.voters(node, p, ms)
+    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
+    return node
+
+
+def test_identities_with_neither_work_nor_a_process_are_not_counted_in_a_majority_of_heads():
+    """Issue 32, item 4: whether a head far ahead is believed (``credible``) and whether a node yields its
+    chain (``outvoted``) is a majority of members' heads. 32 signed records with no process and no work
+    behind them, echoing a hostile worker's head, are not counted where the node knows its chain's workers:
+    nor made an honest head unbelievable, nor made the node yield to the hostile member's fork. A member with
+    a process behind it counts though not credited (fresh honest nodes on a chain of their own still
+    outvote a lone node); where the node cannot tell workers yet, every record counts, as before."""
+
+    def member(pid: str, r: int, h: str) -> Member:
+        now = get_dht_time()
+        return Member(pid, (), "v", now, now + 5, heads={"0": [r, h, 1, 1.0]})
+
+    honest, bad = ["peer-honest-aaaa", "peer-honest-bbbb"], "peer-hostile-hhhh"
+    sybils = [f"peer-sybil-{i:05d}" for i in range(32)]
+    table = {*honest, bad}
+    # behind by 4 rounds: the two honest heads are believed, whatever 33 records of a stale head say
+    ms = {q: member(q, 14, "h14") for q in honest} | {q: member(q, 10, "h10") for q in [bad, *sybils]}
+    node = _public_view(10, "h10", [*honest, bad], table)
+    assert SwarmView.credible(node, 0, honest[0], 14, ms)
+    assert not SwarmView.credible(_public_view(10, "h10", [], table), 0, honest[0], 14, ms)  # cannot tell
+    # on our chain at 20 with one honest member; the hostile one and its 32 echoes on a fork at 16: no yield
+    ms = {honest[0]: member(honest[0], 20, "mine20")} | {q: member(q, 16, "fork16") for q in [bad, *sybils]}
+    node = _public_view(20, "mine20", [honest[0], bad], table)
+    assert SwarmView.outvoted(node, 0, ms) == (None, [])
+    # the same echoes with processes behind them count: the node yields to the majority's head, as it does
+    # before it can tell workers
+    node = _public_view(20, "mine20", [honest[0], bad], table | set(sybils))
+    assert SwarmView.outvoted(node, 0, ms)[0][:2] == [16, "fork16"]
+    assert SwarmView.outvoted(_public_view(20, "mine20", [], table), 0, ms)[0][:2] == [16, "fork16"]
+    # fresh honest nodes on a chain of their own, none credited here but each in the routing table: a lone
+    # node ahead of them on another chain still yields to them
+    fresh = [f"peer-fresh-{i:05d}" for i in range(3)]
+    ms = {honest[0]: member(honest[0], 30, "ahead30")} | {q: member(q, 15, "theirs15") for q in fresh}
+    node = _public_view(30, "ahead30", [honest[0]], {honest[0], *fresh})
+    assert SwarmView.outvoted(node, 0, ms)[0][:2] == [15, "theirs15"]
 
 
 class _Receiver(Replication):

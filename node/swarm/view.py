@@ -100,15 +100,32 @@ class SwarmView:
     def _head_key(self, h) -> tuple:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
+    def voters(self, p: int, members: dict[str, Member]) -> dict[str, Member]:
+        """The members of ``members`` whose published head counts in a majority of heads (``backed``,
+        ``outvoted``). In a public swarm (``elect`` workers) where this node knows its chain's workers: the
+        workers, and the members with a process behind them (in this node's DHT routing table: each
+        answered or sent a DHT call under its own key), so that fresh honest nodes on a chain of their own
+        still count. A signed record costs nothing to make: 32 identities echoing one member's head were
+        most of every majority, and whether an honest head far ahead was believed, or whether a node
+        yielded its chain, was theirs to say (issue 32, item 4). Everyone where this node cannot tell yet."""
+        if not self.settings.elect_workers:
+            return members
+        window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
+        workers = self.work.workers(members, time.monotonic(), window, self.logged_learners())
+        if not workers:
+            return members
+        alive = self.membership.processes
+        return {q: m for q, m in members.items() if q in workers or q in alive}
+
     def backed(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
         """Whether a majority of the other reachable members (not ``pid``, not this node) that publish a head
-        of fragment p publish one at most ``HEAD_SLACK`` rounds below ``round_``. With no other member to
-        ask: True. A member that publishes no head of p holds no state of it to vouch with: counted, two
-        such records (a hostile member's, in a test) outvoted an honest node's word, and a node that fell
-        behind never followed the swarm again."""
+        of fragment p publish one at most ``HEAD_SLACK`` rounds below ``round_``, counting ``voters`` only.
+        With no other member to ask: True. A member that publishes no head of p holds no state of it to
+        vouch with: counted, two such records (a hostile member's, in a test) outvoted an honest node's
+        word, and a node that fell behind never followed the swarm again."""
         others = [
             m
-            for q, m in members.items()
+            for q, m in self.voters(p, members).items()
             if q not in (pid, self.peer_id) and not m.client_mode and m.heads.get(str(p))
         ]
         backing = sum(1 for m in others if m.head_round(p) >= round_ - HEAD_SLACK)
@@ -154,20 +171,20 @@ class SwarmView:
         return best_head, holders
 
     def outvoted(self, p: int, members: dict[str, Member]) -> tuple[list | None, list[str]]:
-        """The majority's head of fragment p when this node's own is a lone outlier on another chain (it
-        raced ahead of a majority that then merged rounds of its own): the majority does not follow a head
-        it does not back, so this node yields to theirs, or the swarm would stay split. (None, []) when our
-        head is backed, when the others are merely behind on our own chain (they catch up by records), or
-        with fewer than two others to ask. The head yielded to is one two or more members publish: a yield
-        takes a snapshot with no other check, and the best-ranked head of one member was a liar's a round
-        past the rest, with an all-zero state behind it. (Counting only members whose work this node merged
-        split an unattacked bench run for good: three nodes that joined fresh beside a swarm 15 rounds on
-        merged rounds of their own, and the two ahead had merged none of their work.)"""
+        """The majority's head of fragment p when this node's own is a lone outlier on another chain (it raced
+        ahead of a majority that then merged rounds of its own): the majority does not follow a head it does
+        not back, so this node yields to theirs, or the swarm would stay split (``voters`` counted only).
+        (None, []) when our head is backed, when the others are merely behind on our own chain (they catch up
+        by records), or with fewer than two others to ask. The head yielded to is one two or more members
+        publish: a yield takes a snapshot with no other check, and the best-ranked head of one member was a
+        liar's a round past the rest, with an all-zero state behind it. (Counting only members whose work this
+        node merged split an unattacked bench run for good: three nodes that joined fresh beside a swarm 15
+        rounds on merged rounds of their own, and the two ahead had merged none of their work.)"""
         ours = self.heads[p]
         r = int(ours[0])
         others = {
             q: m
-            for q, m in members.items()
+            for q, m in self.voters(p, members).items()
             if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
         }
         if len(others) < 2 or self.backed(p, self.peer_id, r, members):
