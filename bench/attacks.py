@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-flags", default="", help="more flags for every node, e.g. --node-flags=--distrust")
     args = p.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a != "none"]
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:  # before any run, not after the first ones
+        p.error(f"unknown attack {', '.join(unknown)}: choose among {', '.join(ATTACKS)}")
     cols = [(r, a) for r in args.rules.split(",") for a in args.audits.split(",")]
     rows: dict[tuple[str, str, str], list[dict]] = {}
     t0 = time.monotonic()

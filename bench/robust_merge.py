@@ -43,6 +43,7 @@ from node.local.hostile import alie_z
 from node.local.run_config import LearnerPlan, RunConfig
 from node.local.runner import run_system
 from protocol.config import ProtocolConfig
+from protocol.robust import ROBUST_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
     attacks = args.attacks.split(",")
     rules = args.rules.split(",")
+    unknown = [a for a in attacks if a not in ATTACKS] + [r for r in rules if r not in ROBUST_RULES]
+    if unknown:  # before any run, not after the first ones
+        known = f"attacks {', '.join(ATTACKS)}; rules {', '.join(ROBUST_RULES)}"
+        _parser().error(f"unknown attack or rule {', '.join(unknown)}: {known}")
     if "none" not in attacks:
         attacks.insert(0, "none")
     losses: dict[tuple[str, str], list[float]] = {}
