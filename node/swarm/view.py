@@ -101,13 +101,9 @@ class SwarmView:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
     def voters(self, p: int, members: dict[str, Member]) -> dict[str, Member]:
-        """The members of ``members`` whose published head counts in a majority of heads (``backed``,
-        ``outvoted``). In a public swarm (``elect`` workers) where this node knows its chain's workers: the
-        workers, and the members with a process behind them (in this node's DHT routing table: each
-        answered or sent a DHT call under its own key), so that fresh honest nodes on a chain of their own
-        still count. A signed record costs nothing to make: 32 identities echoing one member's head were
-        most of every majority, and whether an honest head far ahead was believed, or whether a node
-        yielded its chain, was theirs to say (issue 32, item 4). Everyone where this node cannot tell yet."""
+        """Whose head counts in a majority of heads (``backed``, ``outvoted``): in a public swarm whose workers
+        this node knows, workers and members with a process behind them (in its DHT routing table), not 32
+        free signed records echoing one head (issue 32, item 4); else everyone."""
         if not self.settings.elect_workers:
             return members
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
@@ -236,15 +232,10 @@ class SwarmView:
         return order
 
     def _workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
-        """The members of ``seen`` whose learner is credited on the chain this node follows (``elect``
-        workers; issue 32, Sybils): in a record its logs hold, or one that settled (``WorkBook.workers``). A
-        signed membership record costs nothing to make: a member that published 32 copies of its own under
-        new identities had them win rounds, and every sender failed over past each (600-1,900 times a run).
-        Nodes on one chain hold the same credits, so views that have watched the swarm merge for
-        ``ELECT_WATCH_ROUNDS`` of fragment p's periods hold the same workers, whoever merged which round; the set
-        is not windowed (a worker that pauses stays electable), so views do not part as learners pause one
-        by one. All of ``seen`` while this node has watched for less (a joiner, a restart: it cannot yet
-        tell), or where none of them is credited."""
+        """The members of ``seen`` whose learner is credited on the chain this node follows (``elect`` workers,
+        ``WorkBook.workers``; issue 32, Sybils: 32 free copies of one record won rounds, and senders failed
+        over past each 600-1,900 times a run). Nodes on one chain hold the same credits; the set is not
+        windowed, so views do not part as learners pause. All of ``seen`` while this node cannot tell yet."""
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
         workers = self.work.workers(seen, time.monotonic(), window, self.logged_learners())
         if not workers:
