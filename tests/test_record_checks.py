@@ -194,6 +194,7 @@ def _public_view(round_: int, head: str, credited: list[str], processes: set[str
         logged_learners=set,
         membership=SimpleNamespace(processes=frozenset(processes)),
     )
+    node._workers = lambda p, ms: SwarmView._workers(node, p, ms)
     node.voters = lambda p, ms: SwarmView.voters(node, p, ms)
     node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
     return node

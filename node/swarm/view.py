@@ -104,11 +104,8 @@ class SwarmView:
         """Whose head counts in a majority of heads (``backed``, ``outvoted``): in a public swarm whose workers
         this node knows, workers and members with a process behind them (in its DHT routing table), not 32
         free signed records echoing one head (issue 32, item 4); else everyone."""
-        if not self.settings.elect_workers:
-            return members
-        window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
-        workers = self.work.workers(members, time.monotonic(), window, self.logged_learners())
-        if not workers:
+        workers = self._workers(p, members) if self.settings.elect_workers else members
+        if workers is members:  # everyone: a private swarm, or this node cannot tell workers yet
             return members
         alive = self.membership.processes
         return {q: m for q, m in members.items() if q in workers or q in alive}
@@ -235,7 +232,7 @@ class SwarmView:
         """The members of ``seen`` whose learner is credited on the chain this node follows (``elect`` workers,
         ``WorkBook.workers``; issue 32, Sybils: 32 free copies of one record won rounds, and senders failed
         over past each 600-1,900 times a run). Nodes on one chain hold the same credits; the set is not
-        windowed, so views do not part as learners pause. All of ``seen`` while this node cannot tell yet."""
+        windowed, so views do not part as learners pause. ``seen`` itself while this node cannot tell yet."""
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
         workers = self.work.workers(seen, time.monotonic(), window, self.logged_learners())
         if not workers:
