@@ -33,3 +33,26 @@ def die_with_parent() -> bool:
 def started_by_torchrun(env=os.environ) -> bool:
     """Whether this process is one rank of a multi-process learner unit that torchrun started."""
     return int(env.get("WORLD_SIZE", "1") or 1) > 1 and bool(env.get("RANK"))
+
+
+async def cancel_until_done(tasks, deadline_s: float, again_s: float = 0.5) -> set:
+    """Cancel ``tasks`` (asyncio tasks) and wait until all have ended, cancelling those still running again
+    every ``again_s``: one cancel can be lost. (Python 3.11's ``asyncio.wait_for`` returns its result when
+    the cancel arrives as the awaited future completes; a node's checkpoint loop swallowed its cancel that
+    way and its node never exited.) Returns the tasks still running at ``deadline_s``, which it logs."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    pending = {t for t in tasks if not t.done()}
+    tries = 0
+    while pending and loop.time() < end:
+        if tries:
+            logger.info("cancelling again (try %d): %s", tries + 1, ", ".join(map(repr, pending)))
+        for t in pending:
+            t.cancel()
+        tries += 1
+        _, pending = await asyncio.wait(pending, timeout=min(again_s, max(0.0, end - loop.time())))
+    for t in pending:
+        logger.warning("task %r did not end within %g s of its cancel; left behind", t, deadline_s)
+    return pending

@@ -38,6 +38,7 @@ from dht.identity import Identity
 from dht.launch import peer_ids_of
 from dht.records import Member
 from node.common.events import EventLog
+from node.common.lifetime import cancel_until_done
 from node.common.priority import lower_network_priority, lower_own_thread_priority, paced_wait
 from node.common.status_client import write_control_token
 from node.learner.learner import Learner
@@ -88,6 +89,7 @@ def process_start_time() -> float:
 
 
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
+TASKS_STOP_S = 20.0  # how long a stopping node waits for its background tasks to end once cancelled
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
@@ -336,11 +338,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         ll.stop_flag.set()
         if ll.is_alive():
             await asyncio.to_thread(ll.join, 120)
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_until_done(self._tasks, TASKS_STOP_S)
         try:
             await self._final_files()
         finally:
