@@ -121,7 +121,7 @@ def _member(pid: str, round_: int) -> Member:
 
 def test_a_head_far_ahead_is_credible_only_with_the_majoritys_word():
     node = SimpleNamespace(peer_id="me", replicas=[SimpleNamespace(round=10)], voters=lambda p, ms: ms)
-    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
+    node.backed = lambda p, pid, r, ms, vs=None: SwarmView.backed(node, p, pid, r, ms, vs)
     credible = lambda pid, r, ms: SwarmView.credible(node, 0, pid, r, ms)  # noqa: E731
     liar = {"liar": _member("liar", 1010), "a": _member("a", 11), "b": _member("b", 12)}
     assert not credible("liar", 1010, liar)
@@ -151,7 +151,7 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         _head_key=lambda h: (-int(h[0]), str(h[1])),
         voters=lambda p, ms: ms,
     )
-    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
+    node.backed = lambda p, pid, r, ms, vs=None: SwarmView.backed(node, p, pid, r, ms, vs)
     outvoted = lambda ms: SwarmView.outvoted(node, 0, ms)  # noqa: E731
 
     def member(pid: str, r: int, h: str) -> Member:
@@ -196,7 +196,7 @@ def _public_view(round_: int, head: str, credited: list[str], processes: set[str
     )
     node._workers = lambda p, ms: SwarmView._workers(node, p, ms)
     node.voters = lambda p, ms: SwarmView.voters(node, p, ms)
-    node.backed = lambda p, pid, r, ms: SwarmView.backed(node, p, pid, r, ms)
+    node.backed = lambda p, pid, r, ms, vs=None: SwarmView.backed(node, p, pid, r, ms, vs)
     return node
 
 

@@ -110,15 +110,16 @@ class SwarmView:
         alive = self.membership.processes
         return {q: m for q, m in members.items() if q in workers or q in alive}
 
-    def backed(self, p: int, pid: str, round_: int, members: dict[str, Member]) -> bool:
+    def backed(self, p: int, pid: str, round_: int, members: dict[str, Member], voters=None) -> bool:
         """Whether a majority of the other reachable members (not ``pid``, not this node) that publish a head
-        of fragment p publish one at most ``HEAD_SLACK`` rounds below ``round_``, counting ``voters`` only.
+        of fragment p publish one at most ``HEAD_SLACK`` rounds below ``round_``, counting ``voters`` only
+        (given, where the caller took them already).
         With no other member to ask: True. A member that publishes no head of p holds no state of it to
         vouch with: counted, two such records (a hostile member's, in a test) outvoted an honest node's
         word, and a node that fell behind never followed the swarm again."""
         others = [
             m
-            for q, m in self.voters(p, members).items()
+            for q, m in (self.voters(p, members) if voters is None else voters).items()
             if q not in (pid, self.peer_id) and not m.client_mode and m.heads.get(str(p))
         ]
         backing = sum(1 for m in others if m.head_round(p) >= round_ - HEAD_SLACK)
@@ -175,17 +176,16 @@ class SwarmView:
         rounds on merged rounds of their own, and the two ahead had merged none of their work.)"""
         ours = self.heads[p]
         r = int(ours[0])
+        voters = self.voters(p, members)  # once: each ``backed`` below counts the same
         others = {
-            q: m
-            for q, m in self.voters(p, members).items()
-            if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
+            q: m for q, m in voters.items() if q != self.peer_id and not m.client_mode and m.heads.get(str(p))
         }
-        if len(others) < 2 or self.backed(p, self.peer_id, r, members):
+        if len(others) < 2 or self.backed(p, self.peer_id, r, members, voters):
             return None, []
         groups: dict[tuple, list[str]] = {}
         for q, m in sorted(others.items()):
             h = m.heads[str(p)]
-            if len(h) < 4 or not self.backed(p, q, int(h[0]), members):
+            if len(h) < 4 or not self.backed(p, q, int(h[0]), members, voters):
                 continue
             mine = self.logs[p].get(int(h[0]))
             if (int(h[0]), str(h[1])) == (r, ours[1]) or (mine is not None and mine.record.new_hash == h[1]):
