@@ -53,6 +53,8 @@ class Member:
     steps_per_s: float = 0.0  # the learner's recent rate, to extrapolate ``step`` from ``issued_at``
     cert: str = ""  # private swarms: the admission certificate (JSON) the swarm authority signed
     leases: dict[str, int] = field(default_factory=dict)  # fragment -> round this node is collecting
+    # fragment -> open round this node took and will not sign (``Receipts.renounce``): elect the next one
+    renounced: dict[str, int] = field(default_factory=dict)
 
     def head_round(self, fragment: int) -> int:
         h = self.heads.get(str(fragment))
@@ -62,6 +64,8 @@ class Member:
 def _payload(swarm: str, m: Member) -> bytes:
     body = asdict(m)
     body["addrs"] = list(m.addrs)
+    if not m.renounced:  # rare: a record without one reads (and verifies) as before it existed
+        del body["renounced"]
     return (f"{_DOMAIN}|{swarm}|" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()
 
 
@@ -96,8 +100,10 @@ def _check_types(m: Member) -> None:
         bad.append(f"client_mode={m.client_mode!r:.10} step={m.step!r:.40}")
     if not isinstance(m.heads, dict) or not all(_is_head(h) for h in m.heads.values()):
         bad.append(f"heads={m.heads!r:.80}")
-    if not isinstance(m.leases, dict) or not all(type(r) is int for r in m.leases.values()):
-        bad.append(f"leases={m.leases!r:.80}")
+    for f in ("leases", "renounced"):
+        v = getattr(m, f)
+        if not isinstance(v, dict) or not all(type(r) is int for r in v.values()):
+            bad.append(f"{f}={v!r:.80}")
     if bad:
         raise TypeError("; ".join(bad))
 

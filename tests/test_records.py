@@ -84,3 +84,20 @@ def test_a_checked_signature_is_remembered_by_the_records_bytes_and_swarm(monkey
         parse_member("s", sign_member("s", o, member(o, now=1000.0)), now=1000.0)
     parse_member("s", raw, now=1000.0)
     assert len(checked) == 6
+
+
+def test_a_renounced_round_travels_signed_and_a_record_without_one_reads_as_before():
+    """``Member.renounced`` (``Receipts.renounce``): signed with the rest; left out of the signed bytes while
+    empty, so a record that renounces nothing is the record a node wrote before the field existed."""
+    a = Identity.generate()
+    raw = sign_member("s", a, member(a, renounced={"3": 25}))
+    assert parse_member("s", raw, now=105.0).renounced == {"3": 25}
+    doc = json.loads(raw)
+    doc["m"]["renounced"] = {"3": 26}  # altered: the signature no longer matches
+    with pytest.raises(RecordError, match="signature"):
+        parse_member("s", json.dumps(doc).encode(), now=105.0)
+    plain = json.loads(sign_member("s", a, member(a)))
+    assert "renounced" not in plain["m"] and parse_member("s", json.dumps(plain).encode(), 105.0).renounced == {}
+    bad = sign_member("s", a, member(a, renounced={"3": "25"}))
+    with pytest.raises(RecordError, match="renounced"):
+        parse_member("s", bad, now=105.0)

@@ -264,6 +264,14 @@ class Contributions(MergeWatch):
             if self.guard.first_resend(h.cid):
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
+            rep = self.replicas[p]
+            if h.base_round < rep.round and not rep.keeps(h.base_round):
+                # a snapshot installed here since (the history starts at it): the merge could not re-anchor
+                # it, and a receipt for it is a promise this node cannot keep (``Receipts.renounce``)
+                raise ProtocolError(
+                    RejectCode.STALE_BASE,
+                    f"fragment {p} no longer keeps round {h.base_round} here (now at {rep.round})",
+                )
             self.guard.check_replay(h.cid)
             self._check_work(h)
             # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding

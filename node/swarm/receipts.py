@@ -263,6 +263,23 @@ class Receipts:
             )
         return bool(missing)
 
+    def renounce(self, p: int, round_: int, dropped: set[str]) -> None:
+        """``holds_receipts`` refused to sign fragment p's round ``round_`` here: this node hands the round on.
+        Held taken (as it was until 2026-11-29), the round stayed merging here for good: every contribution
+        sent to it was refused ``peer_busy`` (772 in a CI run), its lease kept every view electing it, and the
+        fragment merged nothing until the node left. Now its record names the round renounced
+        (``Member.renounced``, read by ``candidates``: the next candidate takes it), its own round starts over
+        without the merge's contributions (``dropped``; their senders' watches send them again when the
+        next candidate's record leaves them out), and its own learner's latest goes to the next one."""
+        rep = self.replicas[p]
+        self.__dict__.setdefault("renounced", {})[p] = (round_, rep.hash)
+        self.events.emit("renounce", t=time.time(), fragment=p, round=round_, parent=rep.hash)
+        logger.warning("fragment %d round %d renounced here: the next candidate takes it", p, round_)
+        self._reset_sync(p, merged=dropped)
+        latest = self.last_contribution.get(p)
+        if latest is not None and latest[0].cid in dropped:
+            self.outbox.put_nowait(latest)
+
     def check_receipt(self, target: str, header, body: bytes) -> Receipt | None:
         """The receipt in ``target``'s ``ok`` to our contribution ``header``; None (and ``target`` suspected as
         a stalled synchroniser would be) where it is missing or not for this contribution."""

@@ -265,7 +265,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
                 "merge of fragment %d round %d dropped: its round was reset or the node stops", p, a.round
             )
             return
-        if self.receipts_on() and self.holds_receipts(rec):  # node.swarm.receipts: not signed, left to stall
+        if self.receipts_on() and self.holds_receipts(rec):  # node.swarm.receipts: not signed, handed on
+            left = list(st.pending.values()) + list(st.queued.values()) + list(a.contributions)
+            self.renounce(p, a.round, {c.cid for c in left})
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)

@@ -1,0 +1,143 @@
+"""A synchroniser that will not sign the round it took hands it on (``Receipts.renounce``).
+
+Where a merge would leave out a contribution this node gave a receipt for (``holds_receipts``), the node
+did not sign and kept the round: it stayed merging for good, refused every contribution ``peer_busy`` (772
+in one CI run), its lease kept every view electing it, and the fragment merged nothing until it left. Now it
+names the round renounced in its record, every view elects the next candidate, and its round starts over.
+And the commonest way into that: a contribution taken one round behind right after a snapshot, which the
+merge could not re-anchor, is refused ``stale_base`` at the door instead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import torch
+
+from dht.identity import Identity
+from dht.records import Member
+from node.common.events import EventLog
+from node.swarm.contributions import Contributions
+from node.swarm.guard import Guard
+from node.swarm.receipts import Receipts
+from node.swarm.view import SwarmView
+from node.swarm.wire import pack_list, sign_contribution
+from protocol.codecs import encode_tensors
+from protocol.config import ProtocolConfig
+from protocol.election import candidates
+from protocol.messages import ContributionHeader, encode_contribution
+from protocol.replica import FragmentReplica
+from protocol.synchroniser import Merge, Phase, SyncState
+from tests.test_merge_off_loop import _contributions, _Node
+
+SWARM = "s"
+
+
+def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the_latest_of_its_own():
+    theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+
+    async def main():
+        rep = FragmentReplica(0, theta, is_embedding=False)
+        node = _Node(rep)
+        node.settings = SimpleNamespace(swarm=SWARM)
+        node.identity = Identity.generate()
+        node.peer_id = node.identity.peer_id
+        node.receipts_on = lambda: True
+        node.holds_receipts = lambda rec: True  # it leaves out a contribution we gave a receipt for
+        node.renounce = lambda p, r, dropped: Receipts.renounce(node, p, r, dropped)
+        node.events, node.outbox = EventLog(), asyncio.Queue()
+        cs = _contributions(theta)
+        mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
+        node.last_contribution = {0: (mine, "enc")}
+        assert not SwarmView.renounces(node, 0)
+        await node._merge_off_loop(0, Merge(1, cs), 3, 0.0, 0.0, 0.0)
+        assert node.applied == [] and rep.round == 0  # not signed
+        assert node.resets == [(0, {c.cid for c in cs})]  # the round starts over, none of them carried
+        assert node.syncs[0].phase is Phase.COLLECTING
+        assert node.renounced == {0: (1, rep.hash)} and SwarmView.renounces(node, 0)
+        assert node.outbox.get_nowait() == (mine, "enc")  # our own latest goes to the next candidate
+        assert [(e["fragment"], e["round"]) for e in node.events.of("renounce")] == [(0, 1)]
+        rep.round = 1  # the next candidate's record of round 1 applied here: the renouncement is over
+        assert not SwarmView.renounces(node, 0)
+
+    asyncio.run(main())
+
+
+class _View(SwarmView):
+    """What ``candidates`` reads: the live members' records, this node's replica, its suspicions."""
+
+    def __init__(self, me: str, others: dict[str, Member]) -> None:
+        self.peer_id, self.others = me, others
+        self.replicas = [SimpleNamespace(round=4, hash="h4")]
+        self.settings = SimpleNamespace(swarm=SWARM, elect_workers=False)
+        self.published_self, self.suspect = None, {}
+
+    def live_members(self) -> dict[str, Member]:
+        return {**self.others, self.peer_id: _member(self.peer_id)}
+
+    def credible(self, p, pid, round_, members) -> bool:
+        return True
+
+
+def _member(pid: str, **kw) -> Member:
+    return Member(pid, ("/ip4/127.0.0.1/tcp/1",), "v", 0.0, 1e11, heads={"0": [4, "h4"]}, **kw)
+
+
+def test_every_view_elects_past_a_member_that_renounced_the_open_round_and_never_past_all_of_them():
+    ids = [Identity.generate().peer_id for _ in range(4)]
+    me, rest = ids[0], ids[1:]
+    view = _View(me, {q: _member(q) for q in rest})
+    order = view.candidates(0)
+    assert sorted(order) == sorted(ids) and order == candidates(SWARM, 0, 5, sorted(ids))
+    first = order[0]
+    if first == me:  # this node renounced round 5 on the parent it holds
+        view.renounced = {0: (5, "h4")}
+    else:  # a member's record says it renounced round 5
+        view.others[first] = _member(first, renounced={"0": 5})
+    assert view.candidates(0) == order[1:] and view.synchroniser_of(0) == order[1]
+    view.renounced, view.others = {}, {q: _member(q, renounced={"0": 6}) for q in rest}  # another round
+    view.renounced = {0: (5, "h3")}  # renounced on another parent: a round that is not this one
+    assert view.candidates(0) == order
+    view.renounced = {0: (5, "h4")}
+    view.others = {q: _member(q, renounced={"0": 5}) for q in rest}
+    assert view.candidates(0) == order  # everyone renounced: the round waits for them, as before
+
+
+class _Synchroniser(Contributions):
+    """``_accept`` up to its checks of a contribution's base: this node elects itself for every round."""
+
+    def __init__(self, ident: Identity, rep: FragmentReplica, spec: dict) -> None:
+        self.peer_id, self.replicas, self.spec = ident.peer_id, [rep], {0: spec}
+        self.settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False)
+        self.pcfg = ProtocolConfig(distrust=False)
+        self.syncs = [SyncState(fragment=0, global_round=rep.round)]
+        self.events, self.guard = EventLog(), Guard()
+        self.transport = SimpleNamespace(_count=lambda code: None)
+
+    async def _known(self, caller: str) -> bool:
+        return True
+
+    def synchroniser_of(self, p, dead=()):
+        return self.peer_id
+
+
+def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_stale_and_nothing_changes():
+    theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    rep = FragmentReplica(0, theta, is_embedding=False)
+    rep.load_state(5, theta, {k: torch.zeros_like(v) for k, v in theta.items()})  # joined by snapshot at 5
+    sync, learner = Identity.generate(), Identity.generate()
+    node = _Synchroniser(sync, rep, {k: tuple(v.shape) for k, v in theta.items()})
+    h = ContributionHeader(
+        learner=learner.peer_id, fragment=0, base_round=4, c_steps=8, c_tokens=2048, step_time_s=0.1,
+        codec="int4", block=64, cid=f"{learner.peer_id[-10:]}:0:8:1",
+    )  # fmt: skip
+    raw = encode_contribution(
+        h, encode_tensors({k: 1e-3 * torch.randn(v.shape) for k, v in theta.items()}, "int4", 64)
+    )
+    payload = pack_list([json.dumps({"dead": []}).encode(), raw, sign_contribution(SWARM, learner, raw)])
+    before = node.syncs[0]
+    reply = asyncio.run(node._accept(learner.peer_id, payload))
+    assert not reply.ok and reply.code == "stale_base" and "no longer keeps round 4" in reply.message
+    assert node.syncs[0] is before and not node.guard.scores  # taken into nothing; no count against it
+    assert not node.guard.was_merged(h.cid)
