@@ -97,7 +97,9 @@ def test_a_renounced_round_travels_signed_and_a_record_without_one_reads_as_befo
     with pytest.raises(RecordError, match="signature"):
         parse_member("s", json.dumps(doc).encode(), now=105.0)
     plain = json.loads(sign_member("s", a, member(a)))
-    assert "renounced" not in plain["m"] and parse_member("s", json.dumps(plain).encode(), 105.0).renounced == {}
+    assert (
+        "renounced" not in plain["m"] and parse_member("s", json.dumps(plain).encode(), 105.0).renounced == {}
+    )
     bad = sign_member("s", a, member(a, renounced={"3": "25"}))
     with pytest.raises(RecordError, match="renounced"):
         parse_member("s", bad, now=105.0)

@@ -50,21 +50,21 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
         cs = _contributions(theta)
         mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
         node.last_contribution = {0: (mine, "enc")}
-        assert not SwarmView.renounces(node, 0)
+        assert Receipts.renounced_now(node) == {}
         await node._merge_off_loop(0, Merge(1, cs), 3, 0.0, 0.0, 0.0)
         assert node.applied == [] and rep.round == 0  # not signed
         assert node.resets == [(0, {c.cid for c in cs})]  # the round starts over, none of them carried
         assert node.syncs[0].phase is Phase.COLLECTING
-        assert node.renounced == {0: (1, rep.hash)} and SwarmView.renounces(node, 0)
+        assert node.renounced == {0: (1, rep.hash)} and Receipts.renounced_now(node) == {"0": 1}
         assert node.outbox.get_nowait() == (mine, "enc")  # our own latest goes to the next candidate
         assert [(e["fragment"], e["round"]) for e in node.events.of("renounce")] == [(0, 1)]
         rep.round = 1  # the next candidate's record of round 1 applied here: the renouncement is over
-        assert not SwarmView.renounces(node, 0)
+        assert Receipts.renounced_now(node) == {}
 
     asyncio.run(main())
 
 
-class _View(SwarmView):
+class _View(Receipts, SwarmView):
     """What ``candidates`` reads: the live members' records, this node's replica, its suspicions."""
 
     def __init__(self, me: str, others: dict[str, Member]) -> None:
@@ -74,7 +74,7 @@ class _View(SwarmView):
         self.published_self, self.suspect = None, {}
 
     def live_members(self) -> dict[str, Member]:
-        return {**self.others, self.peer_id: _member(self.peer_id)}
+        return {**self.others, self.peer_id: _member(self.peer_id, renounced=self.renounced_now())}
 
     def credible(self, p, pid, round_, members) -> bool:
         return True

@@ -280,6 +280,11 @@ class Receipts:
         if latest is not None and latest[0].cid in dropped:
             self.outbox.put_nowait(latest)
 
+    def renounced_now(self) -> dict[str, int]:
+        """The open rounds this node renounced, on its replicas' parents (published: ``Member.renounced``)."""
+        book, reps = self.__dict__.get("renounced", {}), self.replicas
+        return {str(p): r for p, (r, h) in book.items() if (r, h) == (reps[p].round + 1, reps[p].hash)}
+
     def check_receipt(self, target: str, header, body: bytes) -> Receipt | None:
         """The receipt in ``target``'s ``ok`` to our contribution ``header``; None (and ``target`` suspected as
         a stalled synchroniser would be) where it is missing or not for this contribution."""

@@ -1,7 +1,6 @@
-"""A node's view of its swarm (DESIGN §4, "Discovery and membership"): its own signed membership record,
-the live members it reads every heartbeat, the heads they publish and the synchroniser each fragment's open
-round has in that view, and the DHT links it keeps (``Membership.relink``). A mixin of ``node.swarm.agent.Node``,
-which owns the state."""
+"""A node's view of its swarm (DESIGN §4, "Discovery and membership"): its own signed membership record, the
+live members it reads every heartbeat, the heads they publish and the synchroniser each fragment's open round
+has in that view, the DHT links it keeps (``Membership.relink``). A mixin of ``node.swarm.agent.Node``."""
 
 from __future__ import annotations
 
@@ -77,11 +76,7 @@ class SwarmView:
             steps_per_s=self.learner_loop.steps_per_s(),
             cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
-            renounced={
-                str(p): self.replicas[p].round + 1
-                for p in self.__dict__.get("renounced", {})
-                if self.renounces(p)
-            },
+            renounced=self.renounced_now(),
         )
 
     def live_members(self) -> dict[str, Member]:
@@ -226,12 +221,10 @@ class SwarmView:
         }
         if self.settings.elect_workers:
             seen = self._workers(p, seen)
-        # a member that took this round and will not sign it (``Receipts.renounce``) hands it to the next one,
-        # unless none is left: then the round waits for it, as before there was a way to hand it on
+        # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
+        fresh = {**seen, self.peer_id: members[self.peer_id]}
+        out = {q for q, m in fresh.items() if m.renounced.get(str(p)) == open_round}
         elig = eligible(list(seen.values()), p)
-        out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
-        if self.renounces(p):
-            out.add(self.peer_id)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)
         holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
@@ -270,11 +263,6 @@ class SwarmView:
             if not m.client_mode and self.credible(p, pid, m.head_round(p), members)
         ]
         return max(0, max(heads, default=0) - self.replicas[p].round)
-
-    def renounces(self, p: int) -> bool:
-        """Whether this node renounced fragment p's open round on its replica's parent (``Receipts.renounce``)."""
-        r = self.__dict__.get("renounced", {}).get(p)
-        return r is not None and r == (self.replicas[p].round + 1, self.replicas[p].hash)
 
     def synchroniser_of(self, p: int, dead: Collection[str] = ()) -> str | None:
         """Who should take fragment p's open round in our view, leaving out peers a sender found dead."""
