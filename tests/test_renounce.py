@@ -29,9 +29,14 @@ from protocol.election import candidates
 from protocol.messages import ContributionHeader, encode_contribution
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Merge, Phase, SyncState
+from tests.swarm_util import Swarm, wait_until
 from tests.test_merge_off_loop import _contributions, _Node
 
 SWARM = "s"
+
+
+def _round(status: dict, p: int) -> int:
+    return status["fragments"][p]["round"]
 
 
 def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the_latest_of_its_own():
@@ -141,3 +146,39 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
     assert not reply.ok and reply.code == "stale_base" and "no longer keeps round 4" in reply.message
     assert node.syncs[0] is before and not node.guard.scores  # taken into nothing; no count against it
     assert not node.guard.was_merged(h.cid)
+
+
+def test_a_node_that_lost_what_it_gave_receipts_for_hands_its_round_on_and_nobody_is_banned(tmp_path):
+    """Real node processes: the test hook ``forget`` drops the contributions of every open round a node holds
+    (the receipts it gave for them stay): its next merge of such a round would leave them out, so it renounces
+    the round. Another member merges that round, every node applies its record, nobody is banned for it, and
+    the swarm settles on one hash. (Kept taken, the round stayed merging at that node for good.)"""
+    swarm = Swarm(tmp_path / "swarm")
+    try:
+        swarm.start_many(3)
+        ids = {i: c.peer_id for i, c in swarm.children.items()}
+        wait_until(lambda: all(s["rounds_merged"] >= 4 for s in swarm.status().values()), 90, "first rounds")
+
+        def renounced():
+            found = [(i, e) for i in ids for e in swarm.events(i) if e["kind"] == "renounce"]
+            for i in ids if not found else ():
+                swarm.control(i, "forget")
+            return found
+
+        i, e = wait_until(renounced, 90, "a round renounced", interval_s=2.0)[0]
+        p, r = e["fragment"], e["round"]
+
+        def merged_by_another(j: int) -> bool:
+            return any(
+                x["kind"] == "merge" and (x["fragment"], x["round"]) == (p, r) and x["signer"] != ids[i]
+                for x in swarm.events(j)
+            )
+
+        wait_until(lambda: all(merged_by_another(j) for j in ids), 60, f"fragment {p}'s round {r} merged")
+        final = swarm.settle(timeout_s=60)
+        assert len({s["model_hash"] for s in final.values()}) == 1
+        assert all(_round(final[j], p) >= r for j in ids)
+        bans = [(j, x) for j in ids for x in swarm.events(j) if x["kind"] == "ban" and x["peer"] == ids[i]]
+        assert not bans, bans
+    finally:
+        swarm.stop()

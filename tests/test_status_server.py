@@ -139,6 +139,7 @@ def test_control_with_the_token_acts_and_bad_bodies_are_400():
                 b'{"action": "explode"}',
                 b"[1]",
                 b'{"action": "block", "peers": ["p"]}',
+                b'{"action": "forget"}',
             ):
                 async with http.post(srv.url + "/control", data=body) as r:
                     out.append((r.status, (await r.json())["error"]))
@@ -153,8 +154,9 @@ def test_control_with_the_token_acts_and_bad_bodies_are_400():
     assert [code for code, _ in out[:3]] == [400, 400, 400]
     assert "expected JSON" in out[0][1] and "unknown action" in out[1][1]
     assert out[3][0] == 403 and "test hook" in out[3][1]
-    assert not before and after and out[4] == (200, {"ok": True, "action": "pause"})
-    assert out[5][0] == 404 and "GET /status" in out[5][1]
+    assert out[4][0] == 403 and "forget is a test hook" in out[4][1]  # and nothing was forgotten
+    assert not before and after and out[5] == (200, {"ok": True, "action": "pause"})
+    assert out[6][0] == 404 and "GET /status" in out[6][1]
 
 
 def test_a_port_in_use_is_a_clear_error():

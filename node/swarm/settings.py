@@ -214,7 +214,10 @@ class NodeSettings:
             "also as a save_pretrained folder beside it (model.safetensors -> model-hf/)"
         },
     )
-    test_hooks: bool = field(default=False, metadata={"help": "enable test-only controls (partition)"})
+    test_hooks: bool = field(
+        default=False,
+        metadata={"help": "enable test-only controls (block: a partition; forget: lost contributions)"},
+    )
     exit_with_parent: bool = field(
         default=False, metadata={"help": "stop when the launching process dies (set by 'ddiloco up')"}
     )

@@ -6,7 +6,8 @@ tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` 
 (``Authorization: Bearer TOKEN``, the token in ``STATE_DIR/control.token``, readable by the node's user
 only) pauses or resumes the learner or stops the node (``ddiloco up`` uses it to end a run cleanly); with
 ``test_hooks`` on, ``{"action": "block", "peers": [...]}`` makes the node treat those peers as unreachable,
-which is how the test suite partitions a swarm on one host. Reading needs no second p2p daemon: plain HTTP
+which is how the test suite partitions a swarm on one host, and ``{"action": "forget"}`` drops its open
+rounds' contributions (keeping the receipts it gave for them). Reading needs no second p2p daemon: plain HTTP
 on the node's status port (bind it to loopback, the default, or put it behind your own access control).
 """
 
@@ -174,6 +175,18 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
     }
 
 
+def _forget(node: Any) -> None:
+    """Test hook: every open round not merging starts over here without its contributions, as an undo that
+    carries none would (``Receipts.renounce`` then hands on the rounds whose receipts it can no longer keep)."""
+    lost = {}
+    for p, st in enumerate(node.syncs):
+        cids = {c.cid for c in (*st.pending.values(), *st.queued.values())}
+        if cids and st.phase.value != "merging":
+            node._reset_sync(p, merged=cids)
+            lost[p] = len(cids)
+    node.events.emit("forget", t=time.time(), fragments=lost)
+
+
 def apply_control(node: Any, action: str, peers: list[str]) -> tuple[int, dict]:
     """Carry out an authorised, parsed ``POST /control``: the HTTP code and the JSON answer."""
     ll = node.learner_loop
@@ -183,9 +196,11 @@ def apply_control(node: Any, action: str, peers: list[str]) -> tuple[int, dict]:
         ll.paused.clear()
     elif action == "stop":
         node.request_stop("stop requested over the status endpoint")
+    elif action in ("block", "forget") and not node.settings.test_hooks:
+        return 403, {"error": f"{action} is a test hook; start the node with --test-hooks"}
+    elif action == "forget":  # the open rounds' contributions lost here, the receipts given for them kept
+        node.loop.call_soon_threadsafe(_forget, node)
     elif action == "block":
-        if not node.settings.test_hooks:
-            return 403, {"error": "block is a test hook; start the node with --test-hooks"}
         node.blocked = set(peers)
         node.events.emit("partition", t=time.time(), blocked=sorted(peers))
     return 200, {"ok": True, "action": action}
