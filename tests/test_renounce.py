@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -21,6 +22,7 @@ from node.common.events import EventLog
 from node.swarm.contributions import Contributions
 from node.swarm.guard import Guard
 from node.swarm.receipts import Receipts
+from node.swarm.transport import Reply
 from node.swarm.view import SwarmView
 from node.swarm.wire import pack_list, sign_contribution
 from protocol.codecs import encode_tensors
@@ -126,6 +128,9 @@ class _Synchroniser(Contributions):
     def synchroniser_of(self, p, dead=()):
         return self.peer_id
 
+    def _check_work(self, h) -> None:  # the counters' own check (tests/test_work.py)
+        pass
+
 
 def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_stale_and_nothing_changes():
     theta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
@@ -137,15 +142,21 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
         learner=learner.peer_id, fragment=0, base_round=4, c_steps=8, c_tokens=2048, step_time_s=0.1,
         codec="int4", block=64, cid=f"{learner.peer_id[-10:]}:0:8:1",
     )  # fmt: skip
-    raw = encode_contribution(
-        h, encode_tensors({k: 1e-3 * torch.randn(v.shape) for k, v in theta.items()}, "int4", 64)
-    )
-    payload = pack_list([json.dumps({"dead": []}).encode(), raw, sign_contribution(SWARM, learner, raw)])
+
+    def send(header: ContributionHeader, scale: float) -> Reply:
+        delta = {k: scale * torch.randn(v.shape) for k, v in theta.items()}
+        raw = encode_contribution(header, encode_tensors(delta, "int4", 64))
+        payload = pack_list([json.dumps({"dead": []}).encode(), raw, sign_contribution(SWARM, learner, raw)])
+        return asyncio.run(node._accept(learner.peer_id, payload))
+
     before = node.syncs[0]
-    reply = asyncio.run(node._accept(learner.peer_id, payload))
+    reply = send(h, 1e-3)
     assert not reply.ok and reply.code == "stale_base" and "no longer keeps round 4" in reply.message
     assert node.syncs[0] is before and not node.guard.scores  # taken into nothing; no count against it
     assert not node.guard.was_merged(h.cid)
+    # a bad message is refused for what it is, stale or not (and counted against its sender)
+    reply = send(replace(h, cid=f"{learner.peer_id[-10:]}:0:8:2"), 1e6)  # far past the bound
+    assert reply.code == "too_large" and node.guard.scores[learner.peer_id] < 0 and node.syncs[0] is before
 
 
 def test_a_node_that_lost_what_it_gave_receipts_for_hands_its_round_on_and_nobody_is_banned(tmp_path):

@@ -264,6 +264,13 @@ class Contributions(MergeWatch):
             if self.guard.first_resend(h.cid):
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
+            self.guard.check_replay(h.cid)
+            self._check_work(h)
+            # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
+            # took the loop for a second a contribution); on a view whose norm book is a copy read here
+            view = frozen_view(self.replicas[p], merge=True)
+            n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
+            # after every check of the message: a bad one is refused for what it is, merging or not
             rep = self.replicas[p]
             if h.base_round < rep.round and not rep.keeps(h.base_round):
                 # a snapshot installed here since (the history starts at it): the merge could not re-anchor
@@ -272,13 +279,6 @@ class Contributions(MergeWatch):
                     RejectCode.STALE_BASE,
                     f"fragment {p} no longer keeps round {h.base_round} here (now at {rep.round})",
                 )
-            self.guard.check_replay(h.cid)
-            self._check_work(h)
-            # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
-            # took the loop for a second a contribution); on a view whose norm book is a copy read here
-            view = frozen_view(self.replicas[p], merge=True)
-            n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
-            # after every check of the message: a bad one is refused for what it is, merging or not
             if (busy := self.merging_here(caller, p)) is not None:
                 return busy
             # the record names its digest; audits fetch it (node.swarm.audit)
