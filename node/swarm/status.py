@@ -24,7 +24,7 @@ from node.common.status_client import ACTIONS, StatusError  # noqa: F401 - re-ex
 from node.swarm.memory import breakdown as memory_breakdown
 from protocol.errors import DDiLoCoError
 from protocol.goodput import compute_goodput
-from protocol.synchroniser import effective_quorum, has_quorum
+from protocol.synchroniser import Phase, effective_quorum, has_quorum
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST = 64 * 1024  # the largest request body the endpoint reads
@@ -181,7 +181,7 @@ def _forget(node: Any) -> None:
     lost = {}
     for p, st in enumerate(node.syncs):
         cids = {c.cid for c in (*st.pending.values(), *st.queued.values())}
-        if cids and st.phase.value != "merging":
+        if cids and st.phase is not Phase.MERGING:
             node._reset_sync(p, merged=cids)
             lost[p] = len(cids)
     node.events.emit("forget", t=time.time(), fragments=lost)

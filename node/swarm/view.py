@@ -222,8 +222,8 @@ class SwarmView:
         if self.settings.elect_workers:
             seen = self._workers(p, seen)
         # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
-        fresh = {**seen, self.peer_id: members[self.peer_id]}
-        out = {q for q, m in fresh.items() if m.renounced.get(str(p)) == open_round}
+        out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
+        out |= {self.peer_id} if members[self.peer_id].renounced.get(str(p)) == open_round else set()
         elig = eligible(list(seen.values()), p)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)
