@@ -28,6 +28,13 @@ record: its address, its heads, its step and rates; so every one is as electable
 name that no member reads (the flood's load on every DHT node and daemon, none of its effect on a view).
 Head attack: ``head-zero`` (its membership record claims each fragment a round past its own, with the hash of
 an all-zero fragment, and its snapshot op serves that all-zero state; no record leads to it).
+Records no one elected (a member that runs a learner but sends none of its work, so no record of another
+member credits it): after each record it applies it signs one of its own for the next round of that fragment,
+on the right parent with a consistent new hash, naming itself as the only contributor with an outer gradient
+of 0.2x the fragment's weights (shrinking them towards zero: inside the record bounds), and pushes it to every
+member. ``forge-self`` names no digest of a signed message; ``forge-signed`` names the digest of a
+contribution message it signed itself (and serves it, as the ``kept`` op does); ``forge-unserved`` names a
+made-up digest that nobody can serve.
 Issue 31's stalled round as a member whose learner works honestly (so a public swarm credits and elects it):
 ``sync-stall`` (when elected it answers every contribution ``ok`` and never merges: each round it takes is
 dropped and taken again, so it swallows every contribution sent to it).
@@ -214,6 +221,70 @@ def tamper_sybils(n: int, noise: bool = False) -> None:
     Membership.publish = publish
 
 
+FORGE_ATTACKS = ("forge-self", "forge-signed", "forge-unserved")
+
+
+def tamper_forge(attack: str) -> None:
+    import asyncio
+    import hashlib
+    import secrets
+    import time
+    from dataclasses import replace as dc_replace
+
+    from node.swarm.contributions import Contributions
+    from node.swarm.replication import Replication
+    from node.swarm.wire import SignedRecord, encode_record, sign_contribution
+    from protocol.audit import frozen_view
+    from protocol.codecs import encode_tensors
+    from protocol.messages import ContributionHeader, contribution_id, encode_contribution
+    from protocol.synchroniser import Contribution
+
+    Contributions.post_contribution = lambda self, header, enc: None  # its work credits it nowhere
+    forged = {"n": 0}
+
+    def forge(node, p: int):
+        rep = node.replicas[p]
+        r, h = rep.round + 1, node.pcfg.sync_every
+        delta = {k: 0.2 * t for k, t in rep.theta.items()}
+        cid = contribution_id(node.peer_id, p, r, time.time())
+        enc = encode_tensors(delta, "fp32", node.pcfg.codec_block)
+        digest = ""
+        if attack == "forge-signed":
+            header = ContributionHeader(
+                node.peer_id, p, rep.round, h, 64 * h, 0.1, "fp32", node.pcfg.codec_block, cid
+            )
+            raw = encode_contribution(header, enc)
+            digest = node.kept().put(raw, sign_contribution(node.settings.swarm, node.identity, raw))
+        elif attack == "forge-unserved":
+            digest = secrets.token_hex(32)
+        c = Contribution(node.peer_id, p, rep.round, h, 64 * h, 0.1, delta, cid, None, digest)
+        rec = frozen_view(rep, merge=True).make_record(r, [c], node.pcfg)
+        if attack == "forge-self":
+            rec = dc_replace(rec, digests=())
+        return SignedRecord(rec, node.peer_id, encode_record(node.settings.swarm, rec, node.identity))
+
+    async def push(node, p: int) -> None:
+        try:
+            sr = await asyncio.to_thread(forge, node, p)
+        except Exception as e:  # noqa: BLE001 - the replica moved under it: the next record starts another
+            print(f"{attack}: fragment {p}: {e}", file=sys.stderr)
+            return
+        targets = [q for q in node.live_members() if q != node.peer_id]
+        await asyncio.gather(*(node._push(q, sr.raw) for q in targets))
+        forged["n"] += 1
+        if forged["n"] % 20 == 1:
+            print(f"{attack}: {forged['n']} records signed and pushed", file=sys.stderr)
+
+    honest_apply = Replication._apply
+
+    def _apply(self, sr, made_here=False):
+        honest_apply(self, sr, made_here)
+        if sr.signer != self.peer_id:
+            self._spawn(push(self, sr.record.fragment))
+
+    Replication._apply = _apply
+
+
 def tamper_stall() -> None:
     from node.swarm.replication import Replication
 
@@ -258,6 +329,7 @@ def main() -> int:
         "sybil",
         "sybil-noise",
         "sync-stall",
+        *FORGE_ATTACKS,
     ]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
         print(f"usage: hostile_node.py {{{'|'.join(known)}}} [node flags...]", file=sys.stderr)
@@ -266,6 +338,8 @@ def main() -> int:
         tamper_heads()
     elif sys.argv[1] == "sync-stall":
         tamper_stall()
+    elif sys.argv[1] in FORGE_ATTACKS:
+        tamper_forge(sys.argv[1])
     elif sys.argv[1].startswith("sybil"):
         tamper_sybils(int(os.environ.get("DDILOCO_SYBILS", "32")), noise=sys.argv[1] == "sybil-noise")
     elif sys.argv[1].startswith("alie"):

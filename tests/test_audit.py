@@ -223,7 +223,7 @@ class _Member(Evidence, Replication):
     def __init__(self, folder) -> None:
         self.peer_id, self.members, self._peer_book = "me", {}, {}
         self.admission, self.suspect = None, {}
-        self.settings = SimpleNamespace(swarm="s", audit_share=1.0, client_mode=False)
+        self.settings = SimpleNamespace(swarm="s", audit_share=1.0, client_mode=False, elect_workers=False)
         self.spec = SPEC
         self.pcfg = ProtocolConfig()
         self.replicas, self.heads, self.merged_tokens = [_replica()], [None], [0]

@@ -245,7 +245,7 @@ class _Receiver(Replication):
         self.peer_id, self.members, self._peer_book = "me", {signer: object()}, {}
         self.admission = None  # a public swarm
         self.joiner, self.reads, self.applied = joiner, 0, []
-        self.settings = SimpleNamespace(swarm="s")
+        self.settings = SimpleNamespace(swarm="s", audit_share=0.0, elect_workers=False)
         self.spec = {0: {"w": (16, 16)}}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.penalise = lambda *a, **kw: None
@@ -298,7 +298,7 @@ class _Restarted(Replication, Audit):
     def __init__(self, me: str, rep: FragmentReplica, folder) -> None:
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
         self.admission = None  # a public swarm
-        self.settings = SimpleNamespace(audit_share=0.0)
+        self.settings = SimpleNamespace(audit_share=0.0, elect_workers=False)
         self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}

@@ -31,7 +31,7 @@ from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import decode_contribution
 from protocol.replica import FragmentReplica
-from protocol.synchroniser import Contribution
+from protocol.synchroniser import Contribution, round_share
 
 logger = logging.getLogger(__name__)
 AUDITORS = 1  # members drawn to recompute an audited record
@@ -40,6 +40,7 @@ FANOUT = 16  # members one node hands evidence or a proof to (each passes it on 
 WAITING_PROOFS = 64  # proofs of records this node has not reached yet, kept to check when it does
 SUSPECT_S = 60.0  # how long a member accused by a proof this node cannot check yet is not elected here
 CLEARED = 4096  # hashes of records an audit here found faithful (``_audit_held`` leaves them be)
+SHARE_LIVE_SLACK, SHARE_LIVE_EXTRA = 2, 2  # live learners a signed share may claim: 2x this view's, plus 2
 
 
 class Audit:
@@ -96,6 +97,15 @@ class Audit:
             self.events.emit(
                 "audit", t=time.time(), fragment=rec.fragment, round=rec.round, signer=sr.signer, gap=None
             )
+            if getattr(e, "signer_failed", False):
+                # The signer keeps every message it merged (``keep_message``) and did not serve them: its
+                # record is unproven, and its signer is passed over here as one accused (not banned: a
+                # signer that died since cannot serve either, and that proves no lie)
+                self.counters["audits_unproven"] += 1
+                self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), time.monotonic() + SUSPECT_S)
+                self.events.emit(
+                    "unproven", t=time.time(), fragment=rec.fragment, round=rec.round, signer=sr.signer
+                )
             logger.info(
                 "audit of fragment %d round %d: messages not fetched (%s)", rec.fragment, rec.round, e
             )
@@ -186,7 +196,9 @@ class Audit:
                         got[d] = (raw, sig)
         missing = [d for d, m in got.items() if m is None]
         if missing:
-            raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found")
+            e = ProtocolError(RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found")
+            e.signer_failed = True  # asked last, the signer did not serve them either (``_audit``)
+            raise e
         return [got[d] for d in rec.digests]
 
     def _contributions(
@@ -228,7 +240,7 @@ class Audit:
         rec = sr.record
         rep = self.replicas[rec.fragment]
         cs, lie = self._contributions(sr, msgs)
-        if lie:
+        if lie or self._share_lie(rec, cs):
             return float("inf")
         # One recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
         # three audits and a merge at once took a node 1x its weights above its steady state)
@@ -244,6 +256,31 @@ class Audit:
                 except ProtocolError as e:
                     logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
                     return None
+
+    def _share_lie(self, rec, cs: list[Contribution]) -> bool:
+        """Whether the round's signed ``share`` is below what its own contributions justify: the synchroniser
+        scales a round by its steps over a full round of its live learners (``protocol.synchroniser.
+        round_share``; without ``carry`` a round is whole, share 1), so a share is a claim about how many learners were live. It is a lie where it claims
+        more than ``SHARE_LIVE_SLACK`` x (this node's live members) + ``SHARE_LIVE_EXTRA``: views differ
+        (a join, a member whose record just expired), not by that much. A synchroniser that signs a share of
+        0.02 on a round of 3 learners' full work claims 150 live learners."""
+        if rec.share >= 1.0:
+            return False
+        if not self.pcfg.carry:  # every round is whole: the synchroniser signs a share of 1
+            logger.warning("fragment %d round %d: share %.3g signed, 1 without carry", rec.fragment, rec.round, rec.share)
+            return True
+        most = SHARE_LIVE_SLACK * len(self.live_members()) + SHARE_LIVE_EXTRA
+        justified = round_share(cs, self.pcfg, most)
+        if rec.share < justified:
+            logger.warning(
+                "fragment %d round %d: share %.3g signed, its contributions justify at least %.3g",
+                rec.fragment,
+                rec.round,
+                rec.share,
+                justified,
+            )
+            return True
+        return False
 
     def accused(self, peer: str) -> bool:
         """Whether a proof this node could not check yet accuses ``peer``, or it took a contribution of ours

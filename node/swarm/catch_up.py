@@ -332,7 +332,11 @@ class CatchUp:
                                 break
                             self._apply(sr)
                     except ProtocolError as e:
-                        if e.code not in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
+                        if e.code not in (
+                            RejectCode.FORGED_RECORD,
+                            RejectCode.RECORD_TOO_LARGE,
+                            RejectCode.UNELECTED,
+                        ):
                             raise
                         lie = self.proven_lie(sr)  # a lie any node can check: its signer is banned everywhere
                         if lie is not None:

@@ -69,8 +69,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
             if rec.parent_hash in self.undone() or rec.new_hash in self.undone():
                 self.undone().add(rec.new_hash)  # node.swarm.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
+            rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
             self._vouch(sr)
-            rep.check_record(rec, self.pcfg)
         raw = self.spool.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.audit)
         parent = frozen_view(rep) if not made_here and self.audits(sr) else None
@@ -99,7 +99,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
-            self.work.settle(c[0] for c in old.record.contributors)
+            self.work.settle(c[0] for c in old.record.contributors if c[0] != old.signer)
         self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(
@@ -133,9 +133,19 @@ class Replication(RecordPush, MergeWatch, Clocks):
 
     def _vouch(self, sr: SignedRecord) -> None:
         """What this node can refute of another's record from its own knowledge: a signer it has never seen
-        in the swarm, a contributor it has never seen, or a contribution of its own it never sent."""
+        in the swarm, a contributor it has never seen, a contribution of its own it never sent; where the
+        swarm audits, a record that names no signed message (nothing to recompute it from); and in a public
+        swarm, a signer no view on this chain could have elected (``signer_electable``)."""
         known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
         rec = sr.record
+        if self.settings.audit_share > 0 and (not rec.digests or "" in rec.digests):
+            # every honest merge names the digest of each message it took (node.swarm.contributions), so
+            # this is the signer's own doing: scored against it where it pushed the record itself
+            raise ProtocolError(
+                RejectCode.FORGED_RECORD,
+                f"round {rec.round} names no signed message for {len(rec.contributors)} contribution(s): "
+                "this swarm audits every record",
+            )
 
         def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
             e = ProtocolError(RejectCode.FORGED_RECORD, why)
@@ -151,6 +161,15 @@ class Replication(RecordPush, MergeWatch, Clocks):
                 RejectCode.FORGED_RECORD,
                 f"round {rec.round} signed by {sr.signer}, admitted as a learner only",
             )
+        if not self.signer_electable(rec.fragment, sr.signer, known):
+            e = ProtocolError(
+                RejectCode.UNELECTED,
+                f"round {rec.round} of fragment {rec.fragment} signed by {sr.signer}, whose work no record "
+                "signed by another member credits: no view on this chain elects it",
+            )
+            e.unseen = True  # views differ: not proof of a lie, and the sender may only relay it
+            self.counters["unelected_refused"] += 1
+            raise e
         for learner, cid, *_ in rec.contributors:
             if learner not in known:
                 raise unseen(f"round {rec.round} names {learner}, never a member, as a contributor")
@@ -159,6 +178,19 @@ class Replication(RecordPush, MergeWatch, Clocks):
                     RejectCode.FORGED_RECORD,
                     f"round {rec.round} names contribution {cid} of ours, never sent",
                 )
+
+    def signer_electable(self, p: int, signer: str, known) -> bool:
+        """The election fence of a public swarm (``elect`` workers): whether a view on the chain this node
+        follows could have elected ``signer`` for a round of fragment p. Every view elects among the members
+        its chain credits with merged work (``SwarmView._workers``), and a member's own records never credit
+        it (``SwarmView.logged_learners``), so a member that signs records naming itself is not electable
+        for doing so. Not the rank in the fail-over order: views differ there for a moment (a join, a
+        partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
+        hold the same). True where the swarm elects anyone, and while this node cannot tell workers yet."""
+        if not self.settings.elect_workers or signer == self.peer_id:
+            return True
+        pool = self._workers(p, dict.fromkeys(set(known) | {signer}))
+        return signer in pool
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry

@@ -244,15 +244,20 @@ class SwarmView:
         return {q: m for q, m in seen.items() if q in workers}
 
     def logged_learners(self) -> set[str]:
-        """The learners the records this node's logs hold credit (``WorkBook.workers``)."""
-        return {c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors}
+        """The learners the records this node's logs hold credit (``WorkBook.workers``): each contributor of a
+        record signed by another member. A member's own records never credit it, or one that signs records
+        naming itself alone (that no one elected) would make itself electable by them."""
+        return {
+            c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors if c[0] != sr.signer
+        }
 
     def credit_snapshot(self, st: FragmentState) -> None:
         """On installing snapshot ``st``, before its fragment's log is cleared: the learners its chain credits
         (its merged ids, its donor's credits) settle, and of our log's records, only those too deep for a
         fork the snapshot resolved to undo."""
         deep = [sr for r, sr in self.logs[st.fragment].items() if r <= st.round - self.pcfg.history]
-        self.work.settle((c[0] for sr in deep for c in sr.record.contributors), st.merged, st.credited)
+        learners = (c[0] for sr in deep for c in sr.record.contributors if c[0] != sr.signer)
+        self.work.settle(learners, st.merged, st.credited)
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""

@@ -1,0 +1,142 @@
+"""Records nobody elected (docs/security.md, "Records nobody elected"): the election fence of a public swarm,
+credit that a member's own records never give it, records that name no signed message where the swarm audits,
+a signed share below what its round justifies, and the audit's tolerance against a merge biased by 0.1%; then
+real member processes signing such records against 3 honest public nodes."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from node.swarm.audit import Audit
+from node.swarm.guard import WorkBook
+from node.swarm.replication import Replication
+from node.swarm.view import SwarmView
+from node.swarm.wire import SignedRecord
+from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
+from protocol.codecs import get_codec
+from protocol.config import ProtocolConfig
+from protocol.errors import ProtocolError, RejectCode
+from protocol.synchroniser import round_share
+from tests.test_audit import _contributions, _replica
+
+
+def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRecord:
+    cs = [(q, f"{q}:0:1:1", 1.0, 1, 1) for q in learners]
+    rec = SimpleNamespace(
+        contributors=cs, round=3, fragment=0, digests=tuple("d" * 64 for _ in cs) if digests else ()
+    )
+    return SignedRecord(rec, signer, b"")
+
+
+class _View:
+    """``SwarmView``'s credit methods and ``Replication``'s fence over a hand-held chain of fragment 0."""
+
+    _workers = SwarmView._workers
+    logged_learners = SwarmView.logged_learners
+    signer_electable = Replication.signer_electable
+    _vouch = Replication._vouch
+
+    def __init__(self, elect: bool = True, audit_share: float = 1.0) -> None:
+        self.peer_id = "me"
+        self.members, self._peer_book, self.admission = {}, {}, None
+        self.settings = SimpleNamespace(elect_workers=elect, audit_share=audit_share)
+        self.syncs = [SimpleNamespace(due_every=1.0)]
+        self.work = WorkBook()
+        self.logs = [OrderedDict()]
+        self.counters = {"unelected_refused": 0}
+        self.own_cids = SimpleNamespace(refutes=lambda cid: False)
+
+    def chain(self, *records: SignedRecord, watched_s: float = 10.0) -> None:
+        for r, sr in enumerate(records):
+            self.logs[0][r + 1] = sr
+        self.work.merged("someone", 0, time.monotonic() - watched_s)  # this node has watched merges for a while
+        self.members = {q: None for sr in records for q in [sr.signer, *(c[0] for c in sr.record.contributors)]}
+
+
+def test_a_members_own_records_never_make_it_electable_and_others_records_do():
+    v = _View()
+    # the forger's records name it alone; an honest record of b names b and c (b's own work credits b nowhere)
+    v.chain(_signed("forger", ["forger"]), _signed("forger", ["forger"]), _signed("b", ["b", "c"]))
+    assert v.logged_learners() == {"c"}
+    assert not v.signer_electable(0, "forger", v.members.keys())
+    assert v.signer_electable(0, "c", v.members.keys())
+    assert not v.signer_electable(0, "b", v.members.keys())  # until a record of another member credits it
+    v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "b"]))
+    assert v.signer_electable(0, "b", v.members.keys()) and v.signer_electable(0, "c", v.members.keys())
+    with pytest.raises(ProtocolError) as e:
+        v._vouch(_signed("forger", ["forger"]))
+    assert e.value.code is RejectCode.UNELECTED and e.value.unseen  # views differ: no score for it
+    assert v.counters["unelected_refused"] == 1
+    v._vouch(_signed("b", ["b", "c"]))  # an elected signer's record passes
+
+
+def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet():
+    v = _View(elect=False)  # a private swarm: certificates say who signs
+    v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]))
+    assert v.signer_electable(0, "forger", v.members.keys())
+    v = _View()
+    v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), watched_s=0.0)  # a joiner, just started
+    assert v.signer_electable(0, "forger", v.members.keys())
+    # a swarm whose chain credits nobody yet (one node merging alone) elects everyone
+    v = _View()
+    v.chain(_signed("a", ["a"]))
+    assert v.signer_electable(0, "a", v.members.keys())
+
+
+def test_a_record_naming_no_signed_message_is_refused_where_the_swarm_audits():
+    v = _View(elect=False)
+    v.chain(_signed("b", ["b", "c"]), _signed("c", ["c", "b"]))
+    with pytest.raises(ProtocolError) as e:
+        v._vouch(_signed("b", ["b", "c"], digests=False))
+    assert e.value.code is RejectCode.FORGED_RECORD and not getattr(e.value, "unseen", False)
+    v = _View(elect=False, audit_share=0.0)  # a swarm that audits nothing names no digests to need
+    v.chain(_signed("b", ["b", "c"]))
+    v._vouch(_signed("b", ["b", "c"], digests=False))
+
+
+class _Auditor:
+    _share_lie = Audit._share_lie
+
+    def __init__(self, live: int) -> None:
+        self.pcfg = ProtocolConfig(sync_every=30, carry=True)
+        self._live = {f"m{i}": None for i in range(live)}
+
+    def live_members(self) -> dict:
+        return self._live
+
+
+def test_a_share_below_what_the_rounds_contributions_justify_is_a_lie():
+    cs = [replace(c, c_steps=30) for c in _contributions(0, seed=1, n=3)]  # three learners' full rounds
+    auditor = _Auditor(live=3)
+    rec = SimpleNamespace(fragment=0, round=1, share=0.02)
+    assert auditor._share_lie(rec, cs)  # claims 150 live learners
+    # an honest synchroniser that saw up to 8 learners live (2x our 3, plus 2) signs 3/8: no lie
+    honest = round_share(cs, auditor.pcfg, 8)
+    assert honest == pytest.approx(3 / 8)
+    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=honest), cs)
+    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
+    auditor.pcfg = replace(auditor.pcfg, carry=False)  # no carry: every round is whole, share 1
+    assert auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=0.9), cs)
+    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
+
+
+def test_a_merge_biased_by_a_thousandth_lands_over_the_tolerance_and_honest_ones_far_under():
+    cfg = ProtocolConfig()
+    rep = _replica()
+    int4 = get_codec("int4")
+    made = []
+    for r, base in ((1, 0), (2, 1), (3, 1)):
+        cs = _contributions(base, seed=r)
+        biased = [replace(c, delta={k: int4.decode(v) * 1.002 for k, v in c.delta.items()}) for c in cs]
+        lie = frozen_view(rep).make_record(r, biased, cfg)
+        rec = rep.make_record(r, cs, cfg)
+        rep.apply_record(rec, cfg)
+        made.append((rec, lie, cs))
+    for rec, lie, cs in made:
+        assert audit_gap(frozen_view(rep), rec, cs, cfg) < AUDIT_TOLERANCE / 100
+        assert audit_gap(frozen_view(rep), lie, cs, cfg) > AUDIT_TOLERANCE
