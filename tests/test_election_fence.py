@@ -54,8 +54,12 @@ class _View:
     def chain(self, *records: SignedRecord, watched_s: float = 10.0) -> None:
         for r, sr in enumerate(records):
             self.logs[0][r + 1] = sr
-        self.work.merged("someone", 0, time.monotonic() - watched_s)  # this node has watched merges for a while
-        self.members = {q: None for sr in records for q in [sr.signer, *(c[0] for c in sr.record.contributors)]}
+        self.work.merged(
+            "someone", 0, time.monotonic() - watched_s
+        )  # this node has watched merges for a while
+        self.members = {
+            q: None for sr in records for q in [sr.signer, *(c[0] for c in sr.record.contributors)]
+        }
 
 
 def test_a_members_own_records_never_make_it_electable_and_others_records_do():
@@ -140,3 +144,61 @@ def test_a_merge_biased_by_a_thousandth_lands_over_the_tolerance_and_honest_ones
     for rec, lie, cs in made:
         assert audit_gap(frozen_view(rep), rec, cs, cfg) < AUDIT_TOLERANCE / 100
         assert audit_gap(frozen_view(rep), lie, cs, cfg) > AUDIT_TOLERANCE
+
+
+def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm(tmp_path):
+    """3 honest public nodes; once they merge, two members that send none of their work join: ``forge-self``
+    (records naming itself alone, no digest) and ``forge-unserved`` (a made-up digest), each signing a record
+    for the next round of a fragment after every record it applies, on the right parent, and pushing it to
+    every member. None is applied anywhere, the forgers are never elected, no honest node is banned, and the
+    honest nodes end on one hash with their eval loss held."""
+    from bench.attacks import start_hostile
+    from node.local.launcher import wait_ready
+    from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
+
+    swarm = Swarm(tmp_path, TINY)
+    try:
+        swarm.start_many(3)
+        wait_until(
+            lambda: all(s["rounds_merged"] >= 8 for s in swarm.status().values()),
+            120,
+            "the honest swarm merging",
+        )
+        since = time.time()
+        forgers = {}
+        for i, attack in ((3, "forge-self"), (4, "forge-unserved")):
+            forgers[i] = swarm.children[i] = start_hostile(
+                i, tmp_path, attack, swarm.flags, swarm.children[0].maddrs
+            )
+        wait_ready(list(forgers.values()), 120)
+        ids = {c.peer_id for c in forgers.values()}
+
+        def refused() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for i in range(3):
+                for e in swarm.events(i):
+                    if (
+                        e["kind"] == "reject"
+                        and e["t"] >= since
+                        and e["code"] in ("forged_record", "unelected")
+                    ):
+                        out[e["code"]] = out.get(e["code"], 0) + 1
+            return out
+
+        wait_until(
+            lambda: all(v >= 5 for v in refused().values()) and len(refused()) == 2,
+            90,
+            "forged records refused",
+        )
+        for i in forgers:
+            swarm.kill9(i)
+            del swarm.children[i]
+        swarm.settle(90)
+        for i in range(3):
+            ev = swarm.events(i)
+            assert not [e for e in ev if e["kind"] == "merge" and e.get("signer") in ids], i
+            # the only members banned are forgers: none honest
+            assert {e["peer"] for e in ev if e["kind"] == "ban"} <= ids, i
+        assert_eval_held(swarm, since)
+    finally:
+        swarm.stop()

@@ -267,7 +267,9 @@ class Audit:
         if rec.share >= 1.0:
             return False
         if not self.pcfg.carry:  # every round is whole: the synchroniser signs a share of 1
-            logger.warning("fragment %d round %d: share %.3g signed, 1 without carry", rec.fragment, rec.round, rec.share)
+            logger.warning(
+                "fragment %d round %d: share %.3g signed, 1 without carry", rec.fragment, rec.round, rec.share
+            )
             return True
         most = SHARE_LIVE_SLACK * len(self.live_members()) + SHARE_LIVE_EXTRA
         justified = round_share(cs, self.pcfg, most)

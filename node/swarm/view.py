@@ -248,7 +248,11 @@ class SwarmView:
         record signed by another member. A member's own records never credit it, or one that signs records
         naming itself alone (that no one elected) would make itself electable by them."""
         return {
-            c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors if c[0] != sr.signer
+            c[0]
+            for log in self.logs
+            for sr in log.values()
+            for c in sr.record.contributors
+            if c[0] != sr.signer
         }
 
     def credit_snapshot(self, st: FragmentState) -> None:
