@@ -1,5 +1,5 @@
 """Hostile members against a public swarm of real nodes (issue 32, item 5): lying learners and lying
-synchronisers.
+synchronisers, and members that sign records nobody elected (``forge-*``).
 
 Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' tiny model and fast rounds) and
 ``--hostile`` members running ``bench/hostile_node.py`` (the project's node with its learner's contributions,
@@ -53,7 +53,8 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5",
-    "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall",
+    "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall", "forge-self", "forge-signed",
+    "forge-unserved",
 )  # fmt: skip
 
 
@@ -154,7 +155,13 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             "no_final": len(paths) - len(finals),
             "bytes_per_step": sum(w.get("bytes_sent", 0) for w in wire) / steps if steps else None,
             "steps": steps / len(wire) if wire else 0,
-            **(_liar_rounds(run_dir, honest, liars) if attack.startswith("sync-") else {}),
+            **(_liar_rounds(run_dir, honest, liars) if attack.startswith(("sync-", "forge-")) else {}),
+            # records refused for naming no signed message where audits run, or for a signer nobody elected
+            "forged_refused": sum(
+                e["kind"] == "reject" and e.get("code") in ("forged_record", "unelected") for e in events
+            ),
+            # a ban of an honest node by another is a defect, whatever the attack
+            "honest_banned": sum(e["kind"] == "ban" and e["peer"] not in liars for e in events),
             **(_liar_snapshots(run_dir, honest, liars) if attack == "head-zero" else {}),
             # contributions sent past a candidate that did not answer (a Sybil flood's cost)
             "failovers": sum(e["kind"] == "failover" for e in events),
@@ -257,6 +264,11 @@ def _attack_line(attack: str, xs: list[dict], base: list[dict]) -> str | None:
         if attack != "sync-stall":
             return records
         return f"{records}; forks per run {_beside(xs, base, 'forks')}, rounds found stalled {per('stalls')}"
+    if attack.startswith("forge-"):
+        return (
+            f"records of the forger applied per run {per('liar_records')}, refused (forged_record or unelected) "
+            f"{per('forged_refused')}, honest nodes banned {per('honest_banned')}"
+        )
     if attack.startswith("sybil"):
         return f"contributions failed over past a candidate per run {_beside(xs, base, 'failovers')}"
     if attack.startswith(("inflate", "flip", "random", "alie")):

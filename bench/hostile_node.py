@@ -226,7 +226,6 @@ FORGE_ATTACKS = ("forge-self", "forge-signed", "forge-unserved")
 
 def tamper_forge(attack: str) -> None:
     import asyncio
-    import hashlib
     import secrets
     import time
     from dataclasses import replace as dc_replace
