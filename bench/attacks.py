@@ -52,7 +52,7 @@ FLAGS = (
     "--threads 1 --step-delay-s 0.05 --checkpoint-every-s 10"
 ).split()
 ATTACKS = (
-    "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5",
+    "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5", "sync-x1.001", "sync-share",
     "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall", "forge-self", "forge-signed",
     "forge-unserved",
 )  # fmt: skip

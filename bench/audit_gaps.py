@@ -37,7 +37,9 @@ def _round(numel: int, base: int, seed: int) -> list[Contribution]:
     for i in range(4):
         d = {"w": mean + 0.003 * torch.randn(numel, generator=g)}
         cid = f"l{i}:{seed}"
-        out.append(Contribution(f"l{i}", 0, base, 30, 3000 * (i + 1), 0.1, encode_tensors(d, "int4", 64), cid))
+        out.append(
+            Contribution(f"l{i}", 0, base, 30, 3000 * (i + 1), 0.1, encode_tensors(d, "int4", 64), cid)
+        )
     return out
 
 
@@ -66,7 +68,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"AUDIT_TOLERANCE {AUDIT_TOLERANCE:g}; fragment of {args.numel:,} parameters; liar x{args.bias:g}")
-    print(f"{'record codec':>12} {'merge':>14} {'honest max':>11} {'tol/honest':>10} {'liar min':>9} {'liar/tol':>8}")
+    print(
+        f"{'record codec':>12} {'merge':>14} {'honest max':>11} {'tol/honest':>10} {'liar min':>9} {'liar/tol':>8}"
+    )
     for rc, robust in itertools.product(["fp32", "bf16", "int8", "int4"], ["off", "centered-clip"]):
         h, lie = gaps(rc, robust, args.numel, args.bias)
         ratio = AUDIT_TOLERANCE / h if h > 0 else float("inf")

@@ -9,6 +9,8 @@ default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step:
 unbounded weight, far past the bound), ``random`` (a random direction at 3x honest size).
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
+``sync-x1.001`` (scaled by 1.001: a bias of a thousandth), ``sync-share`` (a faithful merge scaled by, and
+signed with, a share of 0.02: 98% of each round it merges thrown away),
 ``sync-drop`` (it answers every contribution ``ok``, with the receipt a public swarm's synchroniser signs, and
 merges only the first it holds: a faithful record of a subset, which no audit refutes, and which with the
 receipt proves the drop: ``node.swarm.receipts``), ``sync-censor`` (the same, but it gives no receipts: what a
@@ -61,6 +63,11 @@ ATTACKS = {  # (scale of the outer gradient, tokens multiplier, random direction
 SYNC_ATTACKS = {
     "sync-flip": (-1.0, False),
     "sync-x1.5": (1.5, False),
+    "sync-x1.001": (
+        1.001,
+        False,
+    ),  # a bias a thousandth of the merge: a gap of about 1e-3 (bench/audit_gaps.py)
+    "sync-share": (1.0, False),  # a faithful merge, signed with a share of 0.02 (and scaled by it)
     "sync-drop": (1.0, True),
     "sync-censor": (1.0, True),
 }
@@ -80,8 +87,14 @@ def tamper_merges(attack: str) -> None:
 
     scale, drop = SYNC_ATTACKS[attack]
     honest_make = FragmentReplica.make_record
+    if attack == "sync-share":
+        import protocol.replica
+
+        protocol.replica.round_share = lambda contributions, cfg, live: 0.02
 
     def make_record(self, round_, contributions, cfg, *args, **kwargs):
+        if kwargs.get("given") is None and attack == "sync-share":
+            cfg = dc_replace(cfg, carry=True)  # its own merges scaled by the share it signs
         if kwargs.get("given") is None:  # its own merges, not its audits of others'
             contributions = list(contributions)[:1] if drop else contributions
             contributions = [

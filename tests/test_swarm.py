@@ -136,6 +136,8 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     # Quiet period: one model hash on every replica; eval loss of the global model fell.
     final = swarm.settle()
     assert len({s["model_hash"] for s in final.values()}) == 1
+    # the election fence refused no honest record, the joiner's included (docs/security.md)
+    assert all(s["counters"]["unelected_refused"] == 0 for s in final.values()), final
     # against the untrained model's loss, node 0's first evaluation (a node that joined later first
     # evaluated a model already trained, by how much depends on the machine's load)
     untrained = next(e["loss"] for e in swarm.events(0) if e["kind"] == "eval")
@@ -170,6 +172,8 @@ def test_partition_two_and_two_then_heal_to_one_hash(swarm):
     assert len({s["model_hash"] for s in final.values()}) == 1
     healed = sum(s["counters"]["resyncs"] + s["counters"]["forks"] for s in final.values())
     assert healed > 0, "the heal should have gone through fork choice and re-syncs"
+    # the election fence (docs/security.md, "Records nobody elected") refused no honest record on either side
+    assert [s["counters"]["unelected_refused"] for s in final.values()] == [0] * 4
 
 
 def test_client_mode_node_trains_and_its_contributions_merge(swarm):
