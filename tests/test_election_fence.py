@@ -146,6 +146,33 @@ def test_a_merge_biased_by_a_thousandth_lands_over_the_tolerance_and_honest_ones
         assert audit_gap(frozen_view(rep), lie, cs, cfg) > AUDIT_TOLERANCE
 
 
+def test_a_record_whose_signer_does_not_serve_its_messages_is_unproven_and_its_signer_passed_over(tmp_path):
+    import asyncio
+
+    from node.swarm.audit import SUSPECT_S, MessagesUnserved
+    from node.swarm.transport import TransportError
+    from tests.test_audit import _Member
+
+    node = _Member(tmp_path)
+    sr = SignedRecord(SimpleNamespace(fragment=0, round=3), "liar", b"")
+
+    async def unserved(sr):
+        raise MessagesUnserved(RejectCode.UNKNOWN_PEER, "1 of 1 messages not found")
+
+    node._fetch_messages = unserved
+    assert asyncio.run(node._audit(sr)) is None
+    assert node.counters["audits_unproven"] == 1 and node.counters["audits_unfetched"] == 1
+    assert time.monotonic() < node.suspect["liar"] <= time.monotonic() + SUSPECT_S
+    # a learner's link that failed is no word on the signer: unfetched, not unproven
+
+    async def broken(sr):
+        raise TransportError("connection reset")
+
+    node._fetch_messages, node.suspect = broken, {}
+    assert asyncio.run(node._audit(sr)) is None
+    assert node.counters["audits_unproven"] == 1 and node.suspect == {}
+
+
 def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm(tmp_path):
     """3 honest public nodes; once they merge, three members that send none of their work join: ``forge-self``
     (records naming itself alone, no digest), ``forge-unserved`` (a made-up digest) and ``forge-signed`` (the

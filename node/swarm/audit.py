@@ -43,6 +43,11 @@ CLEARED = 4096  # hashes of records an audit here found faithful (``_audit_held`
 SHARE_LIVE_SLACK, SHARE_LIVE_EXTRA = 2, 2  # live learners a signed share may claim: 2x this view's, plus 2
 
 
+class MessagesUnserved(ProtocolError):
+    """A record's messages, asked of its learners and then of its signer, were not served: the record is
+    unproven (``Audit._audit``)."""
+
+
 class Audit:
     def kept(self) -> KeptMessages:
         """The signed messages this node sent or merged (empty where it audits nothing): twice the model's
@@ -97,7 +102,7 @@ class Audit:
             self.events.emit(
                 "audit", t=time.time(), fragment=rec.fragment, round=rec.round, signer=sr.signer, gap=None
             )
-            if getattr(e, "signer_failed", False):
+            if isinstance(e, MessagesUnserved):
                 # The signer keeps every message it merged (``keep_message``) and did not serve them: its
                 # record is unproven, and its signer is passed over here as one accused (not banned: a
                 # signer that died since cannot serve either, and that proves no lie)
@@ -196,9 +201,10 @@ class Audit:
                         got[d] = (raw, sig)
         missing = [d for d, m in got.items() if m is None]
         if missing:
-            e = ProtocolError(RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found")
-            e.signer_failed = True  # asked last, the signer did not serve them either (``_audit``)
-            raise e
+            # asked last, the signer did not serve them either (``_audit``)
+            raise MessagesUnserved(
+                RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found"
+            )
         return [got[d] for d in rec.digests]
 
     def _contributions(
@@ -258,12 +264,12 @@ class Audit:
                     return None
 
     def _share_lie(self, rec, cs: list[Contribution]) -> bool:
-        """Whether the round's signed ``share`` is below what its own contributions justify: the synchroniser
-        scales a round by its steps over a full round of its live learners (``protocol.synchroniser.
-        round_share``; without ``carry`` a round is whole, share 1), so a share is a claim about how many learners were live. It is a lie where it claims
-        more than ``SHARE_LIVE_SLACK`` x (this node's live members) + ``SHARE_LIVE_EXTRA``: views differ
-        (a join, a member whose record just expired), not by that much. A synchroniser that signs a share of
-        0.02 on a round of 3 learners' full work claims 150 live learners."""
+        """Whether the round's signed ``share`` is below what its own contributions justify. Without ``carry``
+        every round is whole: share 1. With it the synchroniser scales a round by its steps over a full round
+        of its live learners (``protocol.synchroniser.round_share``), so a share claims how many learners were
+        live: a lie where it claims more than ``SHARE_LIVE_SLACK`` x (this node's live members) +
+        ``SHARE_LIVE_EXTRA``. Views differ (a join, a member whose record just expired), not by that much; a
+        share of 0.02 on a round of 3 learners' full work claims 150 live learners."""
         if rec.share >= 1.0:
             return False
         if not self.pcfg.carry:  # every round is whole: the synchroniser signs a share of 1
