@@ -53,7 +53,7 @@ FLAGS = (
 ).split()
 ATTACKS = (
     "none", "absent", "flip", "flip-x2.5", "inflate", "inflate-1e6", "random", "alie", "alie-z1", "alie-z0", "sync-flip", "sync-x1.5", "sync-x1.001", "sync-share",
-    "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall", "forge-self", "forge-signed",
+    "sync-drop", "sync-censor", "head-zero", "sybil", "sybil-noise", "sync-stall", "sync-late", "forge-self", "forge-signed",
     "forge-unserved",
 )  # fmt: skip
 
@@ -166,6 +166,9 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             # contributions sent past a candidate that did not answer (a Sybil flood's cost)
             "failovers": sum(e["kind"] == "failover" for e in events),
             "forks": sum(e["kind"] == "fork" for e in events),  # two records of one round met
+            # rounds merged, summed over the fragments, the fewest of the honest nodes (their final replicas)
+            "rounds": min(f.get("rounds_merged", 0) for f in finals),
+            "slow": sum(e["kind"] == "slow" and e.get("peer") in liars for e in events),
             # rounds a member took and left unmerged, found by their senders' watch (issue 31)
             "stalls": sum(e["kind"] == "stall" and e.get("peer") in liars for e in events),
             # issue 31's counters: the liars' contributions refused for claiming more work than they could do,
@@ -261,6 +264,11 @@ def _attack_line(attack: str, xs: list[dict], base: list[dict]) -> str | None:
             f"records of the liar applied per run {per('liar_records')}, convicted {per('convicted')}, "
             f"seconds from its first record to every honest node's ban {per('all_banned_s')}"
         )
+        if attack == "sync-late":
+            return (
+                f"{records}; rounds merged per run {_beside(xs, base, 'rounds')}, the liar passed over as "
+                f"slow {per('slow')} times"
+            )
         if attack != "sync-stall":
             return records
         return f"{records}; forks per run {_beside(xs, base, 'forks')}, rounds found stalled {per('stalls')}"

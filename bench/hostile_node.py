@@ -39,7 +39,8 @@ contribution message it signed itself (and serves it, as the ``kept`` op does); 
 made-up digest that nobody can serve.
 Issue 31's stalled round as a member whose learner works honestly (so a public swarm credits and elects it):
 ``sync-stall`` (when elected it answers every contribution ``ok`` and never merges: each round it takes is
-dropped and taken again, so it swallows every contribution sent to it).
+dropped and taken again, so it swallows every contribution sent to it); ``sync-late`` (it merges honestly,
+but only 0.8 of its senders' stall deadline after its quorum: never found stalled).
 """
 
 from __future__ import annotations
@@ -297,6 +298,21 @@ def tamper_forge(attack: str) -> None:
     Replication._apply = _apply
 
 
+def tamper_late() -> None:
+    """``sync-late``: when elected it merges honestly, but only 0.8 of its senders' stall deadline after its
+    quorum (``node.swarm.watch``: ``STALL_PERIODS`` round periods): never found stalled."""
+    from node.swarm.replication import Replication
+    from node.swarm.watch import STALL_PERIODS
+
+    honest_merge = Replication._merge
+
+    def _merge(self, p, a) -> None:
+        every = self.syncs[p].due_every or self.settings.failover_s / STALL_PERIODS
+        self.loop.call_later(0.8 * STALL_PERIODS * every, honest_merge, self, p, a)
+
+    Replication._merge = _merge
+
+
 def tamper_stall() -> None:
     from node.swarm.replication import Replication
 
@@ -341,6 +357,7 @@ def main() -> int:
         "sybil",
         "sybil-noise",
         "sync-stall",
+        "sync-late",
         *FORGE_ATTACKS,
     ]
     if len(sys.argv) < 2 or sys.argv[1] not in known:
@@ -350,6 +367,8 @@ def main() -> int:
         tamper_heads()
     elif sys.argv[1] == "sync-stall":
         tamper_stall()
+    elif sys.argv[1] == "sync-late":
+        tamper_late()
     elif sys.argv[1] in FORGE_ATTACKS:
         tamper_forge(sys.argv[1])
     elif sys.argv[1].startswith("sybil"):

@@ -185,7 +185,7 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
     assert [t for t, _ in s.transport.calls] == order
     assert s.counters["no_receipt"] == 4 and s.counters["contributions_sent"] == 1
     assert set(s.suspect) == set(order[:4])
-    header, target, round_, rc = s._taken()[3]
+    header, target, round_, rc, _ = s._taken()[3]
     assert (target, round_, rc.signer, rc.cid, rc.parent) == (order[4], 5, order[4], CID, "h4-fork")
     # the record watched is the receipt's round where it is near ours, else ours (a far one never comes)
     assert [s.watched_round(replace(rc, round=r), 5) for r in (3, 4, 5, 6, 7, 99)] == [5, 4, 5, 6, 5, 5]

@@ -143,7 +143,9 @@ def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rou
     assert donor.credited([b, c], 2) == (sender_tag(b), sender_tag(c)) and donor.credited([b], 0) == ()
 
     def rec(*learners):
-        return SimpleNamespace(signer="s", record=SimpleNamespace(contributors=[(q, "cid", 1.0, 1, 1) for q in learners]))
+        return SimpleNamespace(
+            signer="s", record=SimpleNamespace(contributors=[(q, "cid", 1.0, 1, 1) for q in learners])
+        )
 
     class _View:
         credit_snapshot = SwarmView.credit_snapshot

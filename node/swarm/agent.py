@@ -50,6 +50,7 @@ from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
+from node.swarm.lateness import MergeLatency
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
@@ -188,6 +189,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
+        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.lagging_since: dict[int, float] = {}
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)

@@ -32,6 +32,7 @@ NODE_COUNTERS = (
     "failovers",
     "convictions",  # members banned for a signed lie, seen here or handed over as evidence or proof
     "stalls",  # rounds a synchroniser took from us and did not merge in time
+    "slow_rounds",  # synchronisers passed over: they merge our rounds far later than the others (lateness)
     "left_out",  # rounds that took a contribution of ours and merged without it (it went again)
     "forks",
     "resyncs",

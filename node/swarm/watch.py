@@ -38,10 +38,11 @@ class MergeWatch:
         its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
         p = header.fragment
         open_round = self.replicas[p].round + 1
+        now = self.loop.time()
         if receipt is not None:  # the synchroniser's own word of the round it took it into
-            self._taken()[p] = (header, target, self.watched_round(receipt, open_round), receipt)
+            self._taken()[p] = (header, target, self.watched_round(receipt, open_round), receipt, now)
         elif self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: nothing to watch
-            self._taken()[p] = (header, target, open_round, None)
+            self._taken()[p] = (header, target, open_round, None, now)
         self.loop.call_later(self._merge_deadline(header), self._check_merged, target, header, open_round)
 
     def _merge_deadline(self, header: ContributionHeader) -> float:
@@ -85,6 +86,33 @@ class MergeWatch:
         if latest is not None and latest[0] is header:  # the watch of an older one leaves it to this one's
             self.outbox.put_nowait(latest)
 
+    def _merged_after(self, signer: str, p: int, round_: int, seconds: float) -> None:
+        """``signer`` merged the round that took our contribution ``seconds`` after its ``ok``: a sample of its
+        merge latency (``node.swarm.lateness``), in fragment p's round periods. One judged slow against the
+        other signers is passed over as a stalled one is (``slow_rounds``): a synchroniser that holds each
+        round to just before its stall deadline costs the swarm rounds and is never found stalled."""
+        sched = self._schedule_of(p)
+        if sched is None or sched[1] <= 0:  # no schedule yet: no period to measure against
+            return
+        if (
+            not self.latency.add(signer, seconds / sched[1])
+            or self.suspect.get(signer, 0.0) > time.monotonic()
+        ):
+            return
+        self.suspect[signer] = time.monotonic() + STALL_TTLS * self.settings.ttl_s
+        self.counters["slow_rounds"] += 1
+        medians = self.latency.medians()
+        self.events.emit(
+            "slow", t=time.time(), fragment=p, round=round_, peer=signer, periods=medians.get(signer)
+        )
+        logger.warning(
+            "synchroniser %s merges the rounds it takes late (median %.2f round periods; the others %s): "
+            "electing the next",
+            signer,
+            medians.get(signer, 0.0),
+            {q[-6:]: m for q, m in medians.items() if q != signer},
+        )
+
     def left_out(self, sr) -> None:
         """A record of fragment p was applied here (``Replication._apply``): where it is the round (or a later
         one) that took our latest contribution and no record applied names it, it was left out. Counted
@@ -93,8 +121,10 @@ class MergeWatch:
         taken = self._taken().get(rec.fragment)
         if taken is None or rec.round < taken[2]:
             return
-        header, target, _, receipt = self._taken().pop(rec.fragment)
+        header, target, _, receipt, taken_at = self._taken().pop(rec.fragment)
         if self.guard.was_merged(header.cid):
+            if sr.signer == target:
+                self._merged_after(target, rec.fragment, rec.round, self.loop.time() - taken_at)
             return
         if receipt is not None and rec.round == receipt.round:
             self.check_omission(sr, receipt)  # node.swarm.receipts: its signer's own receipt, left out
