@@ -28,7 +28,12 @@ from tests.test_audit import _contributions, _replica
 def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRecord:
     cs = [(q, f"{q}:0:1:1", 1.0, 1, 1) for q in learners]
     rec = SimpleNamespace(
-        contributors=cs, round=3, fragment=0, digests=tuple("d" * 64 for _ in cs) if digests else ()
+        contributors=cs,
+        round=3,
+        fragment=0,
+        digests=tuple("d" * 64 for _ in cs) if digests else (),
+        new_hash=f"n-{signer}",
+        parent_hash="",
     )
     return SignedRecord(rec, signer, b"")
 
@@ -75,8 +80,47 @@ def test_a_members_own_records_never_make_it_electable_and_others_records_do():
     with pytest.raises(ProtocolError) as e:
         v._vouch(_signed("forger", ["forger"]))
     assert e.value.code is RejectCode.UNELECTED and e.value.unseen  # views differ: no score for it
-    assert v.counters["unelected_refused"] == 1
     v._vouch(_signed("b", ["b", "c"]))  # an elected signer's record passes
+
+
+def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_its_signer_is_credited_by_then():
+    applied, later = [], []
+
+    class _Held(_View):
+        _hold_unelected = Replication._hold_unelected
+        _retry_unelected = Replication._retry_unelected
+
+        def __init__(self):
+            super().__init__()
+            self.unelected_held = {}
+            self.replicas = [SimpleNamespace(round=2, hash="h2")]
+            self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((f, a)))
+
+        def _apply(self, sr):
+            self._vouch(sr)
+            applied.append(sr)
+
+    v = _Held()
+    v.settings.heartbeat_s = 0.5
+    v.chain(_signed("a", ["a", "b"]), _signed("b", ["b", "a"]))
+    new = _signed("c", ["c", "a"])
+    new.record.parent_hash = "h2"
+    with pytest.raises(ProtocolError):
+        v._apply(new)
+    v._hold_unelected(new)
+    assert len(later) == 1 and v.counters["unelected_refused"] == 0
+    v.chain(_signed("a", ["a", "b"]), _signed("b", ["b", "a"]), _signed("a", ["a", "c"]))  # c credited since
+    f, args = later.pop()
+    f(*args)
+    assert applied == [new] and v.unelected_held == {}
+    # one that is still unelected a heartbeat later is refused for good, and counted
+    forged = _signed("forger", ["forger"])
+    forged.record.parent_hash = "h2"
+    v.members["forger"] = None  # a member, seen in the view
+    v._hold_unelected(forged)
+    f, args = later.pop()
+    f(*args)
+    assert v.counters["unelected_refused"] == 1 and applied == [new]
 
 
 def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet():

@@ -190,6 +190,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
         self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
+        self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.lagging_since: dict[int, float] = {}
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)

@@ -338,6 +338,8 @@ class CatchUp:
                             RejectCode.UNELECTED,
                         ):
                             raise
+                        if e.code is RejectCode.UNELECTED:
+                            self.counters["unelected_refused"] += 1
                         lie = self.proven_lie(sr)  # a lie any node can check: its signer is banned everywhere
                         if lie is not None:
                             self.convict(sr, lie, self.peer_id)

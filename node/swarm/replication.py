@@ -14,6 +14,7 @@ from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
 from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
+from node.swarm.view import ELECT_WATCH_ROUNDS
 from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
@@ -43,6 +44,7 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
+UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
 class Replication(RecordPush, MergeWatch, Clocks):
@@ -168,7 +170,6 @@ class Replication(RecordPush, MergeWatch, Clocks):
                 "signed by another member credits: no view on this chain elects it",
             )
             e.unseen = True  # views differ: not proof of a lie, and the sender may only relay it
-            self.counters["unelected_refused"] += 1
             raise e
         for learner, cid, *_ in rec.contributors:
             if learner not in known:
@@ -188,6 +189,12 @@ class Replication(RecordPush, MergeWatch, Clocks):
         partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
         hold the same). True where the swarm elects anyone, and while this node cannot tell workers yet."""
         if not self.settings.elect_workers or signer == self.peer_id:
+            return True
+        # Only once this node has itself watched the swarm merge for the election's window: the credits a
+        # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
+        # suite run), and a restarted node refused the next honest record of the swarm's synchroniser
+        first = self.work.first
+        if first is None or time.monotonic() - first < ELECT_WATCH_ROUNDS * self.syncs[p].due_every:
             return True
         pool = self._workers(p, dict.fromkeys(set(known) | {signer}))
         return signer in pool
@@ -372,6 +379,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
             try:
                 self._apply(sr)
             except ProtocolError as e:
+                if e.code is RejectCode.UNELECTED:
+                    self._hold_unelected(sr)
+                    raise
                 if e.code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
                     if (
                         lie := self.proven_lie(sr)
@@ -414,6 +424,30 @@ class Replication(RecordPush, MergeWatch, Clocks):
                 self._spawn(self._catch_up(p, caller, theirs))
             return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
         return Reply(True, message=f"ignored: we are at round {rep.round}")
+
+    def _hold_unelected(self, sr: SignedRecord) -> None:
+        """A record the election fence refused: tried once more a heartbeat later, where it still follows our
+        head. Each fragment's chain moves on its own, so the record that credits a newly elected member (in
+        another fragment) can reach this node a moment after that member's first record; refused for good
+        (``unelected_refused``) only if its signer is still not credited then."""
+        key = (sr.record.fragment, sr.record.round, sr.record.new_hash)
+        if key in self.unelected_held or len(self.unelected_held) >= UNELECTED_HELD:
+            self.counters["unelected_refused"] += 1  # held before, or too many held: refused now
+            return
+        self.unelected_held[key] = sr
+        self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key)
+
+    def _retry_unelected(self, key: tuple) -> None:
+        sr = self.unelected_held.pop(key, None)
+        rep = self.replicas[key[0]]
+        if sr is None or sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+            return  # the chain moved on: the record is moot here
+        try:
+            self._apply(sr)
+        except ProtocolError as e:
+            if e.code is RejectCode.UNELECTED:
+                self.counters["unelected_refused"] += 1
+            logger.info("fragment %d round %d, held by the election fence, refused: %s", *key[:2], e)
 
     async def _h_records(self, caller: str, raw: bytes) -> Reply:
         if not await self._known(caller):
