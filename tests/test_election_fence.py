@@ -70,8 +70,8 @@ class _View:
 def test_a_members_own_records_never_make_it_electable_and_others_records_do():
     v = _View()
     # the forger's records name it alone; an honest record of b names b and c (b's own work credits b nowhere)
-    v.chain(_signed("forger", ["forger"]), _signed("forger", ["forger"]), _signed("b", ["b", "c"]))
-    assert v.logged_learners() == {"c"}
+    v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
+    assert v.logged_learners() == {"c", "d"}
     assert not v.signer_electable(0, "forger", v.members.keys())
     assert v.signer_electable(0, "c", v.members.keys())
     assert not v.signer_electable(0, "b", v.members.keys())  # until a record of another member credits it
@@ -130,10 +130,13 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
     v = _View()
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), watched_s=0.0)  # a joiner, just started
     assert v.signer_electable(0, "forger", v.members.keys())
-    # a swarm whose chain credits nobody yet (one node merging alone) elects everyone
+    # a chain that credits nobody yet (one node merging alone), or one member only (its first record by
+    # another just credited it): the joiner beside it is not refused
     v = _View()
     v.chain(_signed("a", ["a"]))
     assert v.signer_electable(0, "a", v.members.keys())
+    v.chain(_signed("a", ["a"]), _signed("b", ["b", "a"]))
+    assert v.signer_electable(0, "b", v.members.keys())
 
 
 def test_a_record_naming_no_signed_message_is_refused_where_the_swarm_audits():
@@ -225,15 +228,18 @@ def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm
     every member. None is applied anywhere, the forgers are never elected, no honest node is banned, and the
     honest nodes end on one hash with their eval loss held."""
     from bench.attacks import start_hostile
+    from node.common.events import read_events
     from node.local.launcher import wait_ready
     from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
 
     swarm = Swarm(tmp_path, TINY)
     try:
         swarm.start_many(3)
+        # past the election's window on every node (before it, every member is electable: a forger there
+        # was sent honest contributions, and banned for the receipts its forged records then broke)
         wait_until(
-            lambda: all(s["rounds_merged"] >= 8 for s in swarm.status().values()),
-            120,
+            lambda: all(s["rounds_merged"] >= 40 for s in swarm.status().values()),
+            180,
             "the honest swarm merging",
         )
         since = time.time()
@@ -244,6 +250,7 @@ def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm
             )
         wait_ready(list(forgers.values()), 120)
         ids = {c.peer_id for c in forgers.values()}
+        by_peer = {i: c.peer_id for i, c in forgers.items()}
 
         def refused() -> dict[tuple[str, str], int]:
             """(forger, code) -> refusals of its records on the honest nodes since it joined."""
@@ -269,6 +276,12 @@ def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm
         for i in range(3):
             ev = swarm.events(i)
             assert not [e for e in ev if e["kind"] == "merge" and e.get("signer") in ids], i
+            # never elected: no honest node sent a forger a contribution (nor failed over past one)
+            assert not [e for e in ev if e["kind"] == "failover" and e.get("dead") in ids], i
+        for i in forgers:  # ... and no forger merged an honest learner's work
+            own = read_events(forgers[i].state_dir / "events.jsonl")
+            merged = [e for e in own if e["kind"] == "merge" and e.get("signer") == by_peer[i]]
+            assert all(set(e["learners"]) <= ids for e in merged), (i, merged)
             # the only members banned are forgers: none honest
             assert {e["peer"] for e in ev if e["kind"] == "ban"} <= ids, i
         assert_eval_held(swarm, since)

@@ -171,8 +171,12 @@ class WorkBook:
             return None
         if not self.handed and (self.first is None or now - self.first < window_s):
             return None
+        return self.credited_of(live, logged)
+
+    def credited_of(self, ids: Iterable[str], logged: Iterable[str] = ()) -> frozenset[str]:
+        """The members of ``ids`` the chain credits: in a record the logs hold (``logged``) or that settled."""
         keys = set(self.settled).union(sender_tag(q) for q in logged)
-        return frozenset(pid for pid in live if sender_tag(pid) in keys)
+        return frozenset(pid for pid in ids if sender_tag(pid) in keys)
 
     def settle(
         self, learners: Iterable[str] = (), cids: Iterable[str] = (), tags: Iterable[str] = ()

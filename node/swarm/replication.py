@@ -44,6 +44,7 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
+FENCE_CREDITED = 2  # members the chain must credit before the election fence refuses anyone
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
@@ -187,7 +188,8 @@ class Replication(RecordPush, MergeWatch, Clocks):
         it (``SwarmView.logged_learners``), so a member that signs records naming itself is not electable
         for doing so. Not the rank in the fail-over order: views differ there for a moment (a join, a
         partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
-        hold the same). True where the swarm elects anyone, and while this node cannot tell workers yet."""
+        hold the same). True where the swarm elects anyone, while this node has not watched the swarm merge
+        for the election's window itself, and while its chain credits fewer than ``FENCE_CREDITED`` members."""
         if not self.settings.elect_workers or signer == self.peer_id:
             return True
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
@@ -196,8 +198,12 @@ class Replication(RecordPush, MergeWatch, Clocks):
         first = self.work.first
         if first is None or time.monotonic() - first < ELECT_WATCH_ROUNDS * self.syncs[p].due_every:
             return True
-        pool = self._workers(p, dict.fromkeys(set(known) | {signer}))
-        return signer in pool
+        credited = self.work.credited_of(set(known) | {signer}, self.logged_learners())
+        # one member credited alone (a node that merged alone, whose first record by another just credited
+        # it): its own view elects only itself for a moment, and the joiner beside it is not refused for that
+        if len(credited) < FENCE_CREDITED:
+            return True
+        return signer in credited
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
