@@ -141,14 +141,6 @@ class Replication(RecordPush, MergeWatch, Clocks):
         swarm, a signer no view on this chain could have elected (``signer_electable``)."""
         known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
         rec = sr.record
-        if self.settings.audit_share > 0 and (not rec.digests or "" in rec.digests):
-            # every honest merge names the digest of each message it took (node.swarm.contributions), so
-            # this is the signer's own doing: scored against it where it pushed the record itself
-            raise ProtocolError(
-                RejectCode.FORGED_RECORD,
-                f"round {rec.round} names no signed message for {len(rec.contributors)} contribution(s): "
-                "this swarm audits every record",
-            )
 
         def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
             e = ProtocolError(RejectCode.FORGED_RECORD, why)
@@ -164,6 +156,15 @@ class Replication(RecordPush, MergeWatch, Clocks):
                 RejectCode.FORGED_RECORD,
                 f"round {rec.round} signed by {sr.signer}, admitted as a learner only",
             )
+        if self.settings.audit_share > 0 and (not rec.digests or "" in rec.digests):
+            # every honest merge names the digest of each message it took (node.swarm.contributions), so
+            # this is the signer's own doing: scored against it where it pushed the record itself
+            raise ProtocolError(
+                RejectCode.FORGED_RECORD,
+                f"round {rec.round} names no signed message for {len(rec.contributors)} contribution(s): "
+                "this swarm audits every record",
+            )
+
         if not self.signer_electable(rec.fragment, sr.signer, known):
             e = ProtocolError(
                 RejectCode.UNELECTED,
