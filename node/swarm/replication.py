@@ -14,7 +14,7 @@ from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
 from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
-from node.swarm.view import ELECT_WATCH_ROUNDS
+from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS
 from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
@@ -44,7 +44,6 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
-FENCE_CREDITED = 2  # members the chain must credit before the election fence refuses anyone
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
@@ -190,7 +189,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         for doing so. Not the rank in the fail-over order: views differ there for a moment (a join, a
         partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
         hold the same). True where the swarm elects anyone, while this node has not watched the swarm merge
-        for the election's window itself, and while its chain credits fewer than ``FENCE_CREDITED`` members."""
+        for the election's window itself, and while its chain credits fewer than ``ELECT_CREDITED`` members."""
         if not self.settings.elect_workers or signer == self.peer_id:
             return True
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
@@ -200,9 +199,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         if first is None or time.monotonic() - first < ELECT_WATCH_ROUNDS * self.syncs[p].due_every:
             return True
         credited = self.work.credited_of(set(known) | {signer}, self.logged_learners())
-        # one member credited alone (a node that merged alone, whose first record by another just credited
-        # it): its own view elects only itself for a moment, and the joiner beside it is not refused for that
-        if len(credited) < FENCE_CREDITED:
+        if len(credited) < ELECT_CREDITED:  # elections stand aside too (``SwarmView._workers``)
             return True
         return signer in credited
 

@@ -36,6 +36,10 @@ WORKING_ROUNDS = 8.0
 # every member is electable, and 64 identities with no process behind them won most rounds: at 8 periods the
 # first 10 s of a bench run failed over past them 73-135 times a node
 ELECT_WATCH_ROUNDS = 3.0
+# the election fence (``Replication.signer_electable``) refuses records only once the chain credits this many
+# members: a member's own records never credit it, so a node that merged alone is credited by its first
+# joiner's record alone, and for a moment its view elects no one but itself
+ELECT_CREDITED = 2
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
@@ -220,7 +224,10 @@ class SwarmView:
             )
         }
         if self.settings.elect_workers:
-            seen = self._workers(p, seen)
+            # where no member the chain credits may take the round (a lone node whose own records credit only
+            # the member it merged, which has no state to synchronise with), every member stays electable
+            workers = self._workers(p, seen)
+            seen = workers if eligible(list(workers.values()), p) else seen
         # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
         out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
         out |= {self.peer_id} if members[self.peer_id].renounced.get(str(p)) == open_round else set()
