@@ -72,6 +72,10 @@ def test_a_members_own_records_never_make_it_electable_and_others_records_do():
     # the forger's records name it alone; an honest record of b names b and c (b's own work credits b nowhere)
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
     assert v.logged_learners() == {"c", "d"}
+    # this node's own records credit this node, in its own view only (it knows its learner's work is real)
+    v.chain(_signed("me", ["me"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
+    assert v.logged_learners() == {"me", "c", "d"}
+    v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
     assert not v.signer_electable(0, "forger", v.members.keys())
     assert v.signer_electable(0, "c", v.members.keys())
     assert not v.signer_electable(0, "b", v.members.keys())  # until a record of another member credits it

@@ -151,7 +151,7 @@ def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rou
         credit_snapshot = SwarmView.credit_snapshot
 
     view = _View()
-    view.work, view.pcfg = WorkBook(), SimpleNamespace(history=4)
+    view.work, view.pcfg, view.peer_id = WorkBook(), SimpleNamespace(history=4), "me"
     view.logs = [{3: rec(d), 9: rec(e), 10: rec(c)}]  # round 10: ours, on the fork the snapshot resolves
     st = FragmentState(0, 10, "h", 1, 1.0, {}, {}, merged=(contribution_id(b, 0, 5, 1.0),))
     view.credit_snapshot(replace(st, credited=donor.credited([], 8)))

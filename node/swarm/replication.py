@@ -14,7 +14,7 @@ from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
 from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
-from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS
+from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS, credits
 from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
@@ -101,7 +101,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
-            self.work.settle(c[0] for c in old.record.contributors if c[0] != old.signer)
+            self.work.settle(c[0] for c in old.record.contributors if credits(old.signer, c[0], self.peer_id))
         self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(

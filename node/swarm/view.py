@@ -43,6 +43,16 @@ ELECT_CREDITED = 2
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
+def credits(signer: str, learner: str, me: str) -> bool:
+    """Whether a record ``signer`` signed credits its contributor ``learner`` in the view of node ``me``: one
+    signed by another member does. A member's own records never credit it, or one that signs records naming
+    itself alone (that no one elected) would make itself electable by them; except to itself: this node's
+    own records credit this node in its own view, which knows its learner's work is real (a node that merged
+    alone beside a member with no process behind it, crediting only that member, elected it, and nobody
+    merged)."""
+    return learner != signer or signer == me
+
+
 class SwarmView:
     """Membership, heads and election for ``node.swarm.agent.Node``."""
 
@@ -224,10 +234,7 @@ class SwarmView:
             )
         }
         if self.settings.elect_workers:
-            # where no member the chain credits may take the round (a lone node whose own records credit only
-            # the member it merged, which has no state to synchronise with), every member stays electable
-            workers = self._workers(p, seen)
-            seen = workers if eligible(list(workers.values()), p) else seen
+            seen = self._workers(p, seen)
         # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
         out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
         out |= {self.peer_id} if members[self.peer_id].renounced.get(str(p)) == open_round else set()
@@ -251,15 +258,13 @@ class SwarmView:
         return {q: m for q, m in seen.items() if q in workers}
 
     def logged_learners(self) -> set[str]:
-        """The learners the records this node's logs hold credit (``WorkBook.workers``): each contributor of a
-        record signed by another member. A member's own records never credit it, or one that signs records
-        naming itself alone (that no one elected) would make itself electable by them."""
+        """The learners the records this node's logs hold credit (``WorkBook.workers``; ``credits``)."""
         return {
             c[0]
             for log in self.logs
             for sr in log.values()
             for c in sr.record.contributors
-            if c[0] != sr.signer
+            if credits(sr.signer, c[0], self.peer_id)
         }
 
     def credit_snapshot(self, st: FragmentState) -> None:
@@ -267,7 +272,9 @@ class SwarmView:
         (its merged ids, its donor's credits) settle, and of our log's records, only those too deep for a
         fork the snapshot resolved to undo."""
         deep = [sr for r, sr in self.logs[st.fragment].items() if r <= st.round - self.pcfg.history]
-        learners = (c[0] for sr in deep for c in sr.record.contributors if c[0] != sr.signer)
+        learners = (
+            c[0] for sr in deep for c in sr.record.contributors if credits(sr.signer, c[0], self.peer_id)
+        )
         self.work.settle(learners, st.merged, st.credited)
 
     def rounds_behind(self, p: int) -> int:
