@@ -42,7 +42,9 @@ class RejectCode(enum.Enum):
     REPLAYED = "replayed"  # a contribution already merged (same learner and contribution id)
     BANNED = "banned"  # the sender's score fell below the ban threshold; refused until the ban ends
     FORGED_RECORD = "forged_record"  # a merge record naming contributions or a signer the receiver can refute
-    UNELECTED = "unelected"  # a merge record whose signer this node's view could not have elected (public swarm)
+    UNELECTED = (
+        "unelected"  # a merge record whose signer this node's view could not have elected (public swarm)
+    )
     RECORD_TOO_LARGE = "record_too_large"  # a merge record's merged outer gradient out of all proportion
     PEER_BUSY = "peer_busy"  # the sender already has its budget of request bytes being read; retry later
     RATE_LIMITED = "rate_limited"  # the sender asked for more snapshots than its rate allows; retry later
