@@ -435,8 +435,10 @@ class Replication(RecordPush, MergeWatch, Clocks):
         another fragment) can reach this node a moment after that member's first record; refused for good
         (``unelected_refused``) only if its signer is still not credited then."""
         key = (sr.record.fragment, sr.record.round, sr.record.new_hash)
-        if key in self.unelected_held or len(self.unelected_held) >= UNELECTED_HELD:
-            self.counters["unelected_refused"] += 1  # held before, or too many held: refused now
+        if key in self.unelected_held:  # the same record again (another relay): its retry decides
+            return
+        if len(self.unelected_held) >= UNELECTED_HELD:
+            self.counters["unelected_refused"] += 1  # too many held: refused now
             return
         self.unelected_held[key] = sr
         self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key)
