@@ -1,4 +1,4 @@
-"""Learners whose outer gradients point against everyone else's, round after round (issue 32, item 2).
+"""Learners whose outer gradients point against everyone else's, round after round.
 
 The robust merge (``protocol.robust``) bounds what a minority of the weight moves one merge by, not what it
 does over many: a learner that sends its negated outer gradient at honest size sits inside the honest spread

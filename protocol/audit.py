@@ -1,4 +1,4 @@
-"""Recomputing a merge record from the contributions it names (issue 32, item 1; docs/security.md).
+"""Recomputing a merge record from the contributions it names (docs/security.md).
 
 A merge record names, per contributor, the sha256 of the message its learner signed, the scale the merge gave
 it and the round's share; its synchroniser signs all of it. Anyone who holds the replica at the record's

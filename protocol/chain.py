@@ -1,4 +1,4 @@
-"""Whether a fragment's snapshot follows from the merge records that lead to it (issue 31, item 3).
+"""Whether a fragment's snapshot follows from the merge records that lead to it.
 
 A node on another branch than the swarm's best head (a fork, a round merged twice) repairs it with a
 snapshot; the donor could serve any tensors under the head it claims. Where this replica still keeps the

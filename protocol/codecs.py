@@ -1,4 +1,4 @@
-"""Codecs for outer gradients on the wire (DESIGN §1): fp32, bf16, int8 and 4-bit E3M0.
+"""Codecs for outer gradients on the wire (docs/design.md, section 1): fp32, bf16, int8 and 4-bit E3M0.
 
 Each codec turns one float tensor into a few wire tensors (``Encoded``) and back into fp32; merges always
 accumulate in fp32. Each also states its worst-case elementwise error, which the tests hold it to.
@@ -8,14 +8,15 @@ sign bit and a 3-bit code for its magnitude relative to s, one of {0, 2^-6, 2^-5
 the nearest level in linear terms. Two codes pack into a byte, so a value costs 4 bits + 32/block bits.
 Bound: |x - q(x)| <= max(|x| / 3, s / 128).
 
-Speed (issue 30, ``bench/codecs.py``): int8 and int4 go over a tensor in pieces of whole blocks, about
+Speed (``bench/codecs.py``): int8 and int4 go over a tensor in pieces of whole blocks, about
 ``_CHUNK`` values each, so that their several elementwise passes stay in cache, and write straight into
 slices of the output tensors. int4 encode reads each code from a 1024-entry table indexed by the sign,
 exponent and top mantissa bit of y = x / s (the midpoints between levels are where those bits change), and
 decode reads the two signed levels of each byte from a 256-entry table. The arithmetic is the plain one
 (y = x / s, a tie to the lower level as bucketize has it; x = level * s; int8 round(x / s * 127) and
 q * s / 127, in that order), so codes and decoded values are bit for bit those of the straightforward
-implementation (the one before issue 30; tests/test_codecs.py compares with such references).
+implementation (whole-tensor passes, as the codecs were first written; tests/test_codecs.py compares
+with such references).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Algorithm parameters (DESIGN §1) as a frozen dataclass, validated before anything runs.
+"""Algorithm parameters (docs/design.md, section 1) as a frozen dataclass, validated before anything runs.
 
 Defaults are the paper's at scale (P = H = 24, tau = 2, K = 1, gamma = 0.5, outer SGD lr 0.7 Nesterov 0.9); P is
 one a parameter tensor for a model of fewer than 24 tensors.

@@ -1,4 +1,4 @@
-"""Who synchronises fragment p in round r, and which of two merge records wins (DESIGN §4).
+"""Who synchronises fragment p in round r, and which of two merge records wins (docs/design.md, section 4).
 
 Election is rendezvous (highest-random-weight) hashing of (run, fragment, round) over the eligible peers:
 every node that sees the same live set derives the same ordered candidate list without talking, the role

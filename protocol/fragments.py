@@ -1,4 +1,4 @@
-"""Fragment planning and the staggered schedule (DESIGN §1).
+"""Fragment planning and the staggered schedule (docs/design.md, section 1).
 
 The model's parameter tensors are bin-packed, whole, into P fragments of near-equal element count
 (largest first, each into the lightest fragment); the token embedding is its own fragment. Where the

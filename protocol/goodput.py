@@ -1,4 +1,4 @@
-"""Goodput from event records, defined once for every system (DESIGN §2).
+"""Goodput from event records, defined once for every system (docs/design.md, section 2).
 
 goodput = useful learner compute time / allocated learner time, summed over learners.
 

@@ -1,4 +1,5 @@
-"""A stable hash of fragment state, so replicas can check they hold the same global model (DESIGN §4).
+"""A stable hash of fragment state, so replicas can check they hold the same global model
+(docs/design.md, section 4).
 
 SHA-256 over, for each tensor in name order: its name, dtype, shape and contiguous little-endian bytes.
 The same tensors give the same hex digest in any process on any machine.

@@ -1,4 +1,4 @@
-"""A learner's per-fragment bookkeeping (DESIGN §1, "Learner m").
+"""A learner's per-fragment bookkeeping (docs/design.md, section 1, "Learner m").
 
 Counters count since the learner last *received* fragment p: ``c_steps`` inner steps and ``c_tokens``
 tokens. The learner contributes fragment p when the schedule says it is due, and keeps counting; when a

@@ -1,4 +1,4 @@
-"""The synchroniser's arithmetic (DESIGN §1 steps 3-6), as pure tensor functions.
+"""The synchroniser's arithmetic (docs/design.md, section 1, steps 3-6), as pure tensor functions.
 
 - weight of a contribution: w = c_tokens^2 / c_steps ("quantity x quality");
 - outer gradient anchored at the current global fragment: Delta = Theta_now - theta_m;

@@ -1,8 +1,8 @@
 """A replica of one global fragment: Theta_p, its outer momentum, and what re-anchors older bases.
 
-Every node keeps one per fragment (DESIGN §4, replicated global state). The synchroniser of a round turns
-contributions into a ``MergeRecord`` with ``make_record``; every replica, the synchroniser's included,
-applies that record with ``apply_record`` and checks it lands on the record's hash.
+Every node keeps one per fragment (docs/design.md, section 4, "Replicated global state"). The
+synchroniser of a round turns contributions into a ``MergeRecord`` with ``make_record``; every replica, the
+synchroniser's included, applies that record with ``apply_record`` and checks it lands on the record's hash.
 
 History holds no copies of the fragment: for each of the last ``history`` rounds it keeps that round's
 merged outer gradient as it travels (the record's codec, int4 by default: about 1/7 of the fragment's fp32
@@ -269,9 +269,10 @@ class FragmentReplica:
         period: float = 0.0,
         given: MergeRecord | None = None,
     ) -> MergeRecord:
-        """Merge ``contributions`` into round ``round_`` (DESIGN §1 steps 3-6). With ``cfg.carry`` and
-        ``live`` learners known, the merged outer gradient is scaled by ``round_share``. ``due`` and
-        ``period``: the round's moment and the swarm's step period, for the schedule (``protocol.schedule``).
+        """Merge ``contributions`` into round ``round_`` (docs/design.md, section 1, steps 3-6). With
+        ``cfg.carry`` and ``live`` learners known, the merged outer gradient is scaled by ``round_share``.
+        ``due`` and ``period``: the round's moment and the swarm's step period, for the schedule
+        (``protocol.schedule``).
 
         The robust merge measures each learner's own outer gradient (against the base it was taken on) and
         scales that part alone: Theta_now - theta_m = (Theta_now - base) + s * delta. The part the global

@@ -1,4 +1,4 @@
-"""The merge of contributions from learners nobody vouches for (issue 32, item 2): weighted CenteredClip.
+"""The merge of contributions from learners nobody vouches for: weighted CenteredClip.
 
 The plain merge is a weighted mean (or RDA, its radius and direction averaged apart): one learner that sends
 the negative of the honest direction, at honest size and inside every bound, pulls it as far as its weight

@@ -1,4 +1,5 @@
-"""The swarm's round schedule (DESIGN §1, "Rounds belong to the swarm"): when round r of fragment p is due.
+"""The swarm's round schedule: when round r of fragment p is due (docs/design.md, section 1, "Rounds
+belong to the swarm").
 
 No fixed synchroniser owns a step counter here, so the schedule is carried by the replicated merge records.
 Each record of round r of fragment p names the moment the round was taken (``due``) and the swarm's step

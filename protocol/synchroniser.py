@@ -1,4 +1,4 @@
-"""The synchroniser of one fragment as a pure state machine (DESIGN §1 steps 1-2 and 7).
+"""The synchroniser of one fragment as a pure state machine (docs/design.md, section 1, steps 1-2 and 7).
 
 ``(state, event, now) -> Decision(state, actions, reason)``. Events: a contribution arrives, time passes
 (``on_tick``), the live membership changes, the driver finished a merge (``on_merged``). The driver does
@@ -132,10 +132,10 @@ class Decision:
 
 def carried(c: Contribution, state: SyncState) -> bool:
     """Whether contribution ``c`` may still join the open round of ``state``. Its outer gradient is
-    re-anchored at the current global fragment (DESIGN §1 step 4), so one taken against an older round
-    also undoes every round merged since. On the swarm's schedule a fragment takes one round per slot, so
-    a learner on time is never more than one round behind (a straggler of the round just merged): anything
-    older is left out. (A contribution held by a node that was not its round's synchroniser was carried
+    re-anchored at the current global fragment (docs/design.md, section 1, step 4), so one taken against an
+    older round also undoes every round merged since. On the swarm's schedule a fragment takes one round per
+    slot, so a learner on time is never more than one round behind (a straggler of the round just merged):
+    anything older is left out. (A contribution held by a node that was not its round's synchroniser was carried
     from round to round, and merged, alone, 50 s later in a run's quiet period: it set the position
     embedding back to the model's first step.) With rounds on arrival (no schedule yet, or the simulator)
     a fragment can take a round per learner in one learner's period, and only ``history`` bounds it."""

@@ -1,4 +1,4 @@
-"""The systems one core makes (DESIGN §1): the paper's decoupled DiLoCo and its two baselines.
+"""The systems one core makes (docs/design.md, section 1): the paper's decoupled DiLoCo and its two baselines.
 
 A system is a protocol configuration plus a blocking mode: the baselines are the same round machinery with
 every learner in every round, the plain mean and fp32, learners waiting for the merged fragment.

@@ -1,4 +1,4 @@
-"""Weights follow work the swarm can see (issue 31).
+"""Weights follow work the swarm can see.
 
 A contribution's weight, c_tokens^2 / c_steps, grows with both counters, and both are its sender's word: a
 member that sent c_tokens = 1e9 with c_steps = 1 held the whole weight of every merge it joined. The
