@@ -135,8 +135,8 @@ def carried(c: Contribution, state: SyncState) -> bool:
     re-anchored at the current global fragment (docs/design.md, section 1, step 4), so one taken against an
     older round also undoes every round merged since. On the swarm's schedule a fragment takes one round per
     slot, so a learner on time is never more than one round behind (a straggler of the round just merged):
-    anything older is left out. (A contribution held by a node that was not its round's synchroniser was carried
-    from round to round, and merged, alone, 50 s later in a run's quiet period: it set the position
+    anything older is left out. (A contribution held by a node that was not its round's synchroniser was
+    carried from round to round, and merged, alone, 50 s later in a run's quiet period: it set the position
     embedding back to the model's first step.) With rounds on arrival (no schedule yet, or the simulator)
     a fragment can take a round per learner in one learner's period, and only ``history`` bounds it."""
     return state.due_at is None or c.base_round >= state.global_round - BEHIND
