@@ -1,4 +1,5 @@
-"""Private swarms: an authority key admits peer ids; a swarm secret seals what members exchange (DESIGN §5).
+"""Private swarms: an authority key admits peer ids; a swarm secret seals what members exchange
+(docs/design.md, section 5).
 
 ``ddiloco swarm init`` writes a swarm folder: the authority's Ed25519 key, a 32-byte secret and
 ``swarm.json`` (the swarm's name and the authority's peer id). ``ddiloco swarm admit PEER_ID`` signs a
@@ -15,7 +16,7 @@ the authority's peer id, the secret and its own certificate, and then
   accept;
 - drops peers listed in the revocation file (one peer id per line, re-read when it changes).
 
-A swarm made with ``--open-learners`` (issue 32, item 3: the hybrid volunteer projects run) admits anyone as
+A swarm made with ``--open-learners`` (the hybrid that volunteer computing projects run) admits anyone as
 a learner: a member without a certificate is in every view as a ``learner`` (it trains and contributes, is
 never elected, and a merge record it signs is refused), while synchronisers hold certificates. Nothing is
 sealed there (anyone may join, so a secret would be no secret), and the robust merge is on

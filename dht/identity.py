@@ -1,4 +1,5 @@
-"""Node identity: an Ed25519 key (``cryptography``) and the libp2p peer id it maps to (DESIGN §4-5).
+"""Node identity: an Ed25519 key (``cryptography``) and the libp2p peer id it maps to
+(docs/design.md, sections 4 and 5).
 
 The peer id is libp2p's: the identity multihash of the protobuf-encoded public key, in base58btc, so an
 Ed25519 id starts with ``12D3KooW``. The key file holds libp2p's protobuf-encoded private key, the format

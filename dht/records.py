@@ -1,4 +1,4 @@
-"""Signed membership records and the live view derived from them (DESIGN §4, "Discovery and membership").
+"""Signed membership records and the live view derived from them (docs/design.md, section 4, "Membership").
 
 Each node refreshes its record every few seconds under the swarm's membership key, with a short expiration;
 the live set is whatever has a valid, unexpired record. A record is canonical JSON signed with the node's

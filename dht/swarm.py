@@ -1,7 +1,7 @@
 """Swarm membership over hivemind's DHT: start a node's DHT, publish its signed record, read the live view.
 
 Sits in ``dht/`` between the pure record logic (``dht.records``) and the node: it does the DHT I/O and
-nothing else (DESIGN §4, "Discovery and membership"). A record lives under one of ``BUCKETS`` DHT keys,
+nothing else (docs/design.md, section 4, "Membership"). A record lives under one of ``BUCKETS`` DHT keys,
 ``f"{swarm}/members/{bucket_of(peer_id)}"``, with the signer's peer id as subkey and the record's
 ``expires_at`` as the DHT expiration; a view reads every bucket in one traversal. All times are
 ``hivemind.utils.get_dht_time()``. Every wait on the DHT has a timeout, and a

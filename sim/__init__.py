@@ -1,4 +1,5 @@
-"""Discrete-event simulator: goodput at the paper's scale, in virtual time, with no training (DESIGN §3).
+"""Discrete-event simulator: goodput at the paper's scale, in virtual time, with no training
+(docs/design.md, section 3).
 
 Millions of chips, failures with a mean time between interruptions per chip, repairs, elastic resizes,
 slow learners and transient slowdowns, for three systems: non-elastic data-parallel, elastic data-parallel

@@ -1,4 +1,5 @@
-"""Goodput of a simulated run, counted as ``protocol.goodput`` counts it (DESIGN §2), without the records.
+"""Goodput of a simulated run, counted as ``protocol.goodput`` counts it (docs/design.md, section 2),
+without the records.
 
 ``protocol.goodput.compute_goodput`` reads event records: one learner's steps, its contributions of each
 fragment, and the merges. A step's work on fragment p is useful (for p's share of parameters) if the

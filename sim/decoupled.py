@@ -1,4 +1,5 @@
-"""Decoupled DiLoCo in virtual time: M learners and the real synchroniser state machines (DESIGN §1, §3).
+"""Decoupled DiLoCo in virtual time: M learners and the real synchroniser state machines (docs/design.md,
+sections 1 and 3).
 
 Each learner is a block of chips (``sim.blocks``) that steps on its own clock and never waits for peers.
 After step k it contributes the fragments the schedule makes due (``protocol.fragments``: fragment p when

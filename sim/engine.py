@@ -1,4 +1,5 @@
-"""The discrete-event simulator's entry point, and the data-parallel systems (DESIGN §3, driver 1).
+"""The discrete-event simulator's entry point, and the data-parallel systems
+(docs/design.md, section 3, driver 1).
 
 ``simulate(cfg)`` runs one system for ``cfg.duration_s`` of virtual time and returns its goodput, counted
 as ``protocol.goodput`` counts it (``sim.accounting``). Nothing trains; the cluster is described in

@@ -1,4 +1,5 @@
-"""What a simulated cluster is made of, and how long its recoveries take (DESIGN §3, driver 1).
+"""What a simulated cluster is made of, and how long its recoveries take (docs/design.md, section 3,
+driver 1).
 
 A cluster of ``chips`` accelerators is cut into M equal blocks of chips (the remainder spread over the first
 blocks). In Decoupled DiLoCo each block is a learner; in the two data-parallel systems the blocks step
