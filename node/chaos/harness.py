@@ -1,4 +1,4 @@
-"""``ddiloco chaos``: a swarm of real node processes under a failure plan, then what it cost (issue 4).
+"""``ddiloco chaos``: a swarm of real node processes under a failure plan, then what it cost.
 
 N nodes start as ``ddiloco up`` starts them (``node.local.launcher``: node 0 first, the others bootstrap from it,
 each in its own process group). Once all are up, a plan (``node.chaos.plan``: drawn from a seeded failure

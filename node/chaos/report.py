@@ -1,7 +1,8 @@
 """What a chaos run of real nodes measured, from the nodes' own event records (``STATE_DIR/events.jsonl``).
 
-Goodput is ``protocol.goodput.compute_goodput`` — the one definition (DESIGN §2) — over the nodes' records
-merged into one stream, with what only the harness knows added as records of the kinds it reads:
+Goodput is ``protocol.goodput.compute_goodput`` — the one definition (docs/design.md, section 2) — over
+the nodes' records merged into one stream, with what only the harness knows added as records of the kinds
+it reads:
 
 - one ``run`` record for the measured window: from the moment every node was up to the moment the learners
   were paused at the end (start-up and the final quiet period are outside it), every node a learner;

@@ -1,4 +1,4 @@
-"""``ddiloco doctor``: why a node is not contributing, in plain words (issue 17).
+"""``ddiloco doctor``: why a node is not contributing, in plain words.
 
 Against a running node (``--state-dir`` on its host, or ``--url``) it reads the node's status and event
 records and dials the address the node announces from a fresh p2p daemon; as a pre-flight check before a

@@ -1,4 +1,5 @@
-"""The event record stream (DESIGN §7): JSON lines of quorum, merge, adoption, failover, join, ...
+"""The event record stream (docs/design.md, section 7): JSON lines of quorum, merge, adoption, failover,
+join, ...
 
 Records are plain dicts with a ``kind`` and a time ``t`` (virtual seconds in the in-process runner, wall
 seconds in a node). ``protocol.goodput`` computes goodput from them; nothing else is needed to replay a run.

@@ -1,4 +1,5 @@
-"""A learner: one model training on its own data with its own AdamW, never waiting on peers (DESIGN §1).
+"""A learner: one model training on its own data with its own AdamW, never waiting on peers
+(docs/design.md, section 1).
 
 The learner owns its parameters, its inner optimizer and ``LearnerBook`` counters. It hands out fragment
 contributions (outer gradient against the global fragment it last received, encoded by the wire codec) and

@@ -1,4 +1,4 @@
-"""Fragment snapshots: a due fragment's parameters copied to the host without stalling the next step (issue 6).
+"""Fragment snapshots: a due fragment's parameters copied to the host without stalling the next step.
 
 A contribution is measured against the parameters of the step that made its fragment due. On a GPU the
 copy to the host goes on a side stream: an event recorded on the compute stream after the step's optimizer

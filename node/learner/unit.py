@@ -1,4 +1,4 @@
-"""A learner unit that spans processes: torch.distributed inside one node (issue 6).
+"""A learner unit that spans processes: torch.distributed inside one node.
 
 Inside a node the learner is an ordinary data-parallel job: every rank holds the whole model, trains on its
 own batches, and DDP averages the gradients (gloo on CPU, NCCL on GPUs), so all ranks keep identical

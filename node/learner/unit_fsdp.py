@@ -1,4 +1,4 @@
-"""FSDP2 learner units: parameters, gradients and optimizer state sharded across a node's processes (issue 6).
+"""FSDP2 learner units: parameters, gradients and optimizer state sharded across a node's processes.
 
 For models that do not fit one device (``ddiloco node --nproc N --shard``). ``ShardedUnit`` runs
 ``node.learner.unit.Unit``'s exchange over shards. The learner builds its model on the CPU; ``fully_shard`` then

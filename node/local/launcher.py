@@ -1,4 +1,5 @@
-"""``ddiloco up``: a swarm of N node processes on this machine, with a live status table (DESIGN §7).
+"""``ddiloco up``: a swarm of N node processes on this machine, with a live status table
+(docs/design.md, section 7).
 
 Node 0 starts first and is the others' bootstrap peer; each node is a real ``ddiloco node`` process with its
 own identity, p2p daemon, state folder and status endpoint, and the same topology as the docker-compose file.

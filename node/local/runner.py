@@ -1,4 +1,5 @@
-"""The in-process runner: M real learners, the pure core, and a virtual clock (DESIGN §3, driver 2).
+"""The in-process runner: M real learners, the pure core, and a virtual clock
+(docs/design.md, section 3, driver 2).
 
 Learners train real models on real batches; time is virtual (a step ``step_time_s / speed`` times jitter,
 a message ``latency + bytes / bandwidth``, a merge ``merge_s``). Timed events drive learners,

@@ -1,4 +1,4 @@
-"""A swarm node: one learner plus its network agent (DESIGN §4, issue 3).
+"""A swarm node: one learner plus its network agent (docs/design.md, section 4).
 
 Threads and loops:
   * the DHT is hivemind's forked process (p2pd inside), created first, before any thread;

@@ -1,4 +1,4 @@
-"""Audits of merge records (issue 32, item 1; docs/security.md, "Audited merges").
+"""Audits of merge records (docs/security.md, "Audited merges").
 
 A merge record names, per contributor, the sha256 of the message its learner signed (``protocol.audit``). The
 members that sent or merged a contribution keep its signed message for a while (``KeptMessages``) and serve

@@ -1,6 +1,6 @@
-"""Joining and catching up (DESIGN §4): a node with no state downloads the swarm's fragments from several
-donors before it trains; a node behind on a fragment fetches the records it missed, or a snapshot when
-records cannot bridge the gap; and the server side of the snapshot op. A mixin of
+"""Joining and catching up (docs/design.md, section 4): a node with no state downloads the swarm's
+fragments from several donors before it trains; a node behind on a fragment fetches the records it missed,
+or a snapshot when records cannot bridge the gap; and the server side of the snapshot op. A mixin of
 ``node.swarm.agent.Node``, like ``node.swarm.replication``."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def records_bridge(gap: int, pcfg) -> bool:
 class CatchUp:
     """Join and catch-up logic; ``Node`` provides the state it works on."""
 
-    # ---------------------------------------------------------------- per-peer limits (issue 19)
+    # ---------------------------------------------------------------- per-peer limits (node.swarm.limits)
     def _catch_up_backoff(self) -> Backoff:
         """Retries of a catch-up toward a peer that fails (killed, cut off, refusing) back off per peer."""
         b = self.__dict__.get("_backoff")

@@ -1,4 +1,5 @@
-"""Checkpoints (DESIGN §6): one safetensors file of tensors plus JSON metadata, written atomically.
+"""Checkpoints (docs/design.md, section 6): one safetensors file of tensors plus JSON metadata, written
+atomically.
 
 A checkpoint holds named tensor groups (global fragments, outer momentum, learner parameters, inner optimizer
 state, data-generator state) and a JSON document (rounds, hashes, counters, step, swarm id). The JSON

@@ -314,7 +314,7 @@ class Contributions(MergeWatch):
         return Reply(True)
 
     async def _checked_dead(self, p: int, dead: set[str]) -> set[str]:
-        """A sender's dead list is advice (issue 31): a peer that stands before this node in fragment p's
+        """A sender's dead list is advice: a peer that stands before this node in fragment p's
         order in our own view is dead only if it does not answer a ping either (or is suspected here).
         Otherwise one contribution sent to every node, each copy naming the others dead, made every node
         the synchroniser of its own round: forks. At most ``PING_AT_MOST`` peers are asked, concurrently."""

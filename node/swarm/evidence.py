@@ -1,4 +1,4 @@
-"""Bans that travel (issue 31, item 5; docs/security.md). A merge record is signed by its synchroniser, so a
+"""Bans that travel (docs/security.md). A merge record is signed by its synchroniser, so a
 record that breaks a rule every node checks the same way proves its signer lied: contributors' weights that
 do not follow their counters, no contributor, a merged gradient that is not finite or over twice ``max_rms``
 (``FragmentReplica.check_record`` without the local ``refuse_factor`` bound, which depends on what each node

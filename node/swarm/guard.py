@@ -1,4 +1,4 @@
-"""Defence against peers that lie (issue 5): scores and bans, and replay memory (DESIGN §5).
+"""Defence against peers that lie: scores and bans, and replay memory (docs/design.md, section 5).
 
 Every refusal of a message that an honest peer would not send (malformed, wrong shape, NaN, oversized norm,
 bad signature, a replay, ...) lowers the sender's score by one; accepted work raises it back slowly (never

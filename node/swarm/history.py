@@ -1,5 +1,6 @@
-"""What the node's dashboard draws (``GET /history``, DESIGN §7): the learner's loss curve, its evaluations,
-tokens per second and goodput over the node's life, recent merges and recent refusals.
+"""What the node's dashboard draws (``GET /history``; docs/design.md, section 7): the learner's loss
+curve, its evaluations, tokens per second and goodput over the node's life, recent merges and recent
+refusals.
 
 Fed by the node's event stream (``EventLog.subscribe``), so nothing on the training path calls it: ``step``
 records give the loss curve and tokens/s, ``eval`` the evaluation curve, ``merge`` and ``reject`` the recent

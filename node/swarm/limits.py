@@ -1,4 +1,4 @@
-"""Per-peer limits (issue 19): exponential backoff for retries toward a peer that fails (``Backoff``), and a
+"""Per-peer limits: exponential backoff for retries toward a peer that fails (``Backoff``), and a
 token bucket for what one peer may ask of us (``TokenBucket``). Pure bookkeeping: the caller passes the
 time (monotonic seconds), so both are tested without a clock."""
 

@@ -1,4 +1,5 @@
-"""What a node holds in memory, by part (DESIGN §4, "what a node holds, and its cost").
+"""What a node holds in memory, by part
+(docs/design.md, section 4, "What a node holds, and its cost").
 
 ``breakdown(node)`` walks the tensors of each part of a running node and counts every storage once, in the
 first part that names it (a learner's base that is the replica's own tensor costs nothing of its own). It

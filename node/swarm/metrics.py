@@ -1,4 +1,4 @@
-"""The node's Prometheus metrics (``GET /metrics``, DESIGN §7), in a registry of its own.
+"""The node's Prometheus metrics (``GET /metrics``; docs/design.md, section 7), in a registry of its own.
 
 Two sources, so the training path calls nothing here:
 

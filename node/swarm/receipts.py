@@ -1,4 +1,4 @@
-"""Signed receipts: a synchroniser that drops contributions it took is found out (issue 32, item 5).
+"""Signed receipts: a synchroniser that drops contributions it took is found out.
 
 Where learners are not vouched for (a public swarm), a synchroniser's ``ok`` to a contribution carries a
 receipt it signs: "fragment p, round r on parent h, learner L's contribution c". An honest synchroniser gives

@@ -1,5 +1,5 @@
-"""Replicated global state of a node (DESIGN §4): applying signed merge records, merging as the
-synchroniser, pushing records, and the server side of the record and records ops. A mixin of
+"""Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
+as the synchroniser, pushing records, and the server side of the record and records ops. A mixin of
 ``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``."""
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             return self._on_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            # a forged or oversized record costs the peer that signed and pushed it (issue 31)
+            # a forged or oversized record costs the peer that signed and pushed it
             proof = sr is not None and sr.signer == caller and not getattr(e, "unseen", False)
             self.penalise(caller, e.code, signed=proof)
             return Reply(False, e.code.value, str(e))

@@ -1,4 +1,4 @@
-"""The node's HTTP endpoint (DESIGN §7), on aiohttp and the node's event loop.
+"""The node's HTTP endpoint (docs/design.md, section 7), on aiohttp and the node's event loop.
 
 Routes:
   * ``GET /status``: the status document (``node.swarm.status.status_doc``) as JSON, from a copy rebuilt at

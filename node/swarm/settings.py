@@ -308,7 +308,8 @@ class NodeSettings:
     @property
     def elect_workers(self) -> bool:
         """Only members whose work this node's chain credits are electable (``elect``, with auto resolved):
-        identities are free where no authority certifies synchronisers (issue 32, Sybils)."""
+        identities are free where no authority certifies synchronisers (a Sybil's copies would
+        win elections)."""
         return self.elect == "workers" or (self.elect == "auto" and not self.authority)
 
     @property

@@ -1,5 +1,5 @@
-"""The node's status document and control requests, DESIGN §7 (served by ``node.swarm.server``; the
-client is ``node.common.status_client``).
+"""The node's status document and control requests (docs/design.md, section 7), served by
+``node.swarm.server``; the client is ``node.common.status_client``.
 
 ``GET /status`` returns the node's view of the swarm as JSON: peers, who synchronises what, rounds, loss,
 tokens/s, bytes sent and received, refusals by code, goodput. ``POST /control`` with ``{"action": ...}`` and the node's control token

@@ -1,4 +1,5 @@
-"""Request/response over hivemind P2P streams, for payloads of any size (DESIGN §4, "Transport").
+"""Request/response over hivemind P2P streams, for payloads of any size
+(docs/design.md, section 4, "Transport").
 
 One stream per request. The caller writes a frame header (u32 length + JSON {"op", "nbytes"}) and then the
 payload in chunks of ``CHUNK`` bytes; the server reads it under a size cap and a deadline, calls the handler

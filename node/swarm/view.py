@@ -1,6 +1,7 @@
-"""A node's view of its swarm (DESIGN §4, "Discovery and membership"): its own signed membership record, the
-live members it reads every heartbeat, the heads they publish and the synchroniser each fragment's open round
-has in that view, the DHT links it keeps (``Membership.relink``). A mixin of ``node.swarm.agent.Node``."""
+"""A node's view of its swarm (docs/design.md, section 4, "Membership"): its own signed membership
+record, the live members it reads every heartbeat, the heads they publish and the synchroniser each
+fragment's open round has in that view, the DHT links it keeps (``Membership.relink``). A mixin of
+``node.swarm.agent.Node``."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ class SwarmView:
     def voters(self, p: int, members: dict[str, Member]) -> dict[str, Member]:
         """Whose head counts in a majority of heads (``backed``, ``outvoted``): in a public swarm whose workers
         this node knows, workers and members with a process behind them (in its DHT routing table), not 32
-        free signed records echoing one head (issue 32, item 4); else everyone."""
+        free signed records echoing one head; else everyone."""
         workers = self._workers(p, members) if self.settings.elect_workers else members
         if workers is members:  # everyone: a private swarm, or this node cannot tell workers yet
             return members
@@ -144,7 +145,7 @@ class SwarmView:
         node elects, or give this node a snapshot to install. A membership record is the claimant's word
         alone: a claim within ``HEAD_SLACK`` rounds of our own is taken; one further ahead needs the word of
         a majority of the other members (``backed``). A node that really fell behind finds the rest of the
-        swarm agreeing; a lone member claiming a thousand rounds more does not (issue 19). A head only
+        swarm agreeing; a lone member claiming a thousand rounds more does not. A head only
         ``history`` rounds ahead may still be followed by records (``within_records``): each is checked."""
         return round_ <= self.replicas[p].round + HEAD_SLACK or self.backed(p, pid, round_, members)
 
@@ -248,7 +249,7 @@ class SwarmView:
 
     def _workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
         """The members of ``seen`` whose learner is credited on the chain this node follows (``elect`` workers,
-        ``WorkBook.workers``; issue 32, Sybils: 32 free copies of one record won rounds, and senders failed
+        ``WorkBook.workers``; against Sybils: 32 free copies of one record won rounds, and senders failed
         over past each 600-1,900 times a run). Nodes on one chain hold the same credits; the set is not
         windowed, so views do not part as learners pause. ``seen`` itself while this node cannot tell yet."""
         window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every

@@ -1,5 +1,5 @@
-"""A snapshot checked against its donor's own records before it enters a replica (issue 31, item 3, in
-part; docs/security.md, "Snapshots"). A snapshot is the donor's word for a fragment's whole state: its
+"""A snapshot checked against its donor's own records before it enters a replica
+(docs/security.md, "Snapshots"). A snapshot is the donor's word for a fragment's whole state: its
 tensors hash to the head it names, but nothing in them shows that head was ever merged. Where this replica
 still keeps a round that the donor's chain leaves from (a fork a round or two deep: what a snapshot
 usually repairs), the node walks its own outer steps back to that round, takes the donor's signed records
@@ -10,7 +10,7 @@ than the records kept) the snapshot is taken on the donor's word and its hash, w
 (``unwitnessed``, checked before anything is downloaded): no member whose work this node ever merged
 publishes the donor's head (an identity that only publishes records vouches for nothing), while another
 member publishes a round of this node's own chain. A member a round ahead serving an all-zero state
-with no records behind it was installed by every node that caught up from it (issue 31). The other side of
+with no records behind it was installed by every node that caught up from it. The other side of
 an honest split deeper than the records kept is made of members this node merged before the split: their
 head has witnesses, and is taken as before.
 

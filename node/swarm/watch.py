@@ -1,4 +1,4 @@
-"""Whether a round that took one of our contributions merged it (issue 31, item 1; issue 32, item 5): a
+"""Whether a round that took one of our contributions merged it: a
 synchroniser that answered ``ok`` must merge the round by its due moment plus ``STALL_PERIODS`` due periods
 (``_check_merged``: else it is suspected, and the contribution goes to the next candidate), and the record of
 that round must name the contribution (``left_out``: else it goes again, to the next round's synchroniser).
@@ -35,7 +35,7 @@ class MergeWatch:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
         moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
         never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
-        its membership record lives: the rendezvous winner of a round stays its winner (issue 31)."""
+        its membership record lives: the rendezvous winner of a round stays its winner."""
         p = header.fragment
         open_round = self.replicas[p].round + 1
         now = self.loop.time()

@@ -1,4 +1,5 @@
-"""Signed merge records and fragment snapshots on the wire (DESIGN §4, "Replicated global state").
+"""Signed merge records and fragment snapshots on the wire
+(docs/design.md, section 4, "Replicated global state").
 
 A merge record travels as one safetensors blob: the merged outer gradient in the record codec (int4 by
 default, ``NAME::PART`` as in contributions) and, as metadata, the record's fields as JSON, the signer's peer
