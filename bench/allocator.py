@@ -1,4 +1,4 @@
-"""What glibc's mmap threshold (``--malloc-mmap-mib``) costs and saves a learner's step at size (issue 30).
+"""What glibc's mmap threshold (``--malloc-mmap-mib``) costs and saves a learner's step at size.
 
 Two measurements of the plain torch loop of ``bench/scale.py`` (the size's model, AdamW as the learner builds it,
 clipping), side by side in this script:

@@ -1,4 +1,4 @@
-"""Hostile members against a public swarm of real nodes (issue 32, item 5): lying learners and lying
+"""Hostile members against a public swarm of real nodes: lying learners and lying
 synchronisers, and members that sign records nobody elected (``forge-*``).
 
 Each run starts ``--honest`` honest nodes (``python -m node node``, the tests' tiny model and fast rounds) and
@@ -16,7 +16,7 @@ so new data orders), its ratio to the unattacked run of the same column, the tok
 many runs ended on one hash. Then the wire bytes per inner step of each column's unattacked runs, and for
 the synchroniser attacks how many of the liar's records got in, how many were convicted, and how long until
 every honest node had banned it; for ``sybil`` (32 more identities per hostile member, no process behind
-them) how many contributions the honest nodes sent past a candidate that did not answer; for issue 31's
+them) how many contributions the honest nodes sent past a candidate that did not answer; for
 ``sync-stall`` (a working member that takes rounds and never merges them) the forks the honest nodes met
 against the unattacked run's, and the rounds its senders found stalled.
 
@@ -169,10 +169,10 @@ def run_once(args, attack: str, rule: str, audit: str = "auto") -> dict:
             # rounds merged, summed over the fragments, the fewest of the honest nodes (their final replicas)
             "rounds": min(f.get("rounds_merged", 0) for f in finals),
             "slow": sum(e["kind"] == "slow" and e.get("peer") in liars for e in events),
-            # rounds a member took and left unmerged, found by their senders' watch (issue 31)
+            # rounds a member took and left unmerged, found by their senders' watch
             "stalls": sum(e["kind"] == "stall" and e.get("peer") in liars for e in events),
-            # issue 31's counters: the liars' contributions refused for claiming more work than they could do,
-            # and the honest merges any liar's contribution was in
+            # the work bounds' counters (protocol.work): the liars' contributions refused for claiming more work
+            # than they could do, and the honest merges any liar's contribution was in
             "bad_counters": sum(e["kind"] == "reject" and e.get("code") == "bad_counters" for e in events),
             "liar_in_merges": sum(e["kind"] == "merge" and bool(liars & set(e["learners"])) for e in events),
         }

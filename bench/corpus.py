@@ -1,4 +1,4 @@
-"""Corpora bigger than memory (issue 33): the token cache against today's reader, the cache's format against
+"""Corpora bigger than memory: the token cache against today's reader, the cache's format against
 the alternatives, and nodes reading a large cache against nodes on a 2 MB corpus.
 
 Steps (each printed as it finishes; ``--json`` prints everything at the end as one object):

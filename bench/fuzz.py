@@ -1,4 +1,4 @@
-"""The long fuzzing run (issue 5, item 5): N fuzzed inputs per message type against every decoder of network
+"""The long fuzzing run: N fuzzed inputs per message type against every decoder of network
 or disk bytes, with the targets of ``tests/fuzz`` (a quarter arbitrary bytes, the rest structure-aware
 mutations of valid messages, half of those re-signed or re-hashed).
 

@@ -5,8 +5,8 @@ hostile member of ``bench/attacks.py`` and ``tests/test_audit.py``. Everything e
 
 Learner attacks: ``flip`` (the negated outer gradient, at honest size), ``flip-x2.5`` (2.5x that: under the
 default ``clip_factor`` 3), ``inflate`` (negated, claiming 4x its tokens a step: the ``work_factor`` bound,
-16x the weight), ``inflate-1e6`` (negated, claiming a million times its tokens a step: issue 31's
-unbounded weight, far past the bound), ``random`` (a random direction at 3x honest size).
+16x the weight), ``inflate-1e6`` (negated, claiming a million times its tokens a step: the
+unbounded-weight attack, far past the bound), ``random`` (a random direction at 3x honest size).
 Synchroniser attacks, when it is elected: ``sync-flip`` (its records merge the negated contributions: a
 consistent record, new hash and all, that names the honest messages), ``sync-x1.5`` (the merge scaled by 1.5),
 ``sync-x1.001`` (scaled by 1.001: a bias of a thousandth), ``sync-share`` (a faithful merge scaled by, and

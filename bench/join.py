@@ -1,4 +1,4 @@
-"""A joiner's download at size (issue 30): two donor nodes train until every fragment has moved past its
+"""A joiner's download at size: two donor nodes train until every fragment has moved past its
 first round, then a third node joins and downloads the whole global state (every fragment's parameters and
 outer momentum) from them, verifies it against the fragments' hashes, and starts training.
 

@@ -1,4 +1,4 @@
-"""Membership at size (issue 31): what a node's heartbeat costs when the swarm's DHT holds N member records,
+"""Membership at size: what a node's heartbeat costs when the swarm's DHT holds N member records,
 with the records spread over ``dht.records.BUCKETS`` keys (the product), against the same records under one
 key (the layout before 574bd83), side by side on the same two DHT processes.
 

@@ -3,7 +3,7 @@
 The learner's extra work per step is its bookkeeping (counters, schedule), the fragment snapshot and outer
 gradient when a fragment is due, the wire codec, and adopting merged fragments tau steps later. Both loops run
 in this process, interleaved in blocks, same model, batches, optimizer and schedule; the ratio of median block
-times is printed. Target (issue 2): overhead <= 3%.
+times is printed. Target: overhead <= 3%.
 
     python bench/overhead.py                 # default model, P = H = 24, tau = 2, int4
     python bench/overhead.py --codec fp32 --blocks 10 --steps 30 --json

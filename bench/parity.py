@@ -1,5 +1,5 @@
 """Parity benchmark: Decoupled DiLoCo against its baselines on real node processes and in the in-process
-runner, same configuration, equal tokens (issue 15).
+runner, same configuration, equal tokens.
 
 For each scenario and seed, every system runs as a swarm of real ``ddiloco node`` processes on loopback
 (``node.chaos.harness`` with no failures: the launcher, the status endpoint, the event records), then the runner

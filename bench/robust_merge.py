@@ -1,4 +1,4 @@
-"""The robust merge against hostile learners, in the in-process runner (issue 32, item 2).
+"""The robust merge against hostile learners, in the in-process runner.
 
 Each run trains the same model from the same weights on the same data to the same token budget, with
 ``--honest`` honest learners and ``--hostile`` hostile ones, each hostile learner playing one attack that

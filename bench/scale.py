@@ -1,4 +1,4 @@
-"""The size ladder (issue 30): what one node costs at each model size, against the size of its weights.
+"""The size ladder: what one node costs at each model size, against the size of its weights.
 
 For each size this starts one real node (``python -m node node``, its own state folder and p2p daemon),
 lets it train for ``--seconds`` after its first step, reads its status document every ``--poll-s`` seconds

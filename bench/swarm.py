@@ -1,4 +1,4 @@
-"""Swarm benchmark (issue 3): bytes on the wire per node per inner step, and a learner's throughput in a swarm.
+"""Swarm benchmark: bytes on the wire per node per inner step, and a learner's throughput in a swarm.
 
 Three parts, printed side by side:
 

@@ -17,8 +17,9 @@ def codec_bytes(numel: int, codec: str, block: int) -> float:
 DP_BYTES_PER_PARAM = 4  # fp32 gradients
 TARGET_BYTES_RATIO = 100.0
 TARGET_THROUGHPUT = 0.9
-# Paper scale: DESIGN §1 quotes the paper's 12B model (trained across 4 US regions) and M = 8 learners (its
-# 8-datacenter bandwidth result), and gives P = H = 24, tau = 2, K = 1, int4 outer gradients at that scale.
+# Paper scale: the paper's 12B model (trained across 4 US regions) and M = 8 learners (its 8-datacenter
+# bandwidth result), with P = H = 24, tau = 2, K = 1, int4 outer gradients (the defaults, docs/design.md,
+# section 1).
 PAPER_PARAMS = 12e9
 PAPER_LEARNERS = 8
 

@@ -1,4 +1,4 @@
-"""A learner's speed inside a swarm at size (issue 30): N real nodes on this machine, each with ``--threads 1``,
+"""A learner's speed inside a swarm at size: N real nodes on this machine, each with ``--threads 1``,
 against plain torch loops of the same model run the same way, side by side in this script.
 
 The nodes train for ``--seconds`` after every one of them has made its first step; each node's step rate over

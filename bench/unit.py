@@ -1,4 +1,4 @@
-"""Learner-unit benchmark (issue 6): a 2-process unit's throughput inside a swarm against the same unit alone.
+"""Learner-unit benchmark: a 2-process unit's throughput inside a swarm against the same unit alone.
 
 The swarm has two nodes of different speeds: node 0 is a learner unit of ``--nproc`` processes
 (``ddiloco node --nproc N``: torchrun, DDP over gloo on CPU, one torch thread per rank; with ``--shard``,

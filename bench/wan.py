@@ -1,4 +1,4 @@
-"""The WAN comparison (issue 4, item 5): ours, synchronous DiLoCo and data-parallel under bandwidth caps.
+"""The WAN comparison: ours, synchronous DiLoCo and data-parallel under bandwidth caps.
 
 Tokens/s of Decoupled DiLoCo against synchronous DiLoCo and data-parallel on the same nodes, model and
 bandwidth caps, and how the ratio moves with the cap.

@@ -1,5 +1,6 @@
 """Numbers and tables of ``bench/wan.py``: from each run's step and eval records and link counters to
-tokens/s, bytes per step, eval loss at the end and at equal tokens, and the targets of issue 4 item 5."""
+tokens/s, bytes per step, eval loss at the end and at equal tokens, and the targets (tokens/s at least
+``TARGET_DP`` times data-parallel's and ``TARGET_SYNC`` times synchronous DiLoCo's)."""
 
 from __future__ import annotations
 
