@@ -23,7 +23,7 @@ if "DDILOCO_CACHE" not in os.environ:
 
 # What a run of the project may leave in the temporary folder: p2pd and hivemind client sockets, a DHT's
 # socket folder, a node's private TMPDIR (``node.local.launcher.private_tmp``), multiprocessing's and
-# torchrun's folders. After the suite none may be there that was not there before (issue 16).
+# torchrun's folders. After the suite none may be there that was not there before.
 LEFTOVER_PATTERNS = (
     "hivemind-p2pclient-*.sock",
     "hivemind-p2pd-*.sock",

@@ -126,7 +126,7 @@ def assert_eval_held(swarm: Swarm, since: float, nodes=None, factor: float = 1.0
     """After an attack that began at ``since`` (``time.time()``) and a ``settle``: each honest node's evaluation
     of the global model made after this call is at most ``factor`` times the last it made before the attack.
     Training only lowers the loss over a test's few hundred steps, so an attack the swarm neutralised passes
-    and one that got into the model does not (issue 31's: an installed all-zero snapshot read 5.5, inflated
+    and one that got into the model does not (an installed all-zero snapshot read 5.5, inflated
     flipped weights 9.6-15, against 2.0-2.6 before). Returns each node's (before, after)."""
     nodes = list(swarm.children) if nodes is None else list(nodes)
     t_end = time.time()

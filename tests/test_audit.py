@@ -1,4 +1,4 @@
-"""Audited merges (issue 32, item 1): a merge record recomputed from the contributions it names
+"""Audited merges: a merge record recomputed from the contributions it names
 (``protocol.audit``), the record's signed audit fields on the wire, ``FragmentReplica.rewind``, and a lying
 synchroniser among real nodes of a public swarm, banned everywhere and undone."""
 

@@ -1,5 +1,5 @@
 """A damaged or foreign newest checkpoint is skipped with a logged reason naming the file and the cause, and
-the previous valid checkpoint loads with exactly what was saved (DESIGN §6; issue 5's checkpoint item)."""
+the previous valid checkpoint loads with exactly what was saved (docs/design.md, section 6)."""
 
 from __future__ import annotations
 

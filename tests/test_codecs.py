@@ -63,7 +63,7 @@ def test_encoded_nbytes_is_what_encoding_makes():
             assert encoded_nbytes(numel, codec, block) == wire_bytes(enc), (codec, numel, block)
 
 
-# --- The codecs against straightforward references (issue 30: the fast codecs keep the wire format) -------
+# --- The codecs against straightforward references (the fast codecs keep the wire format) -------
 #
 # The references below are written from the documented codes: per block a scale s = max|x| (1 for a block of
 # zeros); int4 codes the magnitude of y = x / s as the nearest of _LEVELS (bucketize on the midpoints, a tie

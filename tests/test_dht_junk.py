@@ -1,4 +1,4 @@
-"""Junk under the members key (issue 19, item 1) over real hivemind DHT processes: a stranger that stores
+"""Junk under the members key over real hivemind DHT processes: a stranger that stores
 subkeys of mixed types or a plain value over the key. Honest DHT nodes refuse to store it (their validator)
 and drop it when a peer returns it; a reader whose DHT holds junk anyway still reads the members."""
 

@@ -1,5 +1,5 @@
-"""Membership over real hivemind DHT processes on loopback (DESIGN §4): three nodes, signed records, expiry,
-forged records, and start_dht's errors."""
+"""Membership over real hivemind DHT processes on loopback (docs/design.md, section 4): three nodes,
+signed records, expiry, forged records, and start_dht's errors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Every decoder of network or disk bytes, fuzzed: for any input it returns a value that passes its invariants
-or raises its own typed error with a message — never another exception, never a hang (DESIGN §5).
+or raises its own typed error with a message — never another exception, never a hang
+(docs/design.md, section 5).
 
 Two strategies a decoder (targets in ``tests/fuzz``): arbitrary inputs, and structure-aware mutations of a
 valid message made with the matching encoder. Then one regression case per crash fuzzing found, so each

@@ -1,4 +1,4 @@
-"""A hostile admitted peer against a real node (issue 5): a replayed contribution, a x1000 update and a
+"""A hostile admitted peer against a real node: a replayed contribution, a x1000 update and a
 stream of NaN updates are refused with their codes, the peer's score falls until it is banned, and then
 even its valid work is refused and it leaves the node's view. Nothing it sends after its one honest
 contribution changes the model."""
@@ -122,7 +122,7 @@ def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_i
             lambda: swarm.status()[0]["fragments"][0]["round"] == r0 + 1, 30, "the contribution merged"
         )
         # The attacker's membership backs the node's heads (a round below them), or the newcomer would not
-        # believe the one node it sees: a lone member far ahead (issue 19).
+        # believe the one node it sees: a lone member far ahead.
         heads = {
             str(f["fragment"]): [f["round"] - 1, "0" * 64, 1, 1.0] for f in swarm.status()[0]["fragments"]
         }

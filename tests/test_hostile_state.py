@@ -1,4 +1,4 @@
-"""Hostile members against the swarm's shared state (issue 19), with real node processes and an attacker
+"""Hostile members against the swarm's shared state, with real node processes and an attacker
 that has its own identity, DHT and p2p daemon (this test process):
 
   * a forged merge record (right parent, matching new hash, a merged gradient of RMS 5) is refused as
@@ -211,7 +211,7 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
         assert {s["model_hash"] for s in after.values()} == {before[0]["model_hash"]}
         assert after[0]["refused"].get("record_too_large", 0) >= 1
         assert after[0]["refused"].get("forged_record", 0) >= 1
-        # each refusal cost the member that signed and pushed the record (issue 31)
+        # each refusal cost the member that signed and pushed the record
         assert after[0]["guard"]["scores"].get(bad.ident.peer_id, 0) <= -2, after[0]["guard"]
         # the honest swarm trains on and agrees
         for i in range(2):
@@ -481,7 +481,7 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
         # each incident costs the fragment a bounded wait, then the round moves on: the sender found the round
         # stalled within two due periods of its due moment (at least two heartbeats; ``node.swarm.watch``),
         # and the fragment merged again within failover_s (6 s) of that on the sender's node (0.02-1.2 s in
-        # three suite runs; the 45-65 s freeze of issue 31 before the watch). Stalls after the last merge
+        # three suite runs; 45-65 s freezes before the watch). Stalls after the last merge
         # checked here are left out: the test's end may come before their round.
         t_end = time.time()
         for i in range(3):

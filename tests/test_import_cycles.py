@@ -1,4 +1,4 @@
-"""No import cycles between the project's modules (issue 16), counting imports inside functions and under
+"""No import cycles between the project's modules, counting imports inside functions and under
 ``TYPE_CHECKING`` too: a cycle is a cycle for the reader even when Python tolerates it."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Imports flow one way (DESIGN §8, issue 16): protocol <- dht <- node, and inside node each subpackage
+"""Imports flow one way (docs/design.md, section 8): protocol <- dht <- node, and inside node each subpackage
 imports only the ones below it (the rule stated in each package's ``__init__``). protocol stays free of I/O;
 the simulator (sim) drives protocol only."""
 

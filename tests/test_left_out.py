@@ -1,4 +1,4 @@
-"""Synchronisers that drop contributions they took (issue 32, item 5), on real nodes: 3 honest nodes and two
+"""Synchronisers that drop contributions they took, on real nodes: 3 honest nodes and two
 running ``bench/hostile_node.py``. ``sync-drop`` answers every contribution ``ok``, with the signed receipt a
 public swarm's synchroniser gives, and when elected merges only the first it holds: a faithful merge of a
 subset, which no audit refutes, but its record beside its own receipt proves the drop

@@ -1,4 +1,4 @@
-"""Per-peer backoff and token buckets (issue 19, items 5 and 6), with the time passed in."""
+"""Per-peer backoff and token buckets, with the time passed in."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_a_failing_membership_read_holds_the_last_good_view_for_a_bounded_time()
 
 
 def test_a_record_counts_a_bounded_time_whatever_expiry_it_claims():
-    """A member signing ``expires_at`` = now + 1e6 stayed in every view long after its ttl (issue 31): a record
+    """A member signing ``expires_at`` = now + 1e6 stayed in every view long after its ttl: a record
     counts at most LIFETIME_TTLS x ttl_s after its issue time, and one issued in the future is not counted."""
     from types import SimpleNamespace
 

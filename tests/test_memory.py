@@ -1,4 +1,4 @@
-"""What a node holds (issue 30): no fragment copies in history, checkpoints written from the tensors,
+"""What a node holds: no fragment copies in history, checkpoints written from the tensors,
 evaluation without weights of its own, and the account of it all (``node.swarm.memory``)."""
 
 import os

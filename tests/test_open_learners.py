@@ -1,4 +1,4 @@
-"""Open learners, certified synchronisers (issue 32, item 3): the way to run a public swarm.
+"""Open learners, certified synchronisers: the way to run a public swarm.
 
 ``ddiloco swarm init --open-learners`` makes a swarm anyone may join as a learner, without a certificate: it
 trains and its contributions are merged, but it is never elected, and a merge record it signs is refused.

@@ -1,4 +1,4 @@
-"""Operating a swarm (issue 17, docs/operating.md) against real node processes: ``ddiloco status --watch``
+"""Operating a swarm (docs/operating.md) against real node processes: ``ddiloco status --watch``
 with and without a terminal, the dashboard in a real headless browser, and ``/metrics`` parsed with
 prometheus_client agreeing with ``/status`` at a paused node.
 

@@ -1,4 +1,4 @@
-"""A private swarm (issue 5): three admitted nodes and an outsider with its own key, all real processes.
+"""A private swarm: three admitted nodes and an outsider with its own key, all real processes.
 
 The outsider can neither push a contribution, nor obtain model state, nor write a membership record the
 members accept, nor take a member's DHT slot — each refusal counted — and the members' model is unchanged

@@ -1,4 +1,4 @@
-"""What a node checks of another's merge record and of a published head (issue 19), unit by unit:
+"""What a node checks of another's merge record and of a published head, unit by unit:
 ``FragmentReplica.check_record``, ``OwnCids`` (contributions of ours a record may name) and
 ``SwarmView.credible`` (a head far ahead needs the rest of the swarm's word)."""
 

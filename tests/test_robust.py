@@ -1,4 +1,4 @@
-"""Defence against bad updates (issue 5): bounds, the robust merge, scores and bans, replays."""
+"""Defence against bad updates: bounds, the robust merge, scores and bans, replays."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The robust merge (issue 32, item 2): weighted CenteredClip with capped token weights bounds what a minority
+"""The robust merge: weighted CenteredClip with capped token weights bounds what a minority
 of the weight moves a merge by, whatever it sends; it is on in public swarms, off in private ones and in the
 baselines."""
 

@@ -1,4 +1,4 @@
-"""What a snapshot must pass before it enters a replica (issue 31, item 3), unit by unit:
+"""What a snapshot must pass before it enters a replica, unit by unit:
 ``protocol.chain.snapshot_mismatch``, the state a donor's records reach from a round this replica keeps, and
 ``Vouching.unwitnessed``, who must hold a head that no chain checks.
 The swarm-level test, a member a round ahead serving an all-zero snapshot and forged records leading to it,

@@ -175,7 +175,7 @@ def test_a_port_in_use_is_a_clear_error():
 
 def test_status_over_libp2p_is_served_from_the_http_cache():
     """A stranger opening ``/ddiloco/status/1`` streams in a loop was served a fresh document each time (473 a
-    second, the learner 43% slower, issue 31): the p2p side now answers with the HTTP side's cached document."""
+    second, the learner 43% slower): the p2p side now answers with the HTTP side's cached document."""
     from types import SimpleNamespace
 
     from node.swarm.status_p2p import answer

@@ -1,4 +1,4 @@
-"""Hostile members and strangers against real node processes (issue 19). The test process is the attacker,
+"""Hostile members and strangers against real node processes. The test process is the attacker,
 with its own identities, DHT nodes and p2p daemons:
 
 - a stranger stores junk under the members key (an int and a str subkey with one expiry, then a plain value
@@ -105,7 +105,7 @@ def _flood(url: str, n: int) -> set[int]:
 
 
 async def _p2p_flood(p2p, peer_id: str, n: int) -> set[int]:
-    """``n`` ``/ddiloco/status/1`` streams, 8 open at a time, from a stranger's own p2p daemon (issue 31: 473
+    """``n`` ``/ddiloco/status/1`` streams, 8 open at a time, from a stranger's own p2p daemon (once 473
     fresh documents a second, the learner 43% slower); the build numbers of the documents served."""
     from node.common.status_wire import MAX_REPLY, PROTOCOL, decode_body, encode_frame, frame_size
 

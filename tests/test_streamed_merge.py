@@ -1,4 +1,4 @@
-"""The synchroniser merges tensor by tensor from contributions kept in their wire form (issue 30): the same
+"""The synchroniser merges tensor by tensor from contributions kept in their wire form: the same
 record, bit for bit, as the formulas written out over decoded contributions, and one decoded contribution
 held at a time, not all of them."""
 

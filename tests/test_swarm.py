@@ -1,4 +1,4 @@
-"""Acceptance tests of issue 3 with real node processes on loopback: each node is ``python -m node node``
+"""Acceptance tests of the swarm with real node processes on loopback: each node is ``python -m node node``
 with its own p2p daemon, DHT, learner thread and status endpoint."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The suite leaves the temporary folder as it found it (issue 16): the session check sees a leftover, and a
+"""The suite leaves the temporary folder as it found it: the session check sees a leftover, and a
 node killed -9 by the launcher leaves nothing behind, its p2p daemon's sockets included."""
 
 from __future__ import annotations

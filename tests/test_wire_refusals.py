@@ -1,4 +1,4 @@
-"""Bad input on the wire (issue 3, item 9) against a real node process: each bad message is refused with its
+"""Bad input on the wire against a real node process: each bad message is refused with its
 code and a log line, counted in the node's status, and leaves the node's model untouched."""
 
 from __future__ import annotations

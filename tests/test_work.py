@@ -1,4 +1,4 @@
-"""Weights follow work the swarm can see (issue 31, ``protocol.work``): the counters a contribution claims
+"""Weights follow work the swarm can see (``protocol.work``): the counters a contribution claims
 against the members' published rates."""
 
 from dataclasses import replace

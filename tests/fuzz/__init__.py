@@ -1,4 +1,4 @@
-"""Fuzzing of every decoder that takes bytes from the network or from disk (DESIGN §5)."""
+"""Fuzzing of every decoder that takes bytes from the network or from disk (docs/design.md, section 5)."""
 
 from tests.fuzz.disk_targets import CHECKPOINT, LATEST
 from tests.fuzz.harness import Outcome, Target, outcome, refusal_label
