@@ -60,3 +60,15 @@ class ProtocolError(DDiLoCoError):
     def __init__(self, code: RejectCode, message: str) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
+
+
+class HashMismatch(ProtocolError):
+    """A record applied to its parent does not land on the hash it names (``malformed`` on the wire)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(RejectCode.MALFORMED, message)
+
+
+class UnprovenRefusal(ProtocolError):
+    """Refused on what this node knows, which is no proof of a lie: the record names someone this node has
+    not seen, or a signer no view on its chain elects (views differ). Not scored against the sender."""

@@ -22,7 +22,7 @@ import torch
 
 from protocol.codecs import Decoded, Encoded, fresh, get_codec, range_align, ranges, read_range
 from protocol.config import ProtocolConfig
-from protocol.errors import ProtocolError, RejectCode
+from protocol.errors import HashMismatch, ProtocolError, RejectCode
 from protocol.hashing import tensors_hash
 from protocol.merge import (
     anchor_tensor,
@@ -362,6 +362,11 @@ class FragmentReplica:
         self._made = (rec, new_theta) if given is None else None  # the momentum steps when it is applied
         return rec
 
+    def take_made(self, view: FragmentReplica) -> None:
+        """Adopt the outcome of the record last made on ``view`` (a ``protocol.audit.frozen_view`` of this
+        replica, merged off the applying thread): applying that record here needs no recompute."""
+        self._made = view._made
+
     def check_record(self, rec: MergeRecord, cfg: ProtocolConfig) -> None:
         """What a replica checks of another node's merge record before applying it (``protocol.record_checks``)."""
         check_record(self, rec, cfg)
@@ -383,10 +388,9 @@ class FragmentReplica:
             theta = outer_theta(self.theta, self.momentum, grad, lr, mu)
             new_hash = tensors_hash(theta)
         if new_hash != rec.new_hash:
-            raise ProtocolError(
-                RejectCode.MALFORMED,
+            raise HashMismatch(
                 f"round {rec.round} of fragment {self.index} lands on "
-                f"{new_hash[:8]}, record says {rec.new_hash[:8]}",
+                f"{new_hash[:8]}, record says {rec.new_hash[:8]}"
             )
         # the momentum steps once the hash is right: in place, unless another thread reads it now
         in_place = not self.lent and can_step_in_place(self.momentum)

@@ -120,7 +120,7 @@ class _Synchroniser(Contributions):
         self.pcfg = ProtocolConfig(distrust=False)
         self.syncs = [SyncState(fragment=0, global_round=rep.round)]
         self.events, self.guard = EventLog(), Guard()
-        self.transport = SimpleNamespace(_count=lambda code: None)
+        self.transport = SimpleNamespace(count_refusal=lambda code: None)
 
     async def _known(self, caller: str) -> bool:
         return True

@@ -270,7 +270,7 @@ def test_catch_up_looks_past_a_head_refused_as_unwitnessed_for_a_while():
     class _Node(_Views, SwarmView):
         replicas = [SimpleNamespace(round=6)]
         pcfg = SimpleNamespace(history=4)
-        transport = SimpleNamespace(_count=lambda code: None)
+        transport = SimpleNamespace(count_refusal=lambda code: None)
         events = SimpleNamespace(emit=lambda *a, **k: None)
 
     liar = _member("liar", (7, "zero", 9, 9.0))
@@ -303,7 +303,7 @@ def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ou
     class _Node(_Views):
         replicas = [SimpleNamespace(round=6)]
         pcfg = SimpleNamespace(history=4)
-        transport = SimpleNamespace(_count=lambda code: None)
+        transport = SimpleNamespace(count_refusal=lambda code: None)
         events = SimpleNamespace(emit=lambda *a, **k: None)
         chain, signed, asked = None, False, []
 

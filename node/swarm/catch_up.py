@@ -229,7 +229,7 @@ class CatchUp:
                 self._install_snapshot(st, pid, replace_ours)
 
     def _untrusted(self, p: int, pid: str, round_: int) -> None:
-        self.transport._count("untrusted_head")
+        self.transport.count_refusal("untrusted_head")
         self.events.emit("untrusted_head", t=time.time(), fragment=p, peer=pid, round=round_)
         logger.warning(
             "fragment %d: %s claims round %d, which no majority of the swarm backs; not following it",

@@ -297,7 +297,7 @@ class Contributions(MergeWatch):
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:
-                self.transport._count(e.code.value)
+                self.transport.count_refusal(e.code.value)
             else:
                 self.penalise(caller, e.code)
             return Reply(False, e.code.value, str(e))

@@ -24,7 +24,7 @@ from node.swarm.wire import (
     parse_records_request,
 )
 from protocol.audit import frozen_view
-from protocol.errors import ProtocolError, RejectCode
+from protocol.errors import HashMismatch, ProtocolError, RejectCode, UnprovenRefusal
 from protocol.schedule import (
     record_period,
     round_due,
@@ -78,12 +78,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
         parent = frozen_view(rep) if not made_here and self.audits(sr) else None
         try:
             rep.apply_record(rec, self.pcfg, source=self._grad_source(raw))
-        except ProtocolError as e:
-            if "lands on" in str(e):
-                self.counters["hash_mismatches"] += 1
-                self.events.emit(
-                    "hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer
-                )
+        except HashMismatch:
+            self.counters["hash_mismatches"] += 1
+            self.events.emit("hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer)
             raise
         self.heads[p] = tuple(sr.head)
         if not self.accused(sr.signer):  # it merges (a late round, or it came back): electable again
@@ -142,9 +139,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         rec = sr.record
 
         def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
-            e = ProtocolError(RejectCode.FORGED_RECORD, why)
-            e.unseen = True
-            return e
+            return UnprovenRefusal(RejectCode.FORGED_RECORD, why)
 
         if sr.signer not in known:
             raise unseen(f"round {rec.round} signed by {sr.signer}, never a member")
@@ -165,13 +160,11 @@ class Replication(RecordPush, MergeWatch, Clocks):
             )
 
         if not self.signer_electable(rec.fragment, sr.signer, known):
-            e = ProtocolError(
+            raise UnprovenRefusal(  # views differ: not proof of a lie, and the sender may only relay it
                 RejectCode.UNELECTED,
                 f"round {rec.round} of fragment {rec.fragment} signed by {sr.signer}, whose work no record "
                 "signed by another member credits: no view on this chain elects it",
             )
-            e.unseen = True  # views differ: not proof of a lie, and the sender may only relay it
-            raise e
         for learner, cid, *_ in rec.contributors:
             if learner not in known:
                 raise unseen(f"round {rec.round} names {learner}, never a member, as a contributor")
@@ -316,7 +309,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             rep.norms.add(learner, rms)
         if self.pcfg.distrust:
             self._agreed(rec, rec.agreement)  # protocol.agreement (robust merges only)
-        rep._made = view._made
+        rep.take_made(view)
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
         self._apply(sr, made_here=True)
         self.counters["records_made"] += 1
@@ -371,7 +364,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             # a forged or oversized record costs the peer that signed and pushed it
-            proof = sr is not None and sr.signer == caller and not getattr(e, "unseen", False)
+            proof = sr is not None and sr.signer == caller and not isinstance(e, UnprovenRefusal)
             self.penalise(caller, e.code, signed=proof)
             return Reply(False, e.code.value, str(e))
 

@@ -71,7 +71,7 @@ class StatusProtocol:
                 if not reply["ok"]:
                     t = self.node.transport
                     if t is not None:
-                        t._count(reply["code"])
+                        t.count_refusal(reply["code"])
                     logger.warning("refused status %s from %s: %s", reply["code"], caller, reply["message"])
                 writer.write(encode_frame(reply))
                 await writer.drain()

@@ -193,7 +193,7 @@ class Transport:
         # daemon, for the daemon's whole life.
         await self.p2p.remove_binary_stream_handler(PROTOCOL_NAME)
 
-    def _count(self, code: str) -> None:
+    def count_refusal(self, code: str) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -239,7 +239,7 @@ class Transport:
                     if not sent_go:
                         writer.write(STOP)
                     if reply.code != RejectCode.NOT_SYNCHRONISER.value:  # a routing redirect, not abuse
-                        self._count(reply.code)
+                        self.count_refusal(reply.code)
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
                 await _write_frame(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
@@ -247,7 +247,7 @@ class Transport:
                 self.bytes_out += len(reply.body)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
             # RuntimeError: asyncio refuses to write to a transport the peer already closed
-            self._count("broken_stream")
+            self.count_refusal("broken_stream")
             logger.warning("stream from %s dropped: %s", caller, type(e).__name__)
         finally:
             writer.close()

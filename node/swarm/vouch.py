@@ -252,7 +252,7 @@ class Vouching:
         for k in [k for k, until in refused.items() if until <= now]:
             del refused[k]
         refused[(round_, hash_)] = now + REFUSED_HEARTBEATS * self.settings.heartbeat_s
-        self.transport._count("unwitnessed_snapshot")
+        self.transport.count_refusal("unwitnessed_snapshot")
         self.events.emit("unwitnessed_snapshot", t=time.time(), fragment=p, peer=donor, round=round_)
 
     async def join_donors(self, p: int, members: dict) -> list[str]:
@@ -310,7 +310,7 @@ class Vouching:
         if checked is not False:
             return
         code = RejectCode.FORGED_SNAPSHOT
-        self.transport._count(code.value)
+        self.transport.count_refusal(code.value)
         self.events.emit(code.value, t=time.time(), fragment=p, peer=donor, round=st.round)
         self.penalise(donor, code, signed=True)
         raise ProtocolError(
