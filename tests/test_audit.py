@@ -155,6 +155,7 @@ def test_the_audit_fields_are_signed_and_checked():
     other.check_record(rec, cfg)
 
 
+@pytest.mark.slow
 def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undone(tmp_path):
     """3 honest nodes and one running ``bench/hostile_node.py sync-flip`` in a public swarm: when elected it signs
     records that merge the negated contributions (parent, new hash and counters all consistent; only an audit

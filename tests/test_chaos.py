@@ -125,6 +125,7 @@ def test_the_baseline_comparison_divides_goodput_and_tokens_of_one_plan():
     assert compare(ours, rep(None, 0, None, []), "sync-diloco")["goodput_ratio"] is None
 
 
+@pytest.mark.slow
 def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_path):
     plan = [
         Fault(at_s=5.0, kind="kill_sync", node=1, fragment=0, hold_s=12.0),

@@ -129,6 +129,7 @@ def make(cfg):
 """
 
 
+@pytest.mark.slow
 def test_custom_task_from_module_function(tmp_path, monkeypatch, capsys):
     (tmp_path / "mytask_mod.py").write_text(CUSTOM)
     monkeypatch.syspath_prepend(str(tmp_path))

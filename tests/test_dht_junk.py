@@ -62,6 +62,7 @@ def _peer_ids(view: Membership) -> list[str]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_our_dht_nodes_refuse_junk_under_the_members_key_and_views_stay_whole(tmp_path):
     with _nodes(tmp_path, validators=True) as nodes:
         honest = sorted(ident.peer_id for ident, _ in nodes[:2])
@@ -100,6 +101,7 @@ def test_the_validator_judges_only_the_members_key():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_reader_whose_dht_holds_junk_still_reads_the_members(tmp_path):
     """DHT nodes without our validator (an older node, or one the stranger filled before it was fixed): the
     mixed subkeys break hivemind's get; the reader falls back to its own copy, read raw and filtered."""

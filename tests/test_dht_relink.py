@@ -61,6 +61,7 @@ def _seen(ms: Membership) -> set[str]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_cut_off_bootstrap_node_sees_its_peers_again_after_relink(swarm3):
     swarm = f"test-{uuid.uuid4().hex[:8]}"
     views = [Membership(dht, swarm, ident, timeout_s=10) for ident, dht in swarm3]
@@ -101,6 +102,7 @@ def test_a_cut_off_bootstrap_node_sees_its_peers_again_after_relink(swarm3):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_relink_skips_bad_ids_and_refuses_through_a_stopped_dht(swarm3, tmp_path):
     (i0, d0), (i1, _), _ = swarm3
     ms = Membership(d0, "test-relink", i0, timeout_s=10)
@@ -113,6 +115,7 @@ def test_relink_skips_bad_ids_and_refuses_through_a_stopped_dht(swarm3, tmp_path
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_relinking_2000_members_keeps_the_dht_process_answering(swarm3):
     (i0, d0), (i1, _), _ = swarm3
     ms = Membership(d0, f"test-{uuid.uuid4().hex[:8]}", i0, timeout_s=30)

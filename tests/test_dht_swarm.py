@@ -68,6 +68,7 @@ def swarm_id() -> str:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_dht_peer_id_is_the_identity(swarm3):
     for ident, dht in swarm3:
         assert dht.peer_id.to_base58() == ident.peer_id
@@ -197,6 +198,7 @@ def test_reading_through_a_stopped_dht_is_a_clear_error(tmp_path, swarm_id):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_node_killed_with_sigkill_leaves_no_dht_or_daemon_behind(tmp_path):
     import os
     import shutil
@@ -246,6 +248,7 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_node_imports_hiveminds_dht_without_the_rest_and_the_rest_still_comes_on_first_use():
     """``dht/__init__``: no averager (nor scipy) in a node process; the rest of hivemind on first use."""
     code = (

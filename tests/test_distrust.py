@@ -11,6 +11,7 @@ from tests.swarm_util import TINY, Swarm, wait_until
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.slow
 def test_a_negating_learner_is_distrusted_and_refused_and_no_honest_one_is(tmp_path):
     from bench.attacks import start_hostile
     from node.local.launcher import wait_ready
@@ -47,6 +48,7 @@ def test_a_negating_learner_is_distrusted_and_refused_and_no_honest_one_is(tmp_p
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_learners_refused_as_distrusted_leave_the_quorum_a_robust_round_waits_for(tiny_task):
     """In the runner (the node does the same in ``node.swarm.view``): 4 honest learners and 2 that negate. Once
     both are distrusted, every fragment's quorum counts the 4 honest ones only. Counted among the live (as

@@ -61,6 +61,7 @@ def test_preflight_dead_bootstrap_and_taken_port(tmp_path, capsys):
     assert rc == 0 and checks["listen port"]["level"] == "ok"
 
 
+@pytest.mark.slow
 def test_doctor_on_running_nodes(tmp_path, capsys):
     swarm = Swarm(tmp_path / "swarm")
     bad = None

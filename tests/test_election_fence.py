@@ -226,6 +226,7 @@ def test_a_record_whose_signer_does_not_serve_its_messages_is_unproven_and_its_s
     assert node.counters["audits_unproven"] == 1 and node.suspect == {}
 
 
+@pytest.mark.slow
 def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm(tmp_path):
     """3 honest public nodes; once they merge, two members that send none of their work join: ``forge-self``
     (records naming itself alone, no digest) and ``forge-unserved`` (a made-up digest; ``forge-signed``, the

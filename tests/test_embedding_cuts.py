@@ -86,6 +86,7 @@ def test_a_learner_measures_and_adopts_row_fragments_in_its_embedding():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "tiny"])  # a tied head (transformers' GPT-2) and the built-in model
+@pytest.mark.slow
 def test_an_evaluation_reads_a_cut_embedding_from_its_cuts_without_joining_them(name, monkeypatch):
     from node.learner.evaluation import ParamsModel
     from node.learner.model import ModelConfig

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 
 from node.swarm.wire import encode_record, unpack_list
@@ -23,6 +24,7 @@ def _bans(swarm: Swarm, i: int, peer: str) -> list[dict]:
     return [e for e in swarm.events(i) if e["kind"] == "ban" and e["peer"] == peer]
 
 
+@pytest.mark.slow
 def test_a_signed_lie_pushed_to_one_node_gets_its_signer_banned_by_all_and_false_evidence_is_refused(
     tmp_path,
 ):

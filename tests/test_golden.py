@@ -63,6 +63,7 @@ def golden_run_portable() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_golden_run_matches_fixture():
     got = golden_run_portable()
     if os.environ.get("DDILOCO_REGEN_GOLDEN") == "1" or not FIXTURE.exists():

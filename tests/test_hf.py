@@ -61,6 +61,7 @@ def same_logits(task, params, folder) -> None:
     assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_tiny_llama_trains_in_the_runner_and_its_export_loads_with_the_same_logits(inputs, tmp_path):
     task = hf_task(inputs)
     model = task.new_model()
@@ -85,6 +86,7 @@ def test_tiny_llama_trains_in_the_runner_and_its_export_loads_with_the_same_logi
     assert all(torch.equal(p, res.final_params[n]) for n, p in again.named_parameters())
 
 
+@pytest.mark.slow
 def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):
     from safetensors.torch import load_file
 
@@ -112,6 +114,7 @@ def test_two_node_processes_train_a_tiny_llama_and_export_it(inputs, tmp_path):
     same_logits(hf_task(inputs), params, state / "model-hf")
 
 
+@pytest.mark.slow
 def test_the_default_fragments_fit_a_model_with_fewer_tensors(inputs, capsys, caplog):
     from node.learner.learner import Learner
 
@@ -137,6 +140,7 @@ def write_config(path, **doc):
     return path
 
 
+@pytest.mark.slow
 def test_a_model_that_is_not_a_causal_lm_is_refused_naming_its_config(tmp_path, capsys):
     cfg = write_config(tmp_path / "t5" / "config.json", model_type="t5", d_model=16, num_layers=1)
     with pytest.raises(ConfigError, match="is not a causal language model") as e:
@@ -175,6 +179,7 @@ def test_sharding_a_model_with_tied_embeddings_says_why_not(inputs):
         check_shardable(hf_task(inputs).new_model())
 
 
+@pytest.mark.slow
 def test_presets_pick_a_model_and_batch_and_flags_override_them():
     from node.cli.config import build_config
     from node.cli.main import _parser
@@ -231,6 +236,7 @@ def _unit_worker(rank: int, init_file: str, out_dir: str, inputs: dict) -> None:
     exit_now()
 
 
+@pytest.mark.slow
 def test_a_ddp_unit_trains_the_tiny_llama_on_disjoint_halves_of_its_part(inputs, tmp_path):
     import torch.multiprocessing as mp
 

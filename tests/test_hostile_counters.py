@@ -19,6 +19,7 @@ from tests.test_wire_refusals import _contribution, _spec
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.slow
 def test_a_member_claiming_more_work_than_it_could_do_is_refused_then_banned(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None

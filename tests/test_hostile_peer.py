@@ -55,6 +55,7 @@ def _contribute(dht, peer: str, payload: bytes):
     return asyncio.run(call())
 
 
+@pytest.mark.slow
 def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     dht = None
@@ -104,6 +105,7 @@ def test_replay_scaled_and_nan_updates_are_refused_and_the_sender_banned(tmp_pat
             dht.shutdown()
 
 
+@pytest.mark.slow
 def test_a_node_that_took_a_fragment_by_snapshot_still_refuses_replays_of_what_it_merged(tmp_path):
     """Issue 31, replay memory after a re-sync: a node that joined by downloading fragment 0 never applied
     the record that merged a contribution; once the node that merged it has left, the attacker sends that

@@ -19,6 +19,7 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 from hivemind.utils import get_dht_time
 
@@ -56,6 +57,7 @@ def _refused(swarm: Swarm, code: str) -> int:
     return sum(s["refused"].get(code, 0) for s in swarm.status().values())
 
 
+@pytest.mark.slow
 def test_a_member_a_round_ahead_serving_a_zero_snapshot_its_own_records_refute_is_refused(tmp_path):
     # 6 rounds: a node that started late took its first rounds by snapshot, and a fork from a round that near
     # the head has no chain to check it; after 2 rounds every fragment was such a one in a loaded CI run
@@ -143,6 +145,7 @@ def _copy(tensors: dict) -> dict:
     return {n: t.clone() for n, t in tensors.items()}
 
 
+@pytest.mark.slow
 def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_path):
     stop = threading.Event()
     with hostile_swarm(tmp_path, 3, 2) as (swarm, bad), contextlib.ExitStack() as done:

@@ -176,6 +176,7 @@ def _forged(attacker: Attacker, st: FragmentState, grad: dict, contributors) -> 
     return encode_record(SWARM, rec, attacker.ident)
 
 
+@pytest.mark.slow
 def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None
@@ -229,6 +230,7 @@ def test_forged_merge_records_are_refused_and_change_nothing(tmp_path):
             bad.close()
 
 
+@pytest.mark.slow
 def test_a_member_claiming_a_far_head_with_a_zero_snapshot_is_not_followed(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     bad = None
@@ -313,6 +315,7 @@ def _tear_down(swarm: Swarm, stop: threading.Event, bad: Attacker | None) -> Non
         bad.close()
 
 
+@pytest.mark.slow
 def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rounds(tmp_path):
     """Issue 31: three honest nodes and a member whose published head stays one round ahead of theirs (inside
     the slack a claim needs no backing for), so that it is the only member at the newest round and wins every
@@ -365,6 +368,7 @@ def test_a_member_a_round_ahead_that_takes_no_contribution_does_not_stop_the_rou
         _tear_down(swarm, stop, bad)
 
 
+@pytest.mark.slow
 def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(tmp_path):
     """Issue 31, the dead-peer list: one contribution sent to each of three nodes, each copy naming the other
     two dead. Each node the list would make the synchroniser pings the peers it names that stand before it
@@ -425,6 +429,7 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
             bad.close()
 
 
+@pytest.mark.slow
 def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_path):
     """Issue 31, a round that never merges: a member that copies the honest nodes' newest heads into its own
     record (so it wins its share of elections), answers ``ok`` to every contribution (with the receipt a public
@@ -516,6 +521,7 @@ def _post(url: str, body: bytes, token: str | None) -> int:
         conn.close()
 
 
+@pytest.mark.slow
 def test_control_without_the_token_is_refused_and_changes_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     try:

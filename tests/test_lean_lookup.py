@@ -127,6 +127,7 @@ print(*out)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's clear_refs")
+@pytest.mark.slow
 def test_the_lean_lookup_takes_two_embeddings_less_at_the_peak_of_a_backward():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     res = subprocess.run(

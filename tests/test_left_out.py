@@ -15,6 +15,7 @@ from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
 pytestmark = pytest.mark.timeout(420)
 
 
+@pytest.mark.slow
 def test_a_synchroniser_that_drops_what_it_took_is_banned_and_one_that_promises_nothing_is_passed_over(
     tmp_path,
 ):

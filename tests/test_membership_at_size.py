@@ -81,6 +81,7 @@ def _rounds(swarm: Swarm, wait_s: float = 60) -> list[int] | None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
     swarm = Swarm(tmp_path / "swarm", TINY + ["--ttl-s", str(TTL_S)])
     dht = crowd = None

@@ -194,6 +194,7 @@ def _learner():
     return task, Learner("m", task, ProtocolConfig(), InnerConfig(), 10, seed=0)
 
 
+@pytest.mark.slow
 def test_evaluation_holds_no_weights_and_gives_the_loaded_models_loss():
     task, lrn = _learner()
     lrn.train_step()
@@ -292,6 +293,7 @@ print(changed, *grown)
 
 
 @pytest.mark.parametrize("env", [{}, {"MALLOC_MMAP_THRESHOLD_": "65536"}])
+@pytest.mark.slow
 def test_tune_allocator_keeps_large_blocks_out_of_the_heaps(env):
     """With the threshold fixed, every 3 MiB block gets pages of its own (mapped, handed back when freed);
     with glibc's own rule the first free raises the threshold and the next blocks land in the heap, where
@@ -328,6 +330,7 @@ print(changed, mapped, libc.mallinfo2().arena - arena0)
 
 
 @pytest.mark.parametrize("env", [{}, {"MALLOC_TRIM_THRESHOLD_": "1000000"}])
+@pytest.mark.slow
 def test_the_steady_allocator_keeps_what_a_step_frees_for_the_next(env):
     """Below 100M parameters a node keeps 20 MiB blocks in its heaps from the first one (glibc's own rule maps
     the first and only then raises its threshold), and the 80 MiB a step leaves free at the heap's top stays
@@ -377,6 +380,7 @@ print(*faults)
 """
 
 
+@pytest.mark.slow
 def test_a_node_process_keeps_one_heap_so_a_learner_thread_reuses_what_its_step_freed():
     """A thread of its own gets a glibc arena of 64 MiB heaps, unmapped when wholly free whatever the trim
     threshold: each step after the first faults part of its memory in again (seen in a 2-node 85M swarm:

@@ -17,6 +17,7 @@ def test_a_node_refuses_a_system_it_cannot_run():
         NodeSettings(system="dp")
 
 
+@pytest.mark.slow
 def test_sync_diloco_nodes_wait_for_every_merge_and_merge_everyone(tmp_path):
     swarm = Swarm(tmp_path / "swarm", TINY + ["--system", "sync-diloco"])
     try:

@@ -73,6 +73,7 @@ def test_settings_of_an_open_learners_swarm():
         NodeSettings(authority="12D3KooWx", open_learners=True, swarm_secret="k")
 
 
+@pytest.mark.slow
 def test_an_open_learner_trains_but_never_synchronises_and_its_records_are_refused(tmp_path):
     auth = tmp_path / "auth"
     out = _cli("swarm", "init", "--dir", str(auth), "--name", SWARM, "--open-learners")

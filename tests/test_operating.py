@@ -54,6 +54,7 @@ def _short(pid: str) -> str:
     return f"{pid[:6]}…{pid[-6:]}"  # as the dashboard writes a peer id
 
 
+@pytest.mark.slow
 def test_status_watch_without_a_terminal_prints_a_frame_per_interval(swarm, capsys):
     c = swarm.children[0]
     peers = {s["peer_id"] for s in swarm.status().values()}
@@ -68,6 +69,7 @@ def test_status_watch_without_a_terminal_prints_a_frame_per_interval(swarm, caps
         assert [int(f) for f, _ in rows] == [0, 1, 2, 3] and all(int(r) > 0 for _, r in rows)
 
 
+@pytest.mark.slow
 def test_status_watch_in_a_terminal_redraws_in_place(swarm):
     c = swarm.children[1]
     master, slave = pty.openpty()
@@ -120,6 +122,7 @@ def test_status_watch_in_a_terminal_redraws_in_place(swarm):
 @pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH: apt-get install -y chromium (.ci/run does)"
 )
+@pytest.mark.slow
 def test_dashboard_in_a_headless_browser(swarm, tmp_path):
     c = swarm.children[0]
     peers = {s["peer_id"] for s in swarm.status().values()}
@@ -180,6 +183,7 @@ def _metrics(url: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_agree_with_status_at_a_paused_node(swarm):
     swarm.settle()
     c = swarm.children[0]

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_p2p_bench_measures_every_case_in_one_run():
     out = subprocess.run(
         [sys.executable, "bench/p2p_throughput.py", "--mb", "4", "--reps", "1", "--json"],

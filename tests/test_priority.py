@@ -4,6 +4,8 @@ since niceness cannot be lowered back without privileges)."""
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import os, subprocess, sys, threading, time
 from node.common.priority import lower_network_priority
@@ -49,6 +51,7 @@ def test_learner_nice_lowers_only_the_calling_thread():
     assert added == 6 and learner_d == 6 and main_d == 0
 
 
+@pytest.mark.slow
 def test_launched_nodes_share_the_launchers_session_in_a_process_group_of_their_own(tmp_path):
     """Linux autogroups are per session: a node in a session of its own would get an equal share of the
     CPU whatever its threads' niceness, and ``learner_nice`` would not reach across nodes."""

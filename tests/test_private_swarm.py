@@ -68,6 +68,7 @@ def _cli(*args: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_outsider_is_refused_everywhere_and_changes_nothing(tmp_path):
     auth = tmp_path / "auth"
     authority = _cli("swarm", "init", "--dir", str(auth), "--name", SWARM).split("authority ")[1].split()[0]

@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from node.common.progress import Bar
 from node.swarm.history import History
 
@@ -47,6 +49,7 @@ def _read_all(fd: int, sink: bytearray) -> None:
         sink.extend(chunk)
 
 
+@pytest.mark.slow
 def test_in_a_terminal_the_cli_draws_a_rich_bar():
     master, slave = pty.openpty()
     got = bytearray()

@@ -37,6 +37,7 @@ def test_the_client_imports_py_libp2p_and_never_hivemind():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
 def test_status_over_libp2p_public_swarm(tmp_path, capsys):
     swarm = Swarm(tmp_path / "swarm")
     try:
@@ -61,6 +62,7 @@ def test_status_over_libp2p_public_swarm(tmp_path, capsys):
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_status_over_libp2p_private_swarm_needs_a_certificate(tmp_path, capsys):
     auth = tmp_path / "auth"
     doc = init_swarm(auth, PRIVATE)

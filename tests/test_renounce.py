@@ -14,6 +14,7 @@ import json
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dht.identity import Identity
@@ -159,6 +160,7 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
     assert reply.code == "too_large" and node.guard.scores[learner.peer_id] < 0 and node.syncs[0] is before
 
 
+@pytest.mark.slow
 def test_a_node_that_lost_what_it_gave_receipts_for_hands_its_round_on_and_nobody_is_banned(tmp_path):
     """Real node processes: the test hook ``forget`` drops the contributions of every open round a node holds
     (the receipts it gave for them stay): its next merge of such a round would leave them out, so it renounces

@@ -99,6 +99,7 @@ def _final_loss(task, scale: float, **defence) -> float:
 
 
 @pytest.mark.timeout(900)  # three runs of 320 steps: minutes on a loaded machine, bounded by steps, not time
+@pytest.mark.slow
 def test_a_learner_sending_1000x_updates_is_neutralised(tiny_task):
     honest = _final_loss(tiny_task, 1.0)
     attacked = _final_loss(tiny_task, 1000.0)

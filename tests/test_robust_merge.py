@@ -303,6 +303,10 @@ def test_identities_with_no_merged_work_count_for_nothing_in_a_robust_round():
     assert book.working(real | crowd, 130.0, 30.0) == real
     assert book.working(real | crowd, 140.0, 30.0) == frozenset("d")  # a, b, c last merged 40 s ago
     assert book.working(real | crowd, 130.0, 0.0) is None  # no schedule: no window
+    # watched once for a whole window, a node still knows its workers when the window grows with the rounds'
+    # period (a loaded machine): 45 s watched of a 60 s window, after a 30 s one was met
+    assert book.working(real | crowd, 145.0, 60.0) == real
+    assert WorkBook().working(real, 145.0, 60.0) is None  # nothing merged: unknown, whatever the window
 
     sched = SyncState(0, due_at=10.0, due_every=4.0)
     crowded = on_membership(robust, sched, real | crowd, 0.0).state

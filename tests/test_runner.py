@@ -95,6 +95,7 @@ def test_sync_schedule_matches_handwritten_diloco_step_for_step(tiny_task, round
         assert (got[k] - v).abs().max().item() <= 1e-6, k
 
 
+@pytest.mark.slow
 def test_decoupled_trains_and_all_fragments_merge(tiny_task):
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, quorum=1)
     events = EventLog()
@@ -112,6 +113,7 @@ def test_decoupled_trains_and_all_fragments_merge(tiny_task):
     assert all(s["c_steps"] > 0 for s in events.of("contribute"))
 
 
+@pytest.mark.slow
 def test_k1_without_grace_merges_alone_and_grace_waits_for_stragglers(tiny_task):
     plans = (LearnerPlan(1.0), LearnerPlan(1.0), LearnerPlan(1 / 1.2, 0.1), LearnerPlan(1 / 1.2, 0.1))
     budget = 4 * 48 * tiny_task.tokens_per_batch
@@ -124,6 +126,7 @@ def test_k1_without_grace_merges_alone_and_grace_waits_for_stragglers(tiny_task)
     assert sizes[True] > sizes[False]
 
 
+@pytest.mark.slow
 def test_learner_down_does_not_stop_the_others_and_rejoins(tiny_task):
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(down=((5.0, 20.0),)))
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1, quorum=3)
@@ -136,6 +139,7 @@ def test_learner_down_does_not_stop_the_others_and_rejoins(tiny_task):
     assert g.down_s >= 15.0 and res.goodput < 1.0
 
 
+@pytest.mark.slow
 def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
     """``LearnerPlan.start_s``: as the launcher starts nodes one after another, the runner starts a learner
     late; until then the others merge without it, then it downloads the global model and trains."""
@@ -150,6 +154,7 @@ def test_a_learner_that_starts_late_joins_from_the_global_model(tiny_task):
     assert any("L2" in r["learners"] for r in ev.of("merge"))
 
 
+@pytest.mark.slow
 def test_a_learner_started_before_the_first_merge_is_in_the_first_round_of_sync_diloco(tiny_task):
     """As on the nodes (the launcher starts them seconds apart, before any round merged), a learner that
     starts before the swarm's first merge has nothing to download and is a member from its start: the first
@@ -179,6 +184,7 @@ def test_a_learner_started_before_the_first_merge_is_in_the_first_round_of_sync_
 
 
 @pytest.mark.parametrize("system", ["dp", "streaming", "sync-diloco"])
+@pytest.mark.slow
 def test_baselines_run_and_learn(tiny_task, system):
     pcfg = ProtocolConfig(fragments=2, sync_every=4, overlap=1)
     res = run_system(
@@ -199,6 +205,7 @@ def test_baselines_run_and_learn(tiny_task, system):
         ("streaming", 8, 24, 120, (30.0, 60.0)),  # deadlocked before rejoiners were waited for per fragment
     ],
 )
+@pytest.mark.slow
 def test_blocking_systems_survive_a_learner_down_and_back(tiny_task, system, p, h, steps, down):
     # A returning learner must come back in phase with the swarm's fragment schedule; otherwise learners
     # that wait for each other's fragments deadlock (found by bench/quality.py's one-down scenario).

@@ -102,6 +102,7 @@ def test_aggregated_accounting_equals_protocol_goodput_on_per_chip_records(case)
         assert r.goodput.dropped_s > 0  # lost unsent work / replaced contributions are scored as dropped
 
 
+@pytest.mark.slow
 def test_heterogeneous_learners_quorum_and_grace():
     """Half the learners 18% slower with 10% jitter, no failures: K = 1 (with or without grace) wastes
     nothing; under K = M a fast learner's contribution waits for the slow learners, and its next one
@@ -140,6 +141,7 @@ def test_transient_slowdowns_stall_dp_but_not_decoupled():
     assert dec.goodput == pytest.approx(1.0, abs=2e-3)
 
 
+@pytest.mark.slow
 def test_a_restarting_learner_loses_more_than_a_resizing_one():
     cfg = SimConfig(system="decoupled", chips=1_200_000, learners=8, duration_s=2 * HOUR_S)
     resize = simulate(cfg).goodput
@@ -165,6 +167,7 @@ def test_bad_configuration_names_the_value(kw, needle):
         SimConfig(**kw)
 
 
+@pytest.mark.slow
 def test_cli_json_via_subprocess():
     cmd = [sys.executable, "-m", "node", "sim", "--system", "all", "--chips", "20000", "--learners", "4"]
     cmd += ["--days", "0.05", "--json"]
@@ -188,6 +191,7 @@ def test_cli_json_via_subprocess():
         assert 0 < r["goodput"] <= 1 and r["chips"] == 20000 and r["learners"] == 4
 
 
+@pytest.mark.slow
 def test_cli_bad_flag_exits_2_via_subprocess():
     cmd = [sys.executable, "-m", "node", "sim", "--chips", "-5"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

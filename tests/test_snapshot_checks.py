@@ -8,6 +8,7 @@ import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dht.records import Member
@@ -77,6 +78,7 @@ def test_a_zero_snapshot_a_scaled_momentum_or_a_small_shift_is_refused():
     assert _check(ours, chain, {"w": donor.theta["w"]}, donor.momentum) == "the snapshot names other tensors"
 
 
+@pytest.mark.slow
 def test_records_in_their_int4_wire_form_are_read_a_range_at_a_time_across_a_large_tensor():
     cfg = replace(CFG, record_codec="int4")
     g = torch.Generator().manual_seed(0)

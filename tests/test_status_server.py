@@ -102,6 +102,7 @@ async def _raw(url: str, request: bytes) -> bytes:
     return head
 
 
+@pytest.mark.slow
 def test_control_without_the_token_is_refused_before_the_body_arrives():
     builds, clock = [], Clock()
 

@@ -140,6 +140,7 @@ def _fresh(swarm: Swarm, i: int) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_hostile_members_and_strangers_change_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     limits = ["--peer-inflight-mib", "1", "--snapshot-burst", "8", "--snapshots-per-min", "8"]

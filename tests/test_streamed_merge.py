@@ -222,6 +222,7 @@ def _merge_peak(k: int, how: str) -> float:
     return doc["peak"] / doc["fragment"]
 
 
+@pytest.mark.slow
 def test_a_synchroniser_holds_one_decoded_contribution_at_a_time():
     """From the contributions' receipt to the merged state: with every large block given pages of its own
     (handed back when freed), the resident peak is what is held at once. Contributions kept in their wire

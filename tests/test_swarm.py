@@ -32,6 +32,7 @@ def _round(status: dict, p: int) -> int:
     return status["fragments"][p]["round"]
 
 
+@pytest.mark.slow
 def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     swarm.start_many(4)
     ids = {i: c.peer_id for i, c in swarm.children.items()}
@@ -145,6 +146,7 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     assert final_eval < untrained - 0.5, (untrained, final_eval)
 
 
+@pytest.mark.slow
 def test_partition_two_and_two_then_heal_to_one_hash(swarm):
     swarm.start_many(4)
     ids = {i: c.peer_id for i, c in swarm.children.items()}
@@ -176,6 +178,7 @@ def test_partition_two_and_two_then_heal_to_one_hash(swarm):
     assert [s["counters"]["unelected_refused"] for s in final.values()] == [0] * 4
 
 
+@pytest.mark.slow
 def test_client_mode_node_trains_and_its_contributions_merge(swarm):
     swarm.start_many(3, extra={2: ["--client-mode"]})
     client = swarm.children[2].peer_id
@@ -209,6 +212,7 @@ def test_client_mode_node_trains_and_its_contributions_merge(swarm):
     assert len({s["model_hash"] for s in final.values()}) == 1
 
 
+@pytest.mark.slow
 def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
     """With the embedding's rows cut into two fragments (as GPT-2's vocabulary is by default): the nodes
     merge, agree, and export the embedding whole."""
@@ -237,6 +241,7 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_nodes_joining_at_once_beside_a_swarm_rounds_ahead_all_download_its_state(swarm):
     """Four nodes started at one moment beside a node eight rounds on: each downloads the swarm's state. While
     a joiner's record carried its round-0 heads, the other joiners counted them against the running node's

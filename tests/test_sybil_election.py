@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(400)
 SYBILS = 8
 
 
+@pytest.mark.slow
 def test_members_whose_work_is_never_merged_are_not_elected_in_a_public_swarm(tmp_path):
     """Three honest nodes; a member that copies their newest heads into its record (so that, heads alone, it
     is electable for every fragment), answers ``ok`` to every contribution and never merges, and publishes the

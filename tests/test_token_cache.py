@@ -43,6 +43,7 @@ def stream_tokens(cache) -> np.ndarray:
     return ShardStream(cache).read(0, cache.tokens)
 
 
+@pytest.mark.slow
 def test_workers_write_the_tokens_the_in_memory_reader_reads(tmp_path, many_units):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -65,6 +66,7 @@ def test_workers_write_the_tokens_the_in_memory_reader_reads(tmp_path, many_unit
     assert not again.built and again.shards == cache.shards
 
 
+@pytest.mark.slow
 def test_bpe_through_the_memo_is_the_library_s_tokens(tmp_path, many_units):
     pytest.importorskip("tokenizers")
     from tests.hf_util import make_inputs
@@ -183,6 +185,7 @@ def test_one_process_builds_while_another_waits_for_it(tmp_path, caplog):
     assert got and got[0].built
 
 
+@pytest.mark.slow
 def test_two_commands_started_together_build_the_cache_once(tmp_path):
     data = jsonl(tmp_path / "c.jsonl", docs(400_000))
     env = {**os.environ, "DDILOCO_CACHE": str(tmp_path / "dc")}

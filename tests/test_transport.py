@@ -48,6 +48,7 @@ async def _pair(two_dhts, **kw):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_large_payload_round_trip_and_caller_identity(two_dhts):
     async def main():
         async with _pair(two_dhts, max_bytes=64 << 20, timeout_s=30) as (a, b):
@@ -99,6 +100,7 @@ def test_refusals_have_codes_and_the_server_survives(two_dhts):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_deadlines_and_unreachable_peers(two_dhts):
     async def main():
         async with _pair(two_dhts, timeout_s=5) as (a, b):
@@ -117,6 +119,7 @@ def test_deadlines_and_unreachable_peers(two_dhts):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_admission_refuses_before_the_body_and_bytes_in_flight_are_bounded_per_peer(two_dhts):
     """Issue 19: a stranger's body was read in full before it was refused; one peer could have any number
     of bodies being read at once."""

@@ -67,6 +67,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     exit_now()
 
 
+@pytest.mark.slow
 def test_unit_exchange_keeps_ranks_identical_and_repairs_a_rank_that_drifts(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
@@ -87,6 +88,7 @@ def swarm(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow
 def test_two_process_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     swarm.start_many(2, extra={0: ["--nproc", "2"]})
     unit_peer, other = swarm.children[0].peer_id, swarm.children[1].peer_id
@@ -129,6 +131,7 @@ def _running_with(text: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_kill9_of_a_unit_node_leaves_no_rank_behind(swarm):
     swarm.start_many(1, extra={0: ["--nproc", "2"]})
     state = str(swarm.children[0].state_dir)

@@ -196,6 +196,7 @@ def _worker(rank: int, out_dir: str) -> None:
     exit_now()
 
 
+@pytest.mark.slow
 def test_sharded_exchange_contributes_adopts_repairs_and_round_trips_its_state(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
     t0, t1 = (json.loads((tmp_path / f"train{r}.json").read_text()) for r in (0, 1))
@@ -236,6 +237,7 @@ def swarm(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow
 def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     swarm.start_many(2, extra={0: ["--nproc", "2", "--shard"]})
     unit_peer, other = swarm.children[0].peer_id, swarm.children[1].peer_id
@@ -264,6 +266,7 @@ def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
 
 
 # ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.slow
 def test_shard_without_a_multi_process_unit_is_refused(tmp_path, capsys):
     from node.cli.main import main
 

@@ -80,6 +80,7 @@ def test_against_dp_the_loss_is_read_on_the_reference_curve_past_the_capped_run(
 
 
 # ------------------------------------------------------------------------------------------ namespaces
+@pytest.mark.slow
 def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
     """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
     different data both ranks hold the same model, and the gradients' bytes crossed the link."""

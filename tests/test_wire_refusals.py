@@ -69,6 +69,7 @@ async def _oversized(p2p, peer_id) -> dict:
         writer.close()
 
 
+@pytest.mark.slow
 def test_each_bad_message_is_refused_counted_and_changes_nothing(tmp_path):
     swarm = Swarm(tmp_path / "swarm")
     dhts = []

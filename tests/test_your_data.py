@@ -39,6 +39,7 @@ def ids(lrn: Learner, n: int, start: int = 0) -> list[int]:
     return [i for pos in range(start, start + n) for i in lrn.reader.window_ids(pos)]
 
 
+@pytest.mark.slow
 def test_two_learners_read_disjoint_windows(text_file):
     task = load_task(None, tiny_task_config(data=str(text_file)))
     a, b = learner(task, (0, 2)), learner(task, (1, 2), seed=2)

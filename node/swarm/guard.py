@@ -144,6 +144,7 @@ class WorkBook:
         # merged ids name them so
         self.settled: OrderedDict[str, None] = OrderedDict()
         self.first: float | None = None  # when this node first saw work merged
+        self.watched = False  # it has watched for a whole window (``watched_for``)
         # the chain's credits came whole, from a snapshot's or a checkpoint's ``credited``: elect by them at once
         self.handed = False
 
@@ -151,9 +152,20 @@ class WorkBook:
         """The learners of ``live`` whose work was merged here within the last ``window_s`` seconds; None
         until this node has watched the swarm merge for that long (a joiner, a restart: it cannot tell a
         learner that merges every few minutes from an identity that never will)."""
-        if window_s <= 0 or self.first is None or now - self.first < window_s:
+        if window_s <= 0 or not self.watched_for(now, window_s):
             return None
         return frozenset(pid for pid in live if now - self.worked.get(pid, -math.inf) <= window_s)
+
+    def watched_for(self, now: float, window_s: float) -> bool:
+        """Whether this node has watched the swarm merge for ``window_s`` seconds, or for a window it was asked
+        about before: once it has, a window that grows with the rounds' period (a loaded machine) does not
+        take it back to knowing nothing (beside 2,000 records with no process behind them, a node whose round
+        period grew counted all of them in its quorum again, and its rounds waited a period each)."""
+        if self.first is None:
+            return False
+        if now - self.first >= window_s:
+            self.watched = True
+        return self.watched
 
     def workers(
         self, live: Iterable[str], now: float, window_s: float, logged: Iterable[str] = ()
@@ -169,7 +181,7 @@ class WorkBook:
         quorum of every learner, each held one learner's contribution and neither merged again (a suite run)."""
         if window_s <= 0:
             return None
-        if not self.handed and (self.first is None or now - self.first < window_s):
+        if not self.handed and not self.watched_for(now, window_s):
             return None
         return self.credited_of(live, logged)
 

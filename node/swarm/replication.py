@@ -188,8 +188,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
         # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
         # suite run), and a restarted node refused the next honest record of the swarm's synchroniser
-        first = self.work.first
-        if first is None or time.monotonic() - first < ELECT_WATCH_ROUNDS * self.syncs[p].due_every:
+        if not self.work.watched_for(time.monotonic(), ELECT_WATCH_ROUNDS * self.syncs[p].due_every):
             return True
         credited = self.work.credited_of(set(known) | {signer}, self.logged_learners())
         if len(credited) < ELECT_CREDITED:  # elections stand aside too (``SwarmView._workers``)
