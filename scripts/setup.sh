@@ -18,7 +18,14 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086  # DDILOCO_TORCH may carry pip options
   "$VPY" -m pip install -q --disable-pip-version-check ${DDILOCO_TORCH:-torch==2.13.0}
 fi
-echo "setup: installing ddiloco (editable) with test tools and the [hf] and [remote] extras" >&2
-# torch is already in .venv at this point, and transformers does not require it, so pip keeps that build.
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,hf,remote]"
-"$VPY" -c "import torch, transformers, tokenizers, pyarrow, libp2p" # fail here, not in the tests, if one is missing
+# The editable install is done once per pyproject.toml: its hash is stamped into .venv and a second run skips
+# pip (delete .venv/.ddiloco-installed to install again)
+STAMP=.venv/.ddiloco-installed
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "setup: installing ddiloco (editable) with test tools and the [hf] and [remote] extras" >&2
+  # torch is already in .venv at this point, and transformers does not require it, so pip keeps that build.
+  "$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,hf,remote]"
+  "$VPY" -c "import torch, transformers, tokenizers, pyarrow, libp2p" # fail here, not in the tests, if one is missing
+  echo "$WANT" > "$STAMP"
+fi
