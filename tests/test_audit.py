@@ -16,6 +16,7 @@ import torch
 
 from dht.identity import Identity
 from node.swarm.contributions import OwnCids
+from node.swarm.dispatch import Dispatcher
 from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.metrics import NODE_COUNTERS
@@ -31,6 +32,14 @@ from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
 
 SPEC = {0: {"w": (64, 32), "b": (32,)}}
+
+
+def _dispatch(node, op: str, caller: str, body: bytes):
+    """A request as the node's transport hands it on: through its dispatcher (admission, refusal, score)."""
+    handler = getattr(node, f"_h_{op}")
+    return Dispatcher(node._known, getattr(node, "penalise", lambda *a: None), {op: handler})(
+        op, caller, body
+    )
 
 
 def _replica(is_embedding: bool = False, history: int = 4) -> FragmentReplica:
@@ -304,7 +313,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     node.members = {honest_sync.peer_id: None, liar.peer_id: None, **{x.peer_id: None for x in learners}}
     node._apply(sr)
     proof = pack_list([sr.raw, *(x for m in msgs for x in m)])
-    reply = asyncio.run(node._h_proof("accuser", proof))
+    reply = asyncio.run(_dispatch(node, "proof", "accuser", proof))
     assert not reply.ok and "proves no lie" in reply.message and node.penalised == ["malformed"]
     assert node.counters["convictions"] == 0 and node.replicas[0].round == 1
 
@@ -316,7 +325,9 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     parent = node.replicas[0].hash
     node._apply(bad)
     assert node.replicas[0].round == 2
-    reply = asyncio.run(node._h_proof("accuser", pack_list([bad.raw, *(x for m in msgs2 for x in m)])))
+    reply = asyncio.run(
+        _dispatch(node, "proof", "accuser", pack_list([bad.raw, *(x for m in msgs2 for x in m)]))
+    )
     assert reply.ok, reply
     assert node.guard.banned(liar.peer_id, time.monotonic()) and node.counters["convictions"] == 1
     rep = node.replicas[0]
@@ -333,7 +344,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     # a proof whose messages are not the ones the record names proves nothing
     other = pack_list([bad.raw, *(x for m in msgs for x in m)])
     node.undone().discard(bad.record.new_hash)
-    reply = asyncio.run(node._h_proof("accuser", other))
+    reply = asyncio.run(_dispatch(node, "proof", "accuser", other))
     assert not reply.ok and reply.code == "malformed"
 
 

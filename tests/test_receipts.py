@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from node.swarm.dispatch import Dispatcher
 from node.swarm.receipts import BUSY_RETRY_S, Receipts, make_receipt, omits, parse_retry, read_receipt
 from node.swarm.wire import decode_record, encode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError
@@ -22,6 +23,14 @@ from tests.test_wire_refusals import _spec
 
 SWARM = "receipts-test"
 PARENT = "a" * 64
+
+
+def _dispatch(node, op: str, caller: str, body: bytes):
+    """A request as the node's transport hands it on: through its dispatcher (admission, refusal, score)."""
+    handler = getattr(node, f"_h_{op}")
+    return Dispatcher(node._known, getattr(node, "penalise", lambda *a: None), {op: handler})(
+        op, caller, body
+    )
 
 
 def _record(sync: Identity, spec, contributors, round_=5, parent=PARENT):
@@ -183,7 +192,7 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
         return encode_record("s", MergeRecord(0, 5, PARENT, "b" * 64, rows, grad), signer)
 
     def prove(rec: bytes, rc) -> tuple:
-        reply = asyncio.run(judge._h_omission("relay", pack_list([rec, rc.packed()])))
+        reply = asyncio.run(_dispatch(judge, "omission", "relay", pack_list([rec, rc.packed()])))
         return reply.ok, reply.code
 
     receipt = make_receipt("s", sync, 0, 5, PARENT, learner.peer_id, cid)
@@ -195,7 +204,7 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
         False,
         "bad_signature",
     )  # a receipt its signer never gave
-    reply = asyncio.run(judge._h_omission("relay", b"\x00\x01"))
+    reply = asyncio.run(_dispatch(judge, "omission", "relay", b"\x00\x01"))
     assert (reply.ok, reply.code) == (False, "malformed")
     assert judge.penalised == ["malformed", "bad_signature", "malformed"]
     assert not judge.guard.banned(sync.peer_id, 1.0)

@@ -47,6 +47,7 @@ from node.learner.task import load_task
 from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
 from node.swarm.contributions import Contributions, OwnCids
+from node.swarm.dispatch import OPS, Dispatcher
 from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
@@ -284,9 +285,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        ops = ("contribute", "record", "records", "snapshot", "ping", "evidence", "kept", "proof", "omission")
-        for op in ops:
-            self.transport.register(op, getattr(self, f"_h_{op}"))  # the handlers: _h_contribute, ...
+        handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
+        Dispatcher(self._known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
         await self.status_p2p.start()

@@ -384,45 +384,31 @@ class Audit:
 
     # ---------------------------------------------------------------- ops (server side)
     async def _h_kept(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            digests = parse_kept_request(raw)
-        except ProtocolError as e:
-            self.penalise(caller, e.code)
-            return Reply(False, e.code.value, str(e))
+        digests = parse_kept_request(raw)
         found = [m for m in (self.kept().get(d) for d in digests) if m is not None]
         return Reply(True, body=pack_list([x for m in found for x in m]))
 
     async def _h_proof(self, caller: str, body: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            items = unpack_list(body, max_items=1 + 2 * PROOF_MESSAGES)
-            if not items or len(items) % 2 != 1:
-                raise ProtocolError(RejectCode.MALFORMED, "a proof is [record, message, signature, ...]")
-            sr = decode_record(items[0], self.settings.swarm, self.spec)
-            if sr.record.new_hash in self.undone() or sr.signer == self.peer_id:
-                return Reply(True, message="known")
-            msgs = list(zip(items[1::2], items[2::2]))
-            gap = await self._recompute(sr, msgs)
-            if gap is None:  # checked again if we apply that record later (``recheck``)
-                # meanwhile its signer, accused with a well-formed proof, is not elected here (not banned: a
-                # suspicion this node cannot check ends by itself, as a stall's does)
-                until = time.monotonic() + SUSPECT_S
-                self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), until)
-                self.__dict__.setdefault("_accused", {})[sr.signer] = until
-                waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
-                waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
-                while len(waiting) > WAITING_PROOFS:
-                    waiting.popitem(last=False)
-                return Reply(True, message="cannot check yet: our state does not reach the record's parent")
-            if gap <= AUDIT_TOLERANCE:
-                raise ProtocolError(
-                    RejectCode.MALFORMED, f"proof against {sr.signer} proves no lie ({gap:.2g})"
-                )
-        except ProtocolError as e:
-            self.penalise(caller, e.code)
-            return Reply(False, e.code.value, str(e))
+        items = unpack_list(body, max_items=1 + 2 * PROOF_MESSAGES)
+        if not items or len(items) % 2 != 1:
+            raise ProtocolError(RejectCode.MALFORMED, "a proof is [record, message, signature, ...]")
+        sr = decode_record(items[0], self.settings.swarm, self.spec)
+        if sr.record.new_hash in self.undone() or sr.signer == self.peer_id:
+            return Reply(True, message="known")
+        msgs = list(zip(items[1::2], items[2::2]))
+        gap = await self._recompute(sr, msgs)
+        if gap is None:  # checked again if we apply that record later (``recheck``)
+            # meanwhile its signer, accused with a well-formed proof, is not elected here (not banned: a
+            # suspicion this node cannot check ends by itself, as a stall's does)
+            until = time.monotonic() + SUSPECT_S
+            self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), until)
+            self.__dict__.setdefault("_accused", {})[sr.signer] = until
+            waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
+            waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
+            while len(waiting) > WAITING_PROOFS:
+                waiting.popitem(last=False)
+            return Reply(True, message="cannot check yet: our state does not reach the record's parent")
+        if gap <= AUDIT_TOLERANCE:
+            raise ProtocolError(RejectCode.MALFORMED, f"proof against {sr.signer} proves no lie ({gap:.2g})")
         self.convict_merge(sr, msgs, caller, gap)
         return Reply(True)

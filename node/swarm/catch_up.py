@@ -373,12 +373,7 @@ class CatchUp:
             self._syncing.discard(p)
 
     async def _h_snapshot(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            frags = parse_snapshot_request(raw)
-        except ProtocolError as e:
-            return Reply(False, e.code.value, str(e))
+        frags = parse_snapshot_request(raw)
         if not frags or any(p not in self.spec for p in frags):
             return Reply(
                 False,

@@ -308,9 +308,8 @@ class Contributions(MergeWatch):
         return Reply(True, body=receipt)
 
     async def _h_ping(self, caller: str, raw: bytes) -> Reply:
-        """Whether this node is up and takes contributions, asked by a member that was told it is dead."""
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
+        """Whether this node is up and takes contributions, asked by a member that was told it is dead (the
+        dispatcher has admitted the caller)."""
         return Reply(True)
 
     async def _checked_dead(self, p: int, dead: set[str]) -> set[str]:

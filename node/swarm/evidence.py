@@ -48,15 +48,9 @@ class Evidence(Audit):
         return self.ban_and_hand_on(sr, lie.code.value, source, "evidence", bytes(sr.raw))
 
     async def _h_evidence(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            sr = decode_record(raw, self.settings.swarm, self.spec)
-            lie = self.proven_lie(sr)
-            if lie is None:
-                raise ProtocolError(RejectCode.MALFORMED, f"evidence against {sr.signer} proves no lie")
-        except ProtocolError as e:
-            self.penalise(caller, e.code)
-            return Reply(False, e.code.value, str(e))
+        sr = decode_record(raw, self.settings.swarm, self.spec)
+        lie = self.proven_lie(sr)
+        if lie is None:
+            raise ProtocolError(RejectCode.MALFORMED, f"evidence against {sr.signer} proves no lie")
         self.convict(sr, lie, caller)
         return Reply(True)

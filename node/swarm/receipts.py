@@ -337,20 +337,14 @@ class Receipts:
         self.ban_and_hand_on(sr, "omitted_contribution", source, "omission", body, **fields)
 
     async def _h_omission(self, caller: str, body: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            items = unpack_list(body, max_items=2)
-            if len(items) != 2:
-                raise ProtocolError(RejectCode.MALFORMED, "an omission proof is [record, receipt]")
-            sr = decode_record(items[0], self.settings.swarm, self.spec)
-            rc = read_receipt(self.settings.swarm, sr.signer, items[1])
-            if sr.signer == self.peer_id:
-                return Reply(True, message="known")
-            if not omits(sr, rc):
-                raise ProtocolError(RejectCode.MALFORMED, f"the record of {sr.signer} honours the receipt")
-        except ProtocolError as e:
-            self.penalise(caller, e.code)
-            return Reply(False, e.code.value, str(e))
+        items = unpack_list(body, max_items=2)
+        if len(items) != 2:
+            raise ProtocolError(RejectCode.MALFORMED, "an omission proof is [record, receipt]")
+        sr = decode_record(items[0], self.settings.swarm, self.spec)
+        rc = read_receipt(self.settings.swarm, sr.signer, items[1])
+        if sr.signer == self.peer_id:
+            return Reply(True, message="known")
+        if not omits(sr, rc):
+            raise ProtocolError(RejectCode.MALFORMED, f"the record of {sr.signer} honours the receipt")
         self.convict_omission(sr, rc, caller)
         return Reply(True)

@@ -448,12 +448,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             logger.info("fragment %d round %d, held by the election fence, refused: %s", *key[:2], e)
 
     async def _h_records(self, caller: str, raw: bytes) -> Reply:
-        if not await self._known(caller):
-            return Reply(False, RejectCode.UNKNOWN_PEER.value, f"{caller} is not a live member")
-        try:
-            p, start = parse_records_request(raw)
-        except ProtocolError as e:
-            return Reply(False, e.code.value, str(e))
+        p, start = parse_records_request(raw)
         if p not in self.spec:
             return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")
         items = [bytes(sr.raw) for r, sr in self.logs[p].items() if r >= start]

@@ -1,0 +1,71 @@
+"""The dispatcher (``node.swarm.dispatch``): one place admits a request's caller, runs its op and scores a
+refusal, so an op handler holds only its op."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from node.swarm.dispatch import OPS, Dispatcher
+from node.swarm.transport import Reply
+from protocol.errors import ProtocolError, RejectCode
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.members, self.banned, self.penalised, self.ran = {"member"}, {"banned"}, [], []
+
+    async def known(self, caller: str) -> bool:
+        if caller in self.banned:
+            raise ProtocolError(RejectCode.BANNED, f"{caller} is banned here")
+        return caller in self.members
+
+    def penalise(self, caller: str, code: RejectCode) -> None:
+        self.penalised.append((caller, code.value))
+
+    def handler(self, op: str):
+        async def run(caller: str, body: bytes) -> Reply:
+            self.ran.append((op, caller))
+            if body == b"bad":
+                raise ProtocolError(RejectCode.MALFORMED, f"a bad {op}")
+            return Reply(True, body=body)
+
+        return run
+
+
+def _dispatcher(node: _Node) -> Dispatcher:
+    return Dispatcher(node.known, node.penalise, {op: node.handler(op) for op in OPS})
+
+
+def test_a_stranger_is_refused_before_its_op_runs_where_the_dispatcher_admits():
+    node = _Node()
+    d = _dispatcher(node)
+    for op, rule in OPS.items():
+        reply = asyncio.run(d(op, "stranger", b"x"))
+        if rule.admit:
+            assert (reply.ok, reply.code) == (False, "unknown_peer"), op
+        else:  # contribute and record admit their callers themselves, after checks that come first
+            assert reply.ok, op
+    assert node.ran == [(op, "stranger") for op, rule in OPS.items() if not rule.admit]
+    assert node.penalised == []  # not knowing a caller is no proof it misbehaved
+
+
+def test_a_refused_request_is_scored_only_where_its_op_says_and_a_banned_caller_gets_banned():
+    node = _Node()
+    d = _dispatcher(node)
+    for op in OPS:
+        reply = asyncio.run(d(op, "member", b"bad"))
+        assert (reply.ok, reply.code, reply.message) == (False, "malformed", f"malformed: a bad {op}")
+    assert node.penalised == [("member", "malformed") for op, rule in OPS.items() if rule.scored]
+    assert {"evidence", "kept", "proof", "omission"} == {op for op, rule in OPS.items() if rule.scored}
+    assert asyncio.run(d("records", "member", b"ok")).body == b"ok"
+    # the view raises for a banned caller: the transport answers ``banned`` (its refusal, unscored here)
+    with pytest.raises(ProtocolError, match="banned"):
+        asyncio.run(d("proof", "banned", b"x"))
+
+
+def test_a_handler_for_an_op_with_no_rule_is_a_bug_caught_at_start():
+    node = _Node()
+    with pytest.raises(ValueError, match="no rule for ops"):
+        Dispatcher(node.known, node.penalise, {"fetch_everything": node.handler("x")})
