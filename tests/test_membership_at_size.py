@@ -121,11 +121,17 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
         # answered
         r0 = _rounds(swarm)
         assert r0 is not None, "no status read that all three nodes answered within 60 s"
-        wait_until(
-            lambda: (r := _rounds(swarm, wait_s=0)) is not None and all(r[p] >= r0[p] + 3 for p in range(4)),
-            120,
-            "every fragment merging beside a crowd of 2,000 members",
-        )
+        # each node's rounds as its latest status read gave them: a read one node missed (a full CI run: the
+        # rounds merged on at 1 per fragment every 10 s, while reads that all three answered at once were
+        # too rare for the 120 s) still counts for the nodes that answered
+        latest: dict[int, list[int]] = {}
+
+        def advanced() -> bool:
+            for i, s in swarm.status().items():
+                latest[i] = [f["round"] for f in s["fragments"]]
+            return len(latest) == 3 and all(min(r[p] for r in latest.values()) >= r0[p] + 3 for p in range(4))
+
+        wait_until(advanced, 120, "every fragment merging beside a crowd of 2,000 members")
         assert all(c.proc.poll() is None for c in swarm.children.values())
         crowd.stop.set()
         crowd.join(timeout=90)
