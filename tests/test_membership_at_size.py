@@ -69,16 +69,18 @@ class Crowd(threading.Thread):
 
 
 def _rounds(swarm: Swarm, wait_s: float = 60) -> list[int] | None:
-    """Per fragment, the lowest round any of the three nodes holds, from a status read all three answered
-    (waiting up to ``wait_s`` for one; None if none came)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        st = swarm.status()
-        if len(st) == 3:
-            return [min(s["fragments"][p]["round"] for s in st.values()) for p in range(4)]
-        if time.monotonic() >= deadline:
+    """Per fragment, the lowest round any of the three nodes holds, each node's from its first status answer
+    (waiting up to ``wait_s`` for all three; None if one never answered). A loaded machine lets a read miss
+    one node's 5 s deadline now and then, so a read all three answered at once can be rare (a CI run found
+    none in 60 s while every node answered some)."""
+    deadline, first = time.monotonic() + wait_s, {}
+    while len(first) < 3:
+        for i, s in swarm.status().items():
+            first.setdefault(i, [f["round"] for f in s["fragments"]])
+        if len(first) < 3 and time.monotonic() >= deadline:
             return None
         time.sleep(0.5)
+    return [min(r[p] for r in first.values()) for p in range(4)]
 
 
 @pytest.mark.slow
@@ -117,10 +119,8 @@ def test_a_view_of_two_thousand_members_keeps_the_nodes_merging(tmp_path):
         # period each missed the 120 s below on a loaded machine)
         for i, st in swarm.status().items():
             assert all(f["quorum"] <= 2 for f in st["fragments"]), (i, st["fragments"])
-        # a node's status may miss the 5 s deadline on a loaded machine: a read counts only when all three
-        # answered
         r0 = _rounds(swarm)
-        assert r0 is not None, "no status read that all three nodes answered within 60 s"
+        assert r0 is not None, "a node's status did not answer within 60 s"
         # each node's rounds as its latest status read gave them: a read one node missed (a full CI run: the
         # rounds merged on at 1 per fragment every 10 s, while reads that all three answered at once were
         # too rare for the 120 s) still counts for the nodes that answered
