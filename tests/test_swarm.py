@@ -139,6 +139,8 @@ def test_four_nodes_train_fail_over_restart_and_a_fifth_joins(swarm):
     assert len({s["model_hash"] for s in final.values()}) == 1
     # the election fence refused no honest record, the joiner's included (docs/security.md)
     assert all(s["counters"]["unelected_refused"] == 0 for s in final.values()), final
+    # and no audit convicted an honest synchroniser (one on a replica walked back from later rounds did)
+    assert all(s["guard"]["bans"] == 0 for s in final.values()), {i: s["guard"] for i, s in final.items()}
     # against the untrained model's loss, node 0's first evaluation (a node that joined later first
     # evaluated a model already trained, by how much depends on the machine's load)
     untrained = next(e["loss"] for e in swarm.events(0) if e["kind"] == "eval")

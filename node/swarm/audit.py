@@ -240,9 +240,12 @@ class Audit:
     ) -> float | None:
         """How far ``sr`` lands from its contributions merged again here (inf: it names what they refute);
         None where this node cannot tell (its state does not reach the record's parent). On ``parent`` (the
-        replica as it was before ``sr``) where every contribution was taken on that round: nothing is walked
-        back, which saved a copy of the fragment (147 MB for GPT-2's embedding). Its momentum may have
-        stepped in place since; only a contribution on an older base, rebuilt from it, would read it."""
+        replica as it was before ``sr``; ``Replication._apply`` stepped the momentum of ``sr`` into new tensors,
+        so the view's is the parent's still): nothing is walked back, which saved a copy of the fragment
+        (147 MB for GPT-2's embedding), and the recompute is the synchroniser's own arithmetic on the same
+        state, bit for bit, older bases included. Without it (a held record audited on a ban), the replica is
+        walked back from a later round: within ulps, which the record codec rounds to a whole step now and
+        then."""
         rec = sr.record
         rep = self.replicas[rec.fragment]
         cs, lie = self._contributions(sr, msgs)
@@ -251,10 +254,10 @@ class Audit:
         # One recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
         # three audits and a merge at once took a node 1x its weights above its steady state)
         async with self.__dict__.setdefault("_recomputing", asyncio.Semaphore(1)):
-            if not (self._holds_parent(rec) and rep.keeps(min([c.base_round for c in cs] + [rec.round - 1]))):
+            oldest = min([c.base_round for c in cs] + [rec.round - 1])
+            at = parent is not None and parent.round == rec.round - 1 and parent.keeps(oldest)
+            if not at and not (self._holds_parent(rec) and rep.keeps(oldest)):
                 return None
-            at = parent is not None and parent.round == rec.round - 1
-            at = at and all(c.base_round == parent.round for c in cs)
             view = parent if at else frozen_view(rep)
             with momentum_lent([] if at else [rep]):
                 try:
