@@ -12,13 +12,15 @@ from node.common.events import read_events
 from node.common.status_client import StatusError, read_control_token, send_control
 from node.local.launcher import Child, kill_group, poll, start_node, stop_all, wait_ready
 
-# A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, a slight step delay
-# so rounds come at a pace a 2-core machine running several nodes keeps up with.
+# A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, and a step delay so
+# rounds come at a pace a 2-core machine running two such swarms keeps up with: three nodes at 0.05 s kept
+# 1.64 cores busy (a round of each fragment every 0.6 s), at 0.15 s 1.05 cores (one every 1.3 s), and the
+# suite took 20 minutes, not 35, with the two pytest workers no longer starving each other's nodes.
 TINY = [
     "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "8",
     "--eval-batches", "4", "--fragments", "4", "--sync-every", "8", "--eval-every-s", "4",
     "--heartbeat-s", "0.5", "--ttl-s", "3", "--failover-s", "6", "--rpc-timeout-s", "5",
-    "--threads", "1", "--step-delay-s", "0.05", "--checkpoint-every-s", "3", "--test-hooks",
+    "--threads", "1", "--step-delay-s", "0.15", "--checkpoint-every-s", "3", "--test-hooks",
 ]  # fmt: skip
 
 
