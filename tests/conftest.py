@@ -59,6 +59,9 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """The suite leaves the machine as it found it: nothing of the project's is left in the temporary
     folder (the test of this check is ``tests/test_tmp_hygiene.py``)."""
+    from tests.swarm_util import close_fork_server
+
+    close_fork_server()
     if _OWN_CACHE is not None:
         import shutil
 
@@ -125,7 +128,12 @@ def _children(pid: int) -> list[int]:
 
 
 def _is_process_infrastructure(pid: int) -> bool:
-    """torch's shared-memory manager starts lazily and serves the whole test process; it is not a leak."""
+    """torch's shared-memory manager and the node fork server (``tests.swarm_util.fork_server``) start
+    lazily and serve the whole test process; they are not leaks (what the fork server forks is)."""
+    from tests import swarm_util
+
+    if swarm_util._FORKS is not None and pid == swarm_util._FORKS.proc.pid:
+        return True
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return b"torch_shm_manager" in fh.read()

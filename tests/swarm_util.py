@@ -10,6 +10,7 @@ from pathlib import Path
 
 from node.common.events import read_events
 from node.common.status_client import StatusError, read_control_token, send_control
+from node.local.forks import ForkServer
 from node.local.launcher import Child, kill_group, poll, start_node, stop_all, wait_ready
 
 # A small, quick swarm: tiny model, 4 fragments synced every 8 steps, fast membership, and a step delay so
@@ -24,6 +25,29 @@ TINY = [
 ]  # fmt: skip
 
 
+_FORKS: ForkServer | None = None
+
+
+def fork_server() -> ForkServer | None:
+    """This test process's fork server (``node.local.forkserver``), started at its first use: a node it forks
+    skips the 6 CPU-seconds of imports, about a third of the suite's CPU when every node paid them. It ends
+    with the test process (``tests/conftest.py``). ``DDILOCO_TEST_FORKS=0``: None, every node a fresh
+    ``python -m node`` as a user starts it."""
+    global _FORKS
+    if os.environ.get("DDILOCO_TEST_FORKS", "1") == "0":
+        return None
+    if _FORKS is None or _FORKS.proc.poll() is not None:
+        _FORKS = ForkServer()
+    return _FORKS
+
+
+def close_fork_server() -> None:
+    global _FORKS
+    if _FORKS is not None:
+        _FORKS.close()
+        _FORKS = None
+
+
 class Swarm:
     def __init__(self, run_dir: Path, flags: list[str] | None = None) -> None:
         self.run_dir = run_dir
@@ -36,7 +60,7 @@ class Swarm:
             peers = self.children[peers_from].maddrs
         if index in self.children:  # a restart: the previous life is over, its TMPDIR goes with it
             kill_group(self.children[index])
-        c = start_node(index, self.run_dir, self.flags + list(extra), peers)
+        c = start_node(index, self.run_dir, self.flags + list(extra), peers, forks=fork_server())
         self.children[index] = c
         return c
 

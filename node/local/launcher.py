@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.common.status_client import StatusError, fetch_status, read_control_token, send_control
+from node.local.forks import Forked, ForkServer
 from protocol.errors import ConfigError, DDiLoCoError
 
 
@@ -36,7 +37,7 @@ class LaunchError(DDiLoCoError):
 class Child:
     index: int
     state_dir: Path
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     log: Path
     url: str = ""
     peer_id: str = ""
@@ -56,7 +57,11 @@ def _log(msg: str, quiet: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[str]) -> Child:
+def start_node(
+    index: int, run_dir: Path, flags: list[str], initial_peers: list[str], forks: ForkServer | None = None
+) -> Child:
+    """Start node ``index`` in ``run_dir/node-index``: a fresh ``python -m node node`` process, or one forked
+    by ``forks`` (``node.local.forks``: the same process, without its seconds of imports)."""
     d = run_dir / f"node-{index}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "ready.json").unlink(missing_ok=True)
@@ -73,7 +78,10 @@ def start_node(index: int, run_dir: Path, flags: list[str], initial_peers: list[
         # session: Linux's autogroup scheduling makes each session a scheduling group of its own, sharing
         # the CPU equally with the others whatever its threads' niceness, so ``learner_nice`` would not
         # reach across nodes (a restarting node would get a fifth of the cores, not what the learners leave).
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
+        if forks is not None:
+            proc = forks.spawn(cmd[3:], env, str(log))
+        else:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env)
     return Child(index, d, proc, log, tmp=tmp)
 
 

@@ -1,0 +1,130 @@
+"""The fork server (``python -m node.local.forkserver``, started by ``node.local.forks.ForkServer``): imports
+what a node imports, then forks a node for each request and reaps it; a forked child becomes the
+``python -m node node ...`` its request names. Requests and answers: one JSON object a line, on stdin and
+stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+
+_exited: dict[int, int] = {}  # pid -> exit code, as subprocess reports it (-N: killed by signal N)
+
+
+def _reap(*_) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _exited[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _preload() -> None:
+    """Import what a node imports before its first step (``torch._dynamo`` included)."""
+    import torch._dynamo  # noqa: F401
+
+    import node.__main__  # noqa: F401 - its import-time set-up (one malloc heap, faulthandler)
+    import node.cli.main  # noqa: F401
+    import node.swarm.agent  # noqa: F401
+    from dht import launch  # noqa: F401
+
+
+def _check_spawn(req: dict) -> None:
+    """A spawn request names its argv (strings), environment (strings to strings), log file and folder;
+    checked before the fork, so that a bad one is refused here, not in a child that dies of it."""
+    ok = (
+        isinstance(req.get("argv"), list)
+        and all(isinstance(a, str) for a in req["argv"])
+        and isinstance(req.get("env"), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in req["env"].items())
+        and isinstance(req.get("log"), str)
+        and isinstance(req.get("cwd"), str)
+    )
+    if not ok:
+        raise ValueError("a spawn request needs argv [str], env {str: str}, log str and cwd str")
+    if not os.path.isdir(req["cwd"]):
+        raise ValueError(f"cwd {req['cwd']!r} is not a folder")
+
+
+def _serve() -> dict:
+    """Answer requests until one asks for a node; return that request in the forked child. Exit when the
+    launcher closes stdin."""
+    from node.common.lifetime import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops its nodes itself
+    signal.signal(signal.SIGCHLD, _reap)
+    _preload()
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        try:
+            req = json.loads(line)
+            op = req["op"]
+            if op == "ready":
+                answer = {"ok": True}
+            elif op == "poll":
+                _reap()
+                answer = {"returncode": _exited.get(int(req["pid"]))}
+            elif op == "spawn":
+                _check_spawn(req)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    return req
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)  # as the child does: whichever runs first
+                answer = {"pid": pid}
+            else:
+                answer = {"error": f"unknown op {op!r}"}
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer).encode() + b"\n")
+        out.flush()
+    sys.exit(0)
+
+
+def _become_node(req: dict) -> int:
+    """In the forked child: be what ``python -m node`` with this request's argv would have been."""
+    import random
+    import tempfile
+
+    import torch
+
+    import node.common.lifetime as lifetime
+    import node.swarm.agent as agent
+    from node.cli.main import main
+
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    os.chdir(req["cwd"])
+    log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile.tempdir = None  # read TMPDIR again
+    lifetime._PARENT = os.getppid()
+    agent.IMPORTED_AT = time.time()  # nothing left to import
+    random.seed()
+    torch.seed()
+    sys.argv = ["ddiloco", *req["argv"]]
+    return main(req["argv"])
+
+
+if __name__ == "__main__":
+    sys.exit(_become_node(_serve()))

@@ -1,0 +1,90 @@
+"""The fork server (``node.local.forks``): a node it forks is the process ``python -m node`` would have been
+(argv, working folder, environment, log, process group, exit code), and the server's bookkeeping of its
+children stays right through failures and kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from node.local.forks import ForkServer, ForkServerError
+from node.local.launcher import kill_group, start_node, wait_ready
+from tests.swarm_util import TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def forks():
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+    assert server.proc.returncode == 0
+
+
+def test_a_forked_command_runs_in_its_folder_writes_its_log_and_exits_with_its_code(forks, tmp_path):
+    log = tmp_path / "keygen.log"
+    first = forks.spawn(["keygen"], dict(os.environ), str(log), cwd=str(tmp_path))
+    assert first.wait(timeout=60) == 0
+    peer = log.read_text().split()[-1]
+    assert peer.startswith("12D3Koo") and (tmp_path / "identity.key").exists()
+    # the same again: refused (the key exists), code 2, the message on stderr in the same log
+    again = forks.spawn(["keygen"], dict(os.environ), str(log), cwd=str(tmp_path))
+    assert again.wait(timeout=60) == 2
+    assert "already exists" in log.read_text()
+    other = forks.spawn(["keygen", "--out", "b.key"], dict(os.environ), str(log), cwd=str(tmp_path))
+    assert other.wait(timeout=60) == 0
+    assert log.read_text().split()[-1] not in (
+        peer,
+        "",
+    )  # a key of its own: the child's randomness is its own
+
+
+def test_a_forked_node_has_its_own_group_environment_and_a_kill_is_reported(forks, tmp_path):
+    c = start_node(0, tmp_path, TINY, [], forks=forks)
+    try:
+        wait_ready([c], 120)
+        assert os.getpgid(c.proc.pid) == c.proc.pid and os.getsid(c.proc.pid) == os.getsid(0)
+        assert c.proc.poll() is None
+        # the launcher's TMPDIR for this life reached the child: its p2p daemon's sockets are there
+        assert list(Path(c.tmp).rglob("*.sock")), os.listdir(c.tmp)
+        startup = json.loads((c.state_dir / "events.jsonl").read_text().splitlines()[0])["startup"]
+        assert 0 <= startup["imports"] < 1.0, startup  # nothing left to import
+        os.kill(c.proc.pid, signal.SIGKILL)
+        assert c.proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        kill_group(c)
+    assert not os.path.exists(c.tmp)
+
+
+def test_a_bad_request_is_refused_and_the_server_keeps_serving(forks, tmp_path):
+    with pytest.raises(ForkServerError, match="unknown op"):
+        forks._ask({"op": "nonsense"})
+    with pytest.raises(ForkServerError, match="needs argv"):
+        forks._ask({"op": "spawn", "argv": ["keygen"]})  # no env, no log
+    with pytest.raises(ForkServerError, match="not a folder"):
+        forks.spawn(["keygen"], dict(os.environ), str(tmp_path / "l"), cwd=str(tmp_path / "none"))
+    assert forks.returncode(1) is None  # not a child of the server's: nothing known of it
+    done = forks.spawn(["keygen", "--out", "k"], dict(os.environ), str(tmp_path / "l"), cwd=str(tmp_path))
+    assert done.wait(timeout=60) == 0
+
+
+def test_when_the_server_is_gone_its_children_read_as_killed(tmp_path):
+    server = ForkServer()
+    c = start_node(0, tmp_path, TINY, [], forks=server)
+    try:
+        wait_ready([c], 120)
+        server.proc.kill()  # a node started with --exit-with-parent sees its parent gone, and stops
+        server.proc.wait()
+        assert c.proc.wait(timeout=60) == -signal.SIGKILL  # its code went with the server: read as killed
+        with pytest.raises(ForkServerError, match="exited"):
+            server.spawn(["keygen"], dict(os.environ), str(tmp_path / "l"))
+    finally:
+        kill_group(c)
+        server.close()
