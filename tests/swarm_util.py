@@ -29,7 +29,7 @@ _FORKS: ForkServer | None = None
 
 
 def fork_server() -> ForkServer | None:
-    """This test process's fork server (``node.local.forkserver``), started at its first use: a node it forks
+    """This test process's fork server (``node.cli.forkserver``), started at its first use: a node it forks
     skips the 6 CPU-seconds of imports, about a third of the suite's CPU when every node paid them. It ends
     with the test process (``tests/conftest.py``). ``DDILOCO_TEST_FORKS=0``: None, every node a fresh
     ``python -m node`` as a user starts it."""

@@ -88,3 +88,30 @@ def test_when_the_server_is_gone_its_children_read_as_killed(tmp_path):
     finally:
         kill_group(c)
         server.close()
+
+
+_FORK_AFTER_PRELOAD = """
+import os, sys, torch
+from node.cli.forkserver import _preload
+threads = _preload()
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)
+    torch.zeros(20_000_000, dtype=torch.uint8).long()  # a parallel loop over 2 threads
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), threads >= 1)
+"""
+
+
+def test_a_child_forked_after_the_imports_runs_parallel_loops():
+    """Modules make small tensors at import; an OpenMP team started by them in the server is one no child
+    has, and a child's first parallel loop waited for it for ever (a sharded unit's node, which loads its
+    task before it sets its threads, never started)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_AFTER_PRELOAD], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["0", "True"], (out.stdout, out.stderr[-2000:])

@@ -14,7 +14,7 @@ The server is the nodes' parent, so the launcher sees each through a ``Forked`` 
 the server reaps and reports. The server exits when its launcher closes it or dies (end of its stdin, and
 ``PR_SET_PDEATHSIG``); a node started with ``--exit-with-parent`` then stops as it does when its launcher
 dies. Requests and answers are one JSON object a line, on the server's stdin and stdout; the server is
-``node.local.forkserver``, this module its launcher's side.
+``node.cli.forkserver``, this module its launcher's side.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ForkServer:
     def __init__(self, timeout_s: float = 120.0) -> None:
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node.local.forkserver"],
+            [sys.executable, "-m", "node.cli.forkserver"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             process_group=0,  # a Ctrl+C to the launcher's group is the launcher's to pass on

@@ -1,4 +1,4 @@
-"""The fork server (``python -m node.local.forkserver``, started by ``node.local.forks.ForkServer``): imports
+"""The fork server (``python -m node.cli.forkserver``, started by ``node.local.forks.ForkServer``): imports
 what a node imports, then forks a node for each request and reaps it; a forked child becomes the
 ``python -m node node ...`` its request names. Requests and answers: one JSON object a line, on stdin and
 stdout."""
@@ -26,14 +26,22 @@ def _reap(*_) -> None:
         _exited[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _preload() -> None:
-    """Import what a node imports before its first step (``torch._dynamo`` included)."""
+def _preload() -> int:
+    """Import what a node imports before its first step (``torch._dynamo`` included); returns torch's
+    default number of threads. Before any torch work here, torch runs one thread: some modules make small
+    tensors at import, and an OpenMP team started in this process would be a team no forked child has (its
+    first parallel loop would wait on those threads for ever); each child starts its own."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     import torch._dynamo  # noqa: F401
 
-    import node.__main__  # noqa: F401 - its import-time set-up (one malloc heap, faulthandler)
     import node.cli.main  # noqa: F401
     import node.swarm.agent  # noqa: F401
     from dht import launch  # noqa: F401
+
+    return threads
 
 
 def _check_spawn(req: dict) -> None:
@@ -54,14 +62,21 @@ def _check_spawn(req: dict) -> None:
 
 
 def _serve() -> dict:
-    """Answer requests until one asks for a node; return that request in the forked child. Exit when the
-    launcher closes stdin."""
+    """Answer requests until one asks for a node; return that request in the forked child (with torch's
+    default number of threads here, ``threads``). Exit when the launcher closes stdin."""
+    import faulthandler
+
+    from node.common.heap import one_arena
     from node.common.lifetime import die_with_parent
 
     die_with_parent()
+    # what ``python -m node`` does first (node/__main__.py), before torch and any thread: one malloc heap,
+    # and every thread's traceback on a crash in a native library
+    one_arena()
+    faulthandler.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops its nodes itself
     signal.signal(signal.SIGCHLD, _reap)
-    _preload()
+    threads = _preload()
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
         try:
@@ -78,7 +93,7 @@ def _serve() -> dict:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    return req
+                    return dict(req, threads=threads)
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)  # as the child does: whichever runs first
                 answer = {"pid": pid}
@@ -122,6 +137,9 @@ def _become_node(req: dict) -> int:
     agent.IMPORTED_AT = time.time()  # nothing left to import
     random.seed()
     torch.seed()
+    # the threads a fresh process would start with: OMP_NUM_THREADS of its environment, else torch's default
+    omp = req["env"].get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else req["threads"])
     sys.argv = ["ddiloco", *req["argv"]]
     return main(req["argv"])
 
