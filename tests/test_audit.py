@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -291,6 +292,10 @@ class _Member(Evidence, Replication):
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)
         self.penalised: list[str] = []
         self.tasks: list = []
+        self.plan = SimpleNamespace(total_numel=sum(math.prod(s) for s in SPEC[0].values()))
+        self.state_dir = folder
+        self._init_evidence()
+        self._init_merge_watch()
 
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)

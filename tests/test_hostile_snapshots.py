@@ -163,8 +163,8 @@ def test_a_member_a_round_ahead_serving_a_zero_snapshot_is_not_installed(tmp_pat
             ]
             return Reply(True, body=encode_snapshot(states))
 
-        async def records(caller: str, raw: bytes) -> Reply:  # none to bridge to its head: a snapshot's needed
-            return Reply(True, body=pack_list([]))
+        async def records(caller: str, raw: bytes) -> Reply:
+            return Reply(True, body=pack_list([]))  # none to bridge to its head: a snapshot's needed
 
         bad.serve("snapshot", snapshot)
         bad.serve("records", records)

@@ -116,6 +116,7 @@ class _Synchroniser(Receipts):
         self.replicas = [SimpleNamespace(round=4, hash=PARENT)]
         self.syncs = [SyncState(fragment=0, global_round=4)]
         self.counters = {"receipts_held": 0}
+        self._init_receipts()
 
 
 def test_a_synchroniser_restarted_on_the_parent_it_gave_receipts_on_does_not_sign_without_them(
@@ -179,7 +180,9 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
     from tests.test_audit import SPEC, _Member
 
     class _Judge(Receipts, _Member):
-        pass
+        def __init__(self, folder) -> None:
+            super().__init__(folder)
+            self._init_receipts()
 
     sync, learner, other = Identity.generate(), Identity.generate(), Identity.generate()
     judge = _Judge(tmp_path)

@@ -302,13 +302,18 @@ class _Restarted(Replication, Audit):
         self.spool = Spool(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
-        self.guard = SimpleNamespace(merged=lambda cids: None, banned=lambda peer, now: False)
+        self.guard = SimpleNamespace(
+            merged=lambda cids: None, banned=lambda peer, now: False, accused=lambda peer, now: False
+        )
         self.work = WorkBook()
         self.own_cids = OwnCids(me)
         self.counters = {"records_applied": 0}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)
         self.resets: list[int] = []
+        self.plan = SimpleNamespace(total_numel=rep.numel)
+        self._init_audit()
+        self._init_merge_watch()
 
     def _reset_sync(self, p: int, merged=frozenset()) -> None:
         self.resets.append(self.replicas[p].round)

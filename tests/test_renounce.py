@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -55,6 +56,7 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
         node.holds_receipts = lambda rec: True  # it leaves out a contribution we gave a receipt for
         node.renounce = lambda p, r, dropped: Receipts.renounce(node, p, r, dropped)
         node.events, node.outbox = EventLog(), asyncio.Queue()
+        node.renounced = {}  # what ``Receipts._init_receipts`` declares
         cs = _contributions(theta)
         mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
         node.last_contribution = {0: (mine, "enc")}
@@ -80,6 +82,8 @@ class _View(Receipts, SwarmView):
         self.replicas = [SimpleNamespace(round=4, hash="h4")]
         self.settings = SimpleNamespace(swarm=SWARM, elect_workers=False)
         self.published_self, self.suspect = None, {}
+        self.state_dir = Path("/nonexistent")  # no receipts.log of an earlier life
+        self._init_receipts()
 
     def live_members(self) -> dict[str, Member]:
         return {**self.others, self.peer_id: _member(self.peer_id, renounced=self.renounced_now())}
@@ -117,11 +121,12 @@ class _Synchroniser(Contributions):
 
     def __init__(self, ident: Identity, rep: FragmentReplica, spec: dict) -> None:
         self.peer_id, self.replicas, self.spec = ident.peer_id, [rep], {0: spec}
-        self.settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False)
+        self.settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False, ttl_s=3.0)
         self.pcfg = ProtocolConfig(distrust=False)
         self.syncs = [SyncState(fragment=0, global_round=rep.round)]
         self.events, self.guard = EventLog(), Guard()
         self.transport = SimpleNamespace(count_refusal=lambda code: None)
+        self._init_contributions()
 
     async def _known(self, caller: str) -> bool:
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import node.swarm.contributions as contributions
@@ -62,6 +63,8 @@ class _Sender(Contributions):
         self.events = EventLog()
         self.guard = Guard()
         self.accepted: list[str] = []
+        self._init_merge_watch()
+        self._init_contributions()
 
     def keep_message(self, raw: bytes, sig: bytes) -> str:  # node.swarm.audit: nothing kept here
         return ""
@@ -151,6 +154,8 @@ class _ReceiptSender(Receipts, _Sender):
         super().__init__(order, hung, failover_s)
         self.settings.trusted = False
         self.replicas = {3: SimpleNamespace(round=4, hash="h4")}
+        self.state_dir = Path("/nonexistent")  # no receipts.log of an earlier life: none given
+        self._init_receipts()
 
 
 def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_is_watched(monkeypatch):

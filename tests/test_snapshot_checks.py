@@ -116,13 +116,13 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     nor is one over the local ``refuse_factor`` bound, which depends on what each node has seen."""
     from types import SimpleNamespace
 
-    from node.swarm.evidence import Evidence
+    from node.swarm.evidence import Evidence, proof_config
 
     cfg = replace(CFG, max_rms=1.0)
     rep = _replica()
     for learner in ("a", "b", "c"):  # a learners' typical norm that makes the refuse_factor bound local
         rep.norms.add(learner, 1e-6)
-    node = SimpleNamespace(peer_id="me", pcfg=cfg, replicas=[rep])
+    node = SimpleNamespace(peer_id="me", pcfg=cfg, replicas=[rep], _proof_cfg=proof_config(cfg))
     lie = lambda rec: Evidence.proven_lie(node, SimpleNamespace(signer="x", record=rec))  # noqa: E731
     honest = _merge(copy.deepcopy(rep), 7, scale=1e-3)
     assert lie(honest) is None  # over refuse_factor x this node's reference, but that is not proof
@@ -144,6 +144,7 @@ class _Views(Vouching):
         self.heads = [head]
         self.logs = [log or {}]
         self.work, self.settings = WorkBook(), SimpleNamespace(heartbeat_s=1000.0)
+        self._init_vouching()
         for q in worked:
             self.work.merged(q, 0, 1.0)
 

@@ -114,7 +114,11 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
 
         def __init__(self, watched_s: float) -> None:
             self.replicas = [None]
-            self.settings = SimpleNamespace(elect_workers=True, heartbeat_s=0.5)
+            self.settings = SimpleNamespace(
+                elect_workers=True, heartbeat_s=0.5, snapshot_burst=0, snapshots_per_min=0
+            )
+            self.spec = {0: {}}
+            self._init_catch_up()
             self.syncs = [SimpleNamespace(due_every=1.0)]
             self.work, self.logs = WorkBook(), []
             self.work.merged("worker", 0, time.monotonic() - watched_s)

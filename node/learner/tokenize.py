@@ -85,6 +85,8 @@ class FileTokenizer(Tokenizer):
         self.name = self.path = str(p)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = next((i for n in EOS_NAMES if (i := self.tok.token_to_id(n)) is not None), None)
+        # where the tokenizer is plain byte-level BPE (``_memo_fits``): its split, byte alphabet, added tokens
+        self._split = self._chars = self._added = None
         self._memo: dict[str, list[int]] | None = {} if self._memo_fits() else None
 
     def _memo_fits(self) -> bool:

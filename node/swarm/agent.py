@@ -31,6 +31,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -71,6 +72,9 @@ from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import SyncState
 from protocol.systems import system_protocol
+
+if TYPE_CHECKING:
+    from dht.swarm import Membership
 
 logger = logging.getLogger(__name__)
 IMPORTED_AT = time.time()  # the start-up phase "imports" ends here (torch, hivemind and this package)
@@ -216,6 +220,13 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")
         )
         self._relinking: asyncio.Task | None = None
+        # each part's own state, declared where the part is written
+        self._init_catch_up()
+        self._init_merge_watch()
+        self._init_contributions()
+        self._init_receipts()
+        self._init_vouching()
+        self._init_evidence()
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {
@@ -225,6 +236,11 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.joined_by = "fresh"
         self.stop_reason = ""
         self.dht = None
+        # made when the node runs (``_main``), on its event loop
+        self.membership: Membership | None = None
+        self.status_p2p: StatusProtocol | None = None
+        self.status_server: StatusServer | None = None
+        self.outbox: asyncio.Queue | None = None  # our contributions, from the learner thread to the sender
         self.transport: Transport | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -297,7 +313,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
         self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox = asyncio.Queue()
         try:
             self.joining = not self._restored  # no heads published until it has a state (_join_if_behind)
             await self._heartbeat_once()

@@ -49,15 +49,22 @@ class MessagesUnserved(ProtocolError):
 
 
 class Audit:
+    def _init_audit(self) -> None:
+        """This part's own state (``Evidence._init_evidence`` calls it, after ``plan`` and ``spool``)."""
+        # the signed messages this node sent or merged (empty where it audits nothing): twice the model's
+        # parameters in bytes, about 3.5 rounds of every fragment's int4 contributions
+        self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel), self.spool)
+        self._undone: set[str] = set()
+        self._cleared: OrderedDict[str, None] = OrderedDict()  # records an audit here found faithful
+        # one recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
+        # three audits and a merge at once took a node 1x its weights above its steady state)
+        self._recomputing = asyncio.Semaphore(1)
+        # (fragment, round, new hash) -> (record, messages, caller) of proofs this node cannot check yet
+        self._waiting_proofs: OrderedDict[tuple[int, int, str], tuple] = OrderedDict()
+
     def kept(self) -> KeptMessages:
-        """The signed messages this node sent or merged (empty where it audits nothing): twice the model's
-        parameters in bytes, about 3.5 rounds of every fragment's int4 contributions."""
-        k = self.__dict__.get("_kept")
-        if k is None:
-            k = self._kept = KeptMessages(
-                max(32 << 20, 2 * self.plan.total_numel), getattr(self, "spool", None)
-            )
-        return k
+        """The signed messages this node sent or merged, kept for audits (``node.swarm.kept``)."""
+        return self._kept
 
     def keep_message(self, raw: bytes, sig: bytes) -> str | None:
         """Keep a signed contribution message for audits, where this swarm audits: its digest, else None."""
@@ -65,7 +72,7 @@ class Audit:
 
     def undone(self) -> set[str]:
         """Hashes of records this node undid (convicted, or on top of one): a chain it no longer follows."""
-        return self.__dict__.setdefault("_undone", set())
+        return self._undone
 
     # ---------------------------------------------------------------- who audits
     def audits(self, sr: SignedRecord) -> bool:
@@ -136,7 +143,7 @@ class Audit:
         if gap > AUDIT_TOLERANCE:
             self.convict_merge(sr, msgs, self.peer_id, gap)
         else:
-            cleared = self.__dict__.setdefault("_cleared", OrderedDict())
+            cleared = self._cleared
             cleared[rec.new_hash] = None
             while len(cleared) > CLEARED:
                 cleared.popitem(last=False)
@@ -159,7 +166,7 @@ class Audit:
                 held = log.get(r)
                 if held is None or held.signer != peer or held.record.new_hash in self.undone():
                     break  # walked back meanwhile (from this round or one below)
-                if held.record.new_hash in self.__dict__.get("_cleared", {}):
+                if held.record.new_hash in self._cleared:
                     continue
                 sr = decode_record(bytes(held.raw), self.settings.swarm, self.spec)
                 auditable = (
@@ -251,9 +258,7 @@ class Audit:
         cs, lie = self._contributions(sr, msgs)
         if lie or self._share_lie(rec, cs):
             return float("inf")
-        # One recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
-        # three audits and a merge at once took a node 1x its weights above its steady state)
-        async with self.__dict__.setdefault("_recomputing", asyncio.Semaphore(1)):
+        async with self._recomputing:
             oldest = min([c.base_round for c in cs] + [rec.round - 1])
             at = parent is not None and parent.round == rec.round - 1 and parent.keeps(oldest)
             if not at and not (self._holds_parent(rec) and rep.keeps(oldest)):
@@ -293,16 +298,10 @@ class Audit:
             return True
         return False
 
-    def accused(self, peer: str) -> bool:
-        """Whether a proof this node could not check yet accuses ``peer``, or it took a contribution of ours
-        without a receipt (``node.swarm.receipts``): its records do not lift that suspicion."""
-        return self.__dict__.get("_accused", {}).get(peer, 0.0) > time.monotonic()
-
     def recheck(self, sr: SignedRecord) -> None:
         """A record just applied here that a proof we could not check yet names: check it now."""
         rec = sr.record
-        waiting = self.__dict__.get("_waiting_proofs")
-        got = waiting.pop((rec.fragment, rec.round, rec.new_hash), None) if waiting else None
+        got = self._waiting_proofs.pop((rec.fragment, rec.round, rec.new_hash), None)
         if got is not None:
             self._spawn(
                 self._h_proof(got[2], pack_list([bytes(got[0].raw), *(x for m in got[1] for x in m)]))
@@ -405,8 +404,8 @@ class Audit:
             # suspicion this node cannot check ends by itself, as a stall's does)
             until = time.monotonic() + SUSPECT_S
             self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), until)
-            self.__dict__.setdefault("_accused", {})[sr.signer] = until
-            waiting = self.__dict__.setdefault("_waiting_proofs", OrderedDict())
+            self.guard.accuse(sr.signer, until)
+            waiting = self._waiting_proofs
             waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
             while len(waiting) > WAITING_PROOFS:
                 waiting.popitem(last=False)

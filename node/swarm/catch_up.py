@@ -50,24 +50,25 @@ def records_bridge(gap: int, pcfg) -> bool:
 class CatchUp:
     """Join and catch-up logic; ``Node`` provides the state it works on."""
 
+    def _init_catch_up(self) -> None:
+        """This part's own state (the node's constructor calls it, after ``settings`` and ``spec``)."""
+        s, frags = self.settings, len(self.spec)
+        self.joining = False  # no heads published until this node has a state (``_join_if_behind``)
+        self._backoff = Backoff(base_s=0.25, cap_s=max(5.0, 4 * s.heartbeat_s))
+        self._snapshots = TokenBucket(
+            burst=s.snapshot_burst or 4 * frags, per_s=(s.snapshots_per_min or 4 * frags) / 60.0
+        )
+        self._inherited: dict[int, tuple[str, ...]] = {}  # per fragment: the ids its last snapshot named
+
     # ---------------------------------------------------------------- per-peer limits (node.swarm.limits)
     def _catch_up_backoff(self) -> Backoff:
         """Retries of a catch-up toward a peer that fails (killed, cut off, refusing) back off per peer."""
-        b = self.__dict__.get("_backoff")
-        if b is None:
-            b = self._backoff = Backoff(base_s=0.25, cap_s=max(5.0, 4 * self.settings.heartbeat_s))
-        return b
+        return self._backoff
 
     def _snapshot_bucket(self) -> TokenBucket:
         """Fragment snapshots each peer may fetch from us: a burst of ``snapshot_burst`` (default 4 x the
         fragments: a joiner fetches each once), refilled at ``snapshots_per_min``."""
-        t = self.__dict__.get("_snapshots")
-        if t is None:
-            s, frags = self.settings, len(self.spec)
-            burst = s.snapshot_burst or 4 * frags
-            per_min = s.snapshots_per_min or 4 * frags
-            t = self._snapshots = TokenBucket(burst=burst, per_s=per_min / 60.0)
-        return t
+        return self._snapshots
 
     # ---------------------------------------------------------------- join, catch-up, re-sync
     async def _join_if_behind(self) -> None:
@@ -240,7 +241,7 @@ class CatchUp:
 
     def _inherited_ids(self) -> dict[int, tuple[str, ...]]:
         """Per fragment, the merged ids the last snapshot installed here named (``FragmentState.merged``)."""
-        return self.__dict__.setdefault("_inherited", {})
+        return self._inherited
 
     def _merged_ids(self, p: int) -> tuple[str, ...]:
         """The ids of the contributions merged into fragment p's last ``history`` rounds (a contribution on an

@@ -84,6 +84,12 @@ class OwnCids:
 
 
 class Contributions(MergeWatch):
+    def _init_contributions(self) -> None:
+        """This part's own state (the node's constructor calls it, after ``settings``)."""
+        self._pings: dict[str, object] = {}  # peer -> when it last answered a ping, or the ping under way
+        # the swarm's work rates, a heartbeat late still counting (protocol.work.WorkMeasure)
+        self.work_measure = WorkMeasure(WORK_KEEP_TTLS * self.settings.ttl_s)
+
     # ---------------------------------------------------------------- contributions (learner side)
     def post_contribution(self, header: ContributionHeader, enc) -> None:
         """Called from the learner thread; never blocks."""
@@ -349,7 +355,7 @@ class Contributions(MergeWatch):
         mono = time.monotonic()
         if self.suspect.get(q, 0.0) > mono:
             return False
-        book = self.__dict__.setdefault("_pings", {})  # peer -> (when it answered, or the call under way)
+        book = self._pings
         seen = book.get(q)
         if isinstance(seen, float) and mono - seen < self.settings.heartbeat_s:
             return True
@@ -376,10 +382,7 @@ class Contributions(MergeWatch):
         now, members = time.monotonic(), self.live_members()
         since = self.work.heard(h.learner, h.fragment, now)
         sender = members.get(h.learner)
-        measure = self.__dict__.get("work_measure")
-        if measure is None:  # rates a heartbeat late still count (protocol.work.WorkMeasure)
-            measure = self.work_measure = WorkMeasure(WORK_KEEP_TTLS * self.settings.ttl_s)
-        work = measure.measure(((m.tokens_per_s, m.steps_per_s) for m in members.values()), now)
+        work = self.work_measure.measure(((m.tokens_per_s, m.steps_per_s) for m in members.values()), now)
         rate = sender.steps_per_s if sender is not None else 0.0
         own = (
             sender.tokens_per_s / rate if sender is not None and rate > 0 and sender.tokens_per_s > 0 else 0.0

@@ -17,6 +17,7 @@ from dataclasses import replace
 from node.swarm.audit import Audit
 from node.swarm.transport import Reply
 from node.swarm.wire import SignedRecord, decode_record
+from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 
 # A merge of contributions that each passed max_rms stays under it, but the record codec's rounding can
@@ -25,18 +26,24 @@ from protocol.errors import ProtocolError, RejectCode
 EVIDENCE_RMS_SLACK = 2.0
 
 
+def proof_config(pcfg: ProtocolConfig) -> ProtocolConfig:
+    """The bounds a record is a proven lie against, the same on every node: no refusal by this node's own
+    robust reference (``refuse_factor``), and ``EVIDENCE_RMS_SLACK`` times the record RMS bound."""
+    return replace(pcfg, refuse_factor=0.0, max_rms=pcfg.max_rms * EVIDENCE_RMS_SLACK)
+
+
 class Evidence(Audit):
+    def _init_evidence(self) -> None:
+        """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``spool``)."""
+        self._init_audit()
+        self._proof_cfg = proof_config(self.pcfg)
+
     def proven_lie(self, sr: SignedRecord) -> ProtocolError | None:
         """What ``sr`` proves its signer did wrong, by the checks every node makes alike; None: nothing."""
         if sr.signer == self.peer_id:
             return None
-        cfg = self.__dict__.get("_proof_cfg")
-        if cfg is None:
-            cfg = self._proof_cfg = replace(
-                self.pcfg, refuse_factor=0.0, max_rms=self.pcfg.max_rms * EVIDENCE_RMS_SLACK
-            )
         try:
-            self.replicas[sr.record.fragment].check_record(sr.record, cfg)
+            self.replicas[sr.record.fragment].check_record(sr.record, self._proof_cfg)
         except ProtocolError as e:
             return e
         return None

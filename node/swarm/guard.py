@@ -57,6 +57,7 @@ class Guard:
         self.banned_until: dict[str, float] = {}
         self.bans = 0
         self._merged: OrderedDict[str, bool | None] = OrderedDict()  # merged id -> re-sent once already
+        self._accused: dict[str, float] = {}  # peer -> until when its records do not lift its suspicion
 
     # ---------------------------------------------------------------- scores and bans
     def banned(self, peer: str, now: float) -> bool:
@@ -93,6 +94,18 @@ class Guard:
         self.bans += 1
         logger.warning("banned %s for %.0f s: %s", peer, self.ban_s, why)
         return True
+
+    def accuse(self, peer: str, until: float) -> None:
+        """Suspect ``peer`` until ``until`` (``time.monotonic``) whatever records of it this node applies: a
+        proof accuses it that this node cannot check yet (``node.swarm.audit``), or it took a contribution of
+        ours without a receipt (``node.swarm.receipts``)."""
+        self._accused[peer] = max(self._accused.get(peer, 0.0), until)
+
+    def accused(self, peer: str, now: float) -> bool:
+        if self._accused.get(peer, 0.0) > now:
+            return True
+        self._accused.pop(peer, None)
+        return False
 
     def reward(self, peer: str) -> None:
         if self.scores.get(peer, 0.0) < 0:

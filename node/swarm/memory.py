@@ -152,8 +152,8 @@ def breakdown(node: Any) -> dict:
     raw = sum(in_memory(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw
-    kept = node.__dict__.get("_kept")  # signed contribution messages kept for audits (node.swarm.audit)
-    host["audit_kept"] = kept.resident if kept is not None else 0  # in memory; the rest on disk
+    # signed contribution messages kept for audits (node.swarm.kept): in memory; the rest on disk
+    host["audit_kept"] = node.kept().resident
     weights = 4 * node.plan.total_numel
     counted = sum(host.values())
     doc = {

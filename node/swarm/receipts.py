@@ -172,6 +172,15 @@ class Receipts:
     """Both ends: the synchroniser's receipts and what it gave (``given``), the learner's check of a receipt and
     of the record that should honour it, and the ``omission`` op."""
 
+    def _init_receipts(self) -> None:
+        """This part's own state (the node's constructor calls it, after ``state_dir``): the receipts given,
+        read back from the state folder; the round each fragment renounced here last, with its parent."""
+        self._given: OrderedDict[tuple[int, int, str], set[tuple[str, str]]] = OrderedDict()
+        for p, r, h, learner, cid in _read_log(self.state_dir / RECEIPT_LOG):
+            _remember(self._given, (p, r, h), learner, cid)
+        self._receipt_fh = None  # the receipt log, opened at the first receipt
+        self.renounced: dict[int, tuple[int, str]] = {}
+
     def receipts_on(self) -> bool:
         return not self.settings.trusted
 
@@ -191,12 +200,7 @@ class Receipts:
         """(fragment, round, parent) -> the (learner, cid) this node gave receipts for in that round: read
         back from its state folder after a restart (``receipts.log``), so that a node killed while it held a
         round, and back on the same parent, does not sign that round without what it promised."""
-        book = self.__dict__.get("_given")
-        if book is None:
-            book = self._given = OrderedDict()
-            for p, r, h, learner, cid in _read_log(self.state_dir / RECEIPT_LOG):
-                _remember(book, (p, r, h), learner, cid)
-        return book
+        return self._given
 
     def give_receipt(self, p: int, learner: str, cid: str) -> bytes:
         """Sign a receipt for a contribution that entered fragment p's open round here; remembered, and
@@ -211,7 +215,7 @@ class Receipts:
 
     def _log_receipt(self, entry: list) -> None:
         path = self.state_dir / RECEIPT_LOG
-        fh = self.__dict__.get("_receipt_fh")
+        fh = self._receipt_fh
         if fh is None or fh.tell() > LOG_BYTES:  # started, or grown: written again from what is kept
             if fh is not None:
                 fh.close()
@@ -272,7 +276,7 @@ class Receipts:
         without the merge's contributions (``dropped``; their senders' watches send them again when the
         next candidate's record leaves them out), and its own learner's latest goes to the next one."""
         rep = self.replicas[p]
-        self.__dict__.setdefault("renounced", {})[p] = (round_, rep.hash)
+        self.renounced[p] = (round_, rep.hash)
         self.events.emit("renounce", t=time.time(), fragment=p, round=round_, parent=rep.hash)
         logger.warning("fragment %d round %d renounced here: the next candidate takes it", p, round_)
         self._reset_sync(p, merged=dropped)
@@ -282,7 +286,7 @@ class Receipts:
 
     def renounced_now(self) -> dict[str, int]:
         """The open rounds this node renounced, on its replicas' parents (published: ``Member.renounced``)."""
-        book, reps = self.__dict__.get("renounced", {}), self.replicas
+        book, reps = self.renounced, self.replicas
         return {str(p): r for p, (r, h) in book.items() if (r, h) == (reps[p].round + 1, reps[p].hash)}
 
     def check_receipt(self, target: str, header, body: bytes) -> Receipt | None:
@@ -296,8 +300,7 @@ class Receipts:
             until = time.monotonic() + STALL_TTLS * self.settings.ttl_s
             self.suspect[target] = max(self.suspect.get(target, 0.0), until)
             # its records applied here do not lift it (``Audit.accused``): a censor merges rounds, without us
-            accused = self.__dict__.setdefault("_accused", {})
-            accused[target] = max(accused.get(target, 0.0), until)
+            self.guard.accuse(target, until)
             self.counters["no_receipt"] += 1
             self.events.emit(
                 "no_receipt", t=time.time(), peer=target, fragment=header.fragment, cid=header.cid, why=str(e)

@@ -88,7 +88,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
             self.events.emit("hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer)
             raise
         self.heads[p] = tuple(sr.head)
-        if not self.accused(sr.signer):  # it merges (a late round, or it came back): electable again
+        if not self.guard.accused(
+            sr.signer, time.monotonic()
+        ):  # it merges (a late round, or it came back): electable again
             self.suspect.pop(sr.signer, None)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
         self.guard.merged(c[1] for c in rec.contributors)

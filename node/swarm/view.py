@@ -86,7 +86,7 @@ class SwarmView:
             client_mode=self.settings.client_mode or self.learner_only(),
             # none while joining: a joiner's round 0 is no state to vouch with, and three nodes that joined
             # at once counted each other's round 0 against a swarm 15 rounds on and all started fresh
-            heads={} if self.__dict__.get("joining") else {str(p): list(h) for p, h in enumerate(self.heads)},
+            heads={} if self.joining else {str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
             steps_per_s=self.learner_loop.steps_per_s(),
             cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",

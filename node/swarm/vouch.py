@@ -53,6 +53,13 @@ class UnwitnessedSnapshot(TransportError):
 class Vouching:
     """The check a snapshot passes before ``CatchUp._install_snapshot``."""
 
+    def _init_vouching(self) -> None:
+        """This part's own state (the node's constructor calls it)."""
+        self._took_from: dict[int, tuple[str, int]] = {}  # fragment -> (donor, round) of its last snapshot
+        self._refused_heads: dict[int, dict[tuple[int, str], float]] = {}  # fragment -> head -> refused until
+        # fragment -> ((our head, the head two or more others agree on), since when this node is alone on it)
+        self._lone_since: dict[int, tuple[tuple, float]] = {}
+
     def hash_at(self, p: int, round_: int) -> str | None:
         """Fragment p's hash at ``round_`` on this node's chain, while its head or log holds that round."""
         if self.heads[p][0] == round_:
@@ -152,7 +159,7 @@ class Vouching:
         # Right after a snapshot, this node knows no round of its chain but its head: the member it came
         # from, gone on a round, is its witness (a node took a liar's head 0.5 s after a snapshot, before
         # the next record came, while every honest member was one round past ours).
-        took = self.__dict__.get("_took_from", {}).get(p)
+        took = self._took_from.get(p)
         m = self.live_members().get(took[0]) if took and took[0] != donor else None
         if m is not None and not m.client_mode and self.heads[p][0] == took[1] and m.head_round(p) >= took[1]:
             return True
@@ -173,11 +180,11 @@ class Vouching:
         """Heads (round, hash) of fragment p refused here as unwitnessed lately: catch-up looks past them, to
         the best head it can take."""
         now = time.monotonic()
-        return {k for k, until in self.__dict__.get("_refused_heads", {}).get(p, {}).items() if until > now}
+        return {k for k, until in self._refused_heads.get(p, {}).items() if until > now}
 
     def took_from(self, p: int, donor: str, round_: int) -> None:
         """Fragment p's state came from ``donor`` at ``round_`` by snapshot (``CatchUp._install_snapshot``)."""
-        self.__dict__.setdefault("_took_from", {})[p] = (donor, round_)
+        self._took_from[p] = (donor, round_)
 
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
         """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
@@ -208,7 +215,7 @@ class Vouching:
             if (k == r or behind) and q in self.work.worked:
                 groups.setdefault(tuple(h), []).append(q)
         best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
-        lone = self.__dict__.setdefault("_lone_since", {})
+        lone = self._lone_since
         if len(best[1]) < 2:
             lone.pop(p, None)
             return None, []
@@ -248,7 +255,7 @@ class Vouching:
         """Count a head not taken (``unwitnessed_snapshot``: status's refusals, and an event); ``refused_heads``
         passes over it for ``REFUSED_HEARTBEATS``."""
         now = time.monotonic()
-        refused = self.__dict__.setdefault("_refused_heads", {}).setdefault(p, {})
+        refused = self._refused_heads.setdefault(p, {})
         for k in [k for k, until in refused.items() if until <= now]:
             del refused[k]
         refused[(round_, hash_)] = now + REFUSED_HEARTBEATS * self.settings.heartbeat_s

@@ -26,10 +26,14 @@ STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never
 class MergeWatch:
     """The deadline and the record of each round a synchroniser took one of our contributions for."""
 
+    def _init_merge_watch(self) -> None:
+        # per fragment, our latest contribution another member took: (header, that member, open round, its
+        # receipt or None: ``node.swarm.receipts``)
+        self._taken_by: dict[int, tuple[ContributionHeader, str, int, object]] = {}
+
     def _taken(self) -> dict[int, tuple[ContributionHeader, str, int, object]]:
-        """Per fragment, our latest contribution another member took: (header, that member, open round, its
-        receipt or None: ``node.swarm.receipts``)."""
-        return self.__dict__.setdefault("_taken_by", {})
+        """Per fragment, our latest contribution another member took (``_taken_by``)."""
+        return self._taken_by
 
     def _watch_merge(self, target: str, header: ContributionHeader, receipt=None) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
