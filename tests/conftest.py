@@ -83,17 +83,12 @@ def pytest_sessionfinish(session, exitstatus):
             session.exitstatus = 1
 
 
-# The modules whose tests start node processes and run for tens of seconds (``--durations``), the one with the
-# longest single test first: collected first, so that the pytest-xdist workers of ``scripts/test.sh`` end on
-# short tests and finish together (a 110 s test collected late can leave the other worker idle that long).
+# The modules whose tests start node processes and run for tens of seconds (``--durations``): collected first,
+# so that the pytest-xdist workers of ``scripts/test.sh`` end on short tests and finish together.
 SLOW_FIRST = (
-    "test_membership_at_size", "test_doctor", "test_swarm", "test_chaos", "test_election_fence",
-    "test_private_swarm", "test_sybil_election", "test_robust", "test_open_learners", "test_left_out",
-    "test_renounce", "test_hostile_snapshots", "test_hostile_state", "test_unit_fsdp", "test_hf",
-    "test_distrust", "test_runner", "test_unit", "test_strangers", "test_remote_status", "test_audit",
-    "test_wire_refusals", "test_hostile_counters", "test_hostile_peer", "test_lean_lookup",
-    "test_node_systems", "test_evidence", "test_streamed_merge", "test_status_server", "test_golden",
-    "test_operating", "test_cli", "test_wan",
+    "test_doctor", "test_swarm", "test_hostile_state", "test_chaos", "test_private_swarm", "test_strangers",
+    "test_unit", "test_hostile_peer", "test_unit_fsdp", "test_node_systems", "test_hf", "test_remote_status",
+    "test_operating", "test_robust", "test_wire_refusals", "test_golden",
 )  # fmt: skip
 
 
