@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 
 import pytest
@@ -130,6 +131,11 @@ def test_doctor_on_running_nodes(tmp_path, capsys):
         rc, dl = wait_until(stuck, 90, "the stuck donor diagnosed", interval_s=1)
         assert rc == 1 and bad.ident.peer_id in dl["evidence"] and "stuck" in dl["evidence"], dl
         assert bad.calls.get("snapshot", 0) >= 1
+        # asked to stop while its download hangs, it stops: it does not sit out the download's 60 s deadline
+        swarm.children[3].proc.send_signal(signal.SIGTERM)  # no status URL yet: as systemd or Ctrl-C stop it
+        swarm.children[3].proc.wait(timeout=30)
+        assert json.loads((d3 / "final.json").read_text())["stop_reason"], "no stop reason written"
+        assert not (d3 / "ready.json").exists()  # it never joined
     finally:
         swarm.stop()
         if bad is not None:

@@ -209,11 +209,15 @@ def quiet_period(children: list[Child], timeout_s: float, quiet: bool) -> tuple[
 
 def stop_all(children: list[Child], timeout_s: float = 60.0) -> None:
     for c in children:
-        if c.proc.poll() is None and c.url:
-            try:
+        if c.proc.poll() is not None:
+            continue
+        asked = False
+        if c.url:  # none yet while it joins: no status endpoint known to ask
+            with contextlib.suppress(StatusError):
                 send_control(c.url, "stop", token=read_control_token(c.state_dir))
-            except StatusError:
-                c.proc.send_signal(signal.SIGTERM)
+                asked = True
+        if not asked:
+            c.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for c in children:
         try:

@@ -315,23 +315,9 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
         self.outbox = asyncio.Queue()
         try:
-            self.joining = not self._restored  # no heads published until it has a state (_join_if_behind)
-            await self._heartbeat_once()
-            self._phase("membership")
-            if not self._restored:
-                await self._join_if_behind()
-            else:
-                await self._catch_up_restored()
-            self._phase("state")
-            self.events.emit(
-                "join",
-                t=time.time(),
-                learner=self.peer_id,
-                how=self.joined_by,
-                rounds=[r.round for r in self.replicas],
-                startup=self.startup,
-                credited=len(self.work.settled),  # learners credited by its checkpoint or snapshot (elect)
-            )
+            if not await self._until_stopped(self._enter()):
+                logger.info("stopping before it joined: %s", self.stop_reason)
+                return 0
             self.learner_loop.start()
             if s.agent_nice > 0:
                 n = lower_network_priority(s.agent_nice, keep={self.learner_loop.native_id})
@@ -351,6 +337,47 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         finally:
             await self._shutdown()
         return 1 if self.learner_loop.error is not None else 0
+
+    async def _enter(self) -> None:
+        """Into the swarm: its record published, then the state it trains from (downloaded, or caught up
+        from its checkpoint's rounds)."""
+        self.joining = not self._restored  # no heads published until it has a state (_join_if_behind)
+        await self._heartbeat_once()
+        self._phase("membership")
+        if not self._restored:
+            await self._join_if_behind()
+        else:
+            await self._catch_up_restored()
+        self._phase("state")
+        self.events.emit(
+            "join",
+            t=time.time(),
+            learner=self.peer_id,
+            how=self.joined_by,
+            rounds=[r.round for r in self.replicas],
+            startup=self.startup,
+            credited=len(self.work.settled),  # learners credited by its checkpoint or snapshot (elect)
+        )
+
+    async def _until_stopped(self, work) -> bool:
+        """Run ``work`` unless a stop is asked for first: then it is cancelled and False returned. A stop asked
+        for while joining waited for the join's own deadlines (a download from a donor that never answers
+        held the node for its whole ``rpc_timeout_s``); nothing of a join is kept that a stop cuts short (no
+        learner ran, so no checkpoint is written)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if task.cancelled():
+            return False
+        task.result()  # its error, if it failed
+        return True
 
     async def _shutdown(self) -> None:
         ll = self.learner_loop
