@@ -15,7 +15,7 @@ from node.chaos.plan import FailureModel, Fault, draw_plan, plan_from_json, plan
 from node.chaos.report import Outage, chaos_goodput, longest_gap, stalls
 from node.cli.chaos import compare, render, render_comparison
 from protocol.errors import ConfigError
-from tests.swarm_util import TINY
+from tests.swarm_util import TINY, fork_server
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -132,7 +132,13 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
         Fault(at_s=12.0, kind="kill", node=3, hold_s=None),
     ]
     cfg = ChaosConfig(
-        run_dir=tmp_path / "chaos", nodes=4, duration_s=32.0, plan=plan, node_flags=TINY, quiet=True
+        run_dir=tmp_path / "chaos",
+        nodes=4,
+        duration_s=32.0,
+        plan=plan,
+        node_flags=TINY,
+        quiet=True,
+        forks=fork_server(),
     )
     run = ChaosRun(cfg)
     rep = run.run()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.chaos.plan import FailureModel, Fault
+from node.local.forks import ForkServer
 from protocol.errors import ConfigError
 
 
@@ -42,6 +43,9 @@ class ChaosConfig:
     netns_cpu: float = 0.0
     """with netns: CPU cores each node may use, a cgroup quota (0: none, the nodes share the machine)"""
     quiet: bool = False
+    forks: ForkServer | None = None
+    """start the nodes (not in namespaces) by forking them from this server (``node.local.forks``), as the
+    test suite does; None: each a fresh ``python -m node``"""
 
     def check(self) -> None:
         if self.nodes < 2:

@@ -87,7 +87,7 @@ class ChaosRun:
         if self.lab is not None:
             c = self.lab.start(index, self.cfg.run_dir, flags, peers)
         else:
-            c = start_node(index, self.cfg.run_dir, flags, peers)
+            c = start_node(index, self.cfg.run_dir, flags, peers, forks=self.cfg.forks)
         slot = self.slots.setdefault(index, Slot(index, []))
         slot.lives.append(c)
         slot.state, slot.until, slot.started = "starting", None, time.monotonic()
