@@ -240,6 +240,44 @@ def held_to_steps(period: float, step_times: Iterable[float]) -> float:
     return min(ref * PERIOD_STEP, max(ref / PERIOD_STEP, period))
 
 
+def record_timing(
+    p: int,
+    clocks: Sequence[RoundClock | None],
+    taken_at: float,
+    step_times: Iterable[float],
+    reported: Iterable[float],
+    sync_every: int,
+    plan: FragmentPlan,
+) -> tuple[float, float]:
+    """The ``(due, period)`` a synchroniser writes into the record of fragment p's round, taken at
+    ``taken_at`` (its quorum's moment, or its first contribution's): the slot of p's clock nearest to it
+    (``round_due``), and the live learners' measured step period (``step_times``) held to the clock and to
+    the contributors' ``reported`` step times (``record_period``), steered toward p's place in the stagger
+    (``steered_period``). ``clocks``: every fragment's, as ``swarm_clocks`` gives them. The node and the
+    in-process runner both write their records by this rule."""
+    due = round_due(clocks[p], taken_at)
+    period = record_period(step_times, clocks[p], sync_every, reported)
+    return due, steered_period(period, due, p, clocks, plan)
+
+
+def aligned_step(target: float | None, step_s: float | None) -> tuple[int, float] | None:
+    """A learner's first alignment to the swarm's schedule, after its life's first step: the step number its
+    peers start next (``target``: where they are, fractions included; None while none has stepped) and how
+    long to wait, at most 2 s, until they start it."""
+    if target is None:
+        return None
+    nxt = math.ceil(target)
+    return nxt, min(2.0, (nxt - target) * (step_s or 0.0))
+
+
+def in_phase_step(target: float | None, step: int) -> int | None:
+    """Where a learner at ``step`` moves its schedule when half a step or more behind its peers'
+    (``target``): forward to theirs, never back; None where it stays."""
+    if target is None or target - step < 0.5:
+        return None
+    return step + round(target - step)
+
+
 @dataclass
 class SlotBook:
     """A learner's record of the slots it has contributed to, per fragment: a slot is taken once.

@@ -181,6 +181,15 @@ def _check(cfg: ProtocolConfig, state: SyncState, c: Contribution) -> None:
         raise ProtocolError(RejectCode.BAD_COUNTERS, f"step_time_s={c.step_time_s} must be > 0")
 
 
+def taken_at(st: SyncState, now: float) -> float:
+    """The moment the round ``st`` holds was taken, for its record's slot (``protocol.schedule.round_due``):
+    its quorum's (a straggler of an earlier slot may have arrived first), else its first contribution's,
+    else ``now``."""
+    if st.quorum_at is not None:
+        return st.quorum_at
+    return st.first_at if st.first_at is not None else now
+
+
 def on_contribution(cfg: ProtocolConfig, state: SyncState, c: Contribution, now: float) -> Decision:
     """A contribution arrived. Raises ProtocolError (state unchanged) when it breaks a rule."""
     _check(cfg, state, c)

@@ -374,3 +374,33 @@ def test_rounds_bunched_by_a_change_of_pace_come_back_to_one_fragment_a_step():
     assert min(gaps) > 0.7 and max(gaps) < 1.3, gaps  # a step apart, give or take
     plain = _run_chains(bunched, plan, 8 * 12, steer=False)
     assert plain[-1] - plain[0] < 1.0  # still all within one step
+
+
+def test_the_record_timing_and_phase_rules_the_node_and_the_runner_share():
+    """``record_timing`` is the slot nearest the round's moment and the held, steered period; the learner's
+    alignment waits at most 2 s and moves only forward; a round's moment is its quorum's, else its first
+    contribution's, else now."""
+    from protocol.schedule import aligned_step, in_phase_step, record_period, record_timing, steered_period
+    from protocol.synchroniser import taken_at
+
+    plan = _plan(4, 8)
+    clocks = [RoundClock(3, 100.0, 4.0), RoundClock(2, 101.0, 4.0), None, None]
+    due, period = record_timing(1, clocks, 105.2, [0.5, 0.55, 0.0], [0.52], 8, plan)
+    assert due == round_due(clocks[1], 105.2) == 105.0
+    assert period == steered_period(
+        record_period([0.5, 0.55, 0.0], clocks[1], 8, [0.52]), due, 1, clocks, plan
+    )
+    assert record_timing(2, clocks, 7.0, [], [], 8, plan)[0] == 7.0  # no clock of its own: the moment itself
+
+    assert aligned_step(None, 0.5) is None
+    assert aligned_step(12.25, 0.5) == (13, 0.375)
+    assert aligned_step(12.0, 0.5) == (12, 0.0)
+    assert aligned_step(2.1, 10.0) == (3, 2.0)  # at most 2 s
+    assert in_phase_step(None, 4) is None and in_phase_step(4.4, 4) is None and in_phase_step(3.0, 9) is None
+    assert in_phase_step(4.5, 4) == 4  # half a step: Python rounds half to even (as before these were shared)
+    assert in_phase_step(7.6, 4) == 8
+
+    st = SyncState(0, 3)
+    assert taken_at(st, 9.0) == 9.0
+    assert taken_at(SyncState(0, 3, first_at=5.0), 9.0) == 5.0
+    assert taken_at(SyncState(0, 3, first_at=5.0, quorum_at=6.0), 9.0) == 6.0

@@ -4,7 +4,6 @@ agent delivers between steps (it never waits on the network)."""
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
@@ -23,8 +22,10 @@ from protocol.schedule import (
     PHASE_EVERY,
     RATE_WINDOW,
     SlotBook,
+    aligned_step,
     averaged_step_s,
     due_fragments,
+    in_phase_step,
     measured_period,
     usable,
 )
@@ -148,12 +149,11 @@ class LearnerLoop(threading.Thread):
         one merge record per fragment per H steps rather than one per learner. The phase is matched to a
         fraction of a step: the learner takes the step number the peers start next and waits (less than one
         step, once) until they start it."""
-        target = self.node.swarm_step()
+        aligned = aligned_step(self.node.swarm_step(), self.step_s)
         lrn = self.learner
-        if target is None:
+        if aligned is None:
             return
-        nxt = math.ceil(target)
-        wait_s = min(2.0, (nxt - target) * (self.step_s or 0.0))
+        nxt, wait_s = aligned
         logger.info(
             "fragment schedule moved from step %d to the swarm's %d (+%.3f s)", lrn.book.step, nxt, wait_s
         )
@@ -173,12 +173,11 @@ class LearnerLoop(threading.Thread):
         round: adoption replaces its copy of p, overwriting what it trained on p since it last received
         it (see docs/chaos.md). Jumping the schedule only changes which fragments come due next; the
         counters still count every step a contribution holds."""
-        target = self.node.swarm_step()
         lrn = self.learner
-        if target is None or target - lrn.book.step < 0.5:
+        after = in_phase_step(self.node.swarm_step(), lrn.book.step)
+        if after is None:
             return
-        before = lrn.book.step
-        lrn.book.step = before + round(target - before)
+        before, lrn.book.step = lrn.book.step, after
         self.node.events.emit(
             "align", t=time.time(), learner=self.node.peer_id, before=before, after=lrn.book.step, wait_s=0.0
         )

@@ -1,17 +1,24 @@
 """One learner of the in-process runner (``node.local.runner``) as a node sees it: its plan, its inbox and
 blocking state, what a node measures of its pace, and the node's rules that keep its fragment schedule in
-phase with its peers' (``node.learner.loop``: ``_align_schedule``, ``_keep_in_phase``)."""
+phase with its peers, the node's (``node.learner.loop``) by the same functions
+(``protocol.schedule.aligned_step``, ``in_phase_step``)."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 
 from node.common.events import EventLog
 from node.learner.learner import Learner
 from node.local.run_config import LearnerPlan
-from protocol.schedule import RATE_WINDOW, SlotBook, averaged_step_s, measured_period
+from protocol.schedule import (
+    RATE_WINDOW,
+    SlotBook,
+    aligned_step,
+    averaged_step_s,
+    in_phase_step,
+    measured_period,
+)
 
 
 class LearnerSlot:
@@ -67,11 +74,10 @@ def swarm_step(slots: list[LearnerSlot], me: LearnerSlot, t: float) -> float | N
 def align(slots: list[LearnerSlot], me: LearnerSlot, t: float, events: EventLog) -> float:
     """After a life's first step: take the step number the peers start next, and wait (at most 2 s, once)
     until they start it. Returns the wait."""
-    target = swarm_step(slots, me, t)
-    if target is None:
+    aligned = aligned_step(swarm_step(slots, me, t), me.step_s)
+    if aligned is None:
         return 0.0
-    nxt = math.ceil(target)
-    wait = min(2.0, (nxt - target) * (me.step_s or 0.0))
+    nxt, wait = aligned
     before, me.learner.book.step = me.learner.book.step, nxt
     events.emit("align", t=t, learner=me.learner.name, before=before, after=nxt, wait_s=wait)
     return wait
@@ -80,9 +86,8 @@ def align(slots: list[LearnerSlot], me: LearnerSlot, t: float, events: EventLog)
 def keep_in_phase(slots: list[LearnerSlot], me: LearnerSlot, t: float, events: EventLog) -> None:
     """A learner half a step or more behind its peers' schedule moves its own forward to it."""
     book = me.learner.book
-    target = swarm_step(slots, me, t)
-    if target is None or target - book.step < 0.5:
+    after = in_phase_step(swarm_step(slots, me, t), book.step)
+    if after is None:
         return
-    before = book.step
-    book.step = before + round(target - before)
+    before, book.step = book.step, after
     events.emit("align", t=t, learner=me.learner.name, before=before, after=book.step, wait_s=0.0)

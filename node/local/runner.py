@@ -38,9 +38,7 @@ from protocol.schedule import (
     PHASE_EVERY,
     due_fragments,
     measured_period,
-    record_period,
-    round_due,
-    steered_period,
+    record_timing,
     swarm_clocks,
 )
 from protocol.synchroniser import (
@@ -54,6 +52,7 @@ from protocol.synchroniser import (
     on_merged,
     on_tick,
     scheduled,
+    taken_at,
 )
 from protocol.systems import system_protocol
 
@@ -303,17 +302,18 @@ class VirtualSwarm:
         return swarm_clocks([r.clock for r in reps], [r.round for r in reps], self.plan, now)
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
-        rep, st, clock = self.replicas[p], self.syncs[p], (clocks := self._clocks(now))[p]
+        rep, st, clocks = self.replicas[p], self.syncs[p], self._clocks(now)
         kept = self.agreement.keep_trusted(a.contributions) if self.cfg.distrust else a.contributions
         if not kept:  # as a node does (protocol.agreement)
             self.syncs[p] = SyncState(p, rep.round, live=st.live, working=st.working, due_at=st.due_at,
                                       due_every=st.due_every)  # fmt: skip
             return  # the round starts over without them
         a = Merge(a.round, kept)
-        live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]  # as a node does
-        period = record_period(live, clock, self.cfg.sync_every, [c.step_time_s for c in a.contributions])
-        due = round_due(clock, st.quorum_at if st.quorum_at is not None else now)
-        period = steered_period(period, due, p, clocks, self.plan)
+        live = [measured_period(s.ends) for s in self.slots if s.learner.name in st.live]
+        reported = [c.step_time_s for c in a.contributions]
+        due, period = record_timing(
+            p, clocks, taken_at(st, now), live, reported, self.cfg.sync_every, self.plan
+        )
         rec = rep.make_record(a.round, a.contributions, self.cfg, live=len(st.live), due=due, period=period)
         rep.apply_record(rec, self.cfg)
         was = self.agreement.out

@@ -25,11 +25,7 @@ from node.swarm.wire import (
 )
 from protocol.audit import frozen_view
 from protocol.errors import HashMismatch, ProtocolError, RejectCode, UnprovenRefusal
-from protocol.schedule import (
-    record_period,
-    round_due,
-    steered_period,
-)
+from protocol.schedule import record_timing
 from protocol.synchroniser import (
     Decision,
     Merge,
@@ -41,6 +37,7 @@ from protocol.synchroniser import (
     on_merged,
     on_tick,
     quorum_basis,
+    taken_at,
 )
 
 logger = logging.getLogger(__name__)
@@ -265,19 +262,13 @@ class Replication(RecordPush, MergeWatch, Clocks):
             a = replace(a, contributions=kept)
         t0 = self.loop.time()
         st = self.syncs[p]
-        # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
-        # arrived first). The wall clock is the swarm's; the state machine runs on the loop's.
-        at = st.quorum_at if st.quorum_at is not None else (st.first_at if st.first_at is not None else t0)
-        clocks = self.clocks()
-        clock = clocks[p]  # its own, or the stagger's before its first record
-        due = round_due(clock, time.time() - (t0 - at))
-        # The members' measured step rates (each over its last steps, the warm-up left out); none measured
-        # yet: no schedule in this record, and the learners go by their steps until a later one has one.
+        # The wall clock is the swarm's; the state machine runs on the loop's. The members' measured step
+        # rates (each over its last steps, the warm-up left out); none measured yet: no schedule in this
+        # record, and the learners go by their steps until a later one has one.
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
         reported = [c.step_time_s for c in a.contributions]
-        period = steered_period(
-            record_period(rates, clock, self.pcfg.sync_every, reported), due, p, clocks, self.plan
-        )
+        at = time.time() - (t0 - taken_at(st, t0))
+        due, period = record_timing(p, self.clocks(), at, rates, reported, self.pcfg.sync_every, self.plan)
         self._spawn(self._merge_off_loop(p, a, len(quorum_basis(self.pcfg, st)), due, period, t0))
 
     async def _merge_off_loop(
