@@ -145,4 +145,6 @@ def _become_node(req: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_become_node(_serve()))
+    from node.common.lifetime import exit_without_teardown
+
+    exit_without_teardown(_become_node(_serve()))  # in the forked child: the server's _serve exits itself

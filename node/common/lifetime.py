@@ -56,3 +56,21 @@ async def cancel_until_done(tasks, deadline_s: float, again_s: float = 0.5) -> s
     for t in pending:
         logger.warning("task %r did not end within %g s of its cancel; left behind", t, deadline_s)
     return pending
+
+
+def exit_without_teardown(code: int) -> None:
+    """End this process with ``code`` once its work is done and written: the exit handlers run, buffered output
+    is flushed, and the interpreter's teardown is skipped. That teardown collects and frees every object of
+    torch, hivemind and the node (some 325,000 in a tiny node), 10-20 s of a stop on a loaded 2-core machine
+    after the node itself had stopped in under a second."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its pipe gone
+            pass
+    os._exit(code)
