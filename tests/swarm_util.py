@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -156,6 +157,9 @@ def assert_eval_held(swarm: Swarm, since: float, nodes=None, factor: float = 1.0
     flipped weights 9.6-15, against 2.0-2.6 before). Returns each node's (before, after)."""
     nodes = list(swarm.children) if nodes is None else list(nodes)
     t_end = time.time()
+    for i in nodes:  # now, rather than at each node's next eval_every_s
+        with contextlib.suppress(StatusError):
+            swarm.control(i, "evaluate")
 
     def losses():
         out = {}

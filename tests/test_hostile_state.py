@@ -523,17 +523,26 @@ def _post(url: str, body: bytes, token: str | None) -> int:
 
 @pytest.mark.slow
 def test_control_without_the_token_is_refused_and_changes_nothing(tmp_path):
-    swarm = Swarm(tmp_path / "swarm")
+    swarm = Swarm(tmp_path / "swarm", TINY + ["--eval-every-s", "3600"])
     try:
         swarm.start_many(1)
         c = swarm.children[0]
         token_file = c.state_dir / "control.token"
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
         token = token_file.read_text().strip()
-        for action in ("stop", "pause"):
+        # with the token, "evaluate" brings an evaluation forward (the next was due in an hour); without, 403
+        wait_until(lambda: [e for e in swarm.events(0) if e["kind"] == "eval"], 60, "the first evaluation")
+        t_asked = time.time()
+        for action in ("stop", "pause", "evaluate"):
             body = json.dumps({"action": action}).encode()
             assert _post(c.url, body, None) == 403
             assert _post(c.url, body, "0" * len(token)) == 403
+        assert _post(c.url, json.dumps({"action": "evaluate"}).encode(), token) == 200
+        wait_until(
+            lambda: [e for e in swarm.events(0) if e["kind"] == "eval" and e["t"] >= t_asked],
+            60,
+            "the evaluation asked for",
+        )
         steps = swarm.status()[0]["learner"]["steps"]
         wait_until(
             lambda: swarm.status()[0]["learner"]["steps"] > steps + 5, 60, "the learner still training"

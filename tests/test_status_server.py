@@ -149,6 +149,10 @@ def test_control_with_the_token_acts_and_bad_bodies_are_400():
                 out.append((r.status, await r.json()))
             async with http.get(srv.url + "/nowhere") as r:
                 out.append((r.status, (await r.json())["error"]))
+            srv.node.loop, srv.node.evaluate_now = asyncio.get_running_loop(), asyncio.Event()
+            async with http.post(srv.url + "/control", data=json.dumps({"action": "evaluate"})) as r:
+                out.append((r.status, await r.json()))
+            await asyncio.wait_for(srv.node.evaluate_now.wait(), 10)  # the eval loop's wait is cut short
         return out, paused_before, srv.node.learner_loop.paused.is_set()
 
     out, before, after = asyncio.run(_with_server(builds, clock, control))
@@ -158,6 +162,7 @@ def test_control_with_the_token_acts_and_bad_bodies_are_400():
     assert out[4][0] == 403 and "forget is a test hook" in out[4][1]  # and nothing was forgotten
     assert not before and after and out[5] == (200, {"ok": True, "action": "pause"})
     assert out[6][0] == 404 and "GET /status" in out[6][1]
+    assert out[7] == (200, {"ok": True, "action": "evaluate"})
 
 
 def test_a_port_in_use_is_a_clear_error():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from protocol.errors import DDiLoCoError
 
-ACTIONS = ("pause", "resume", "stop", "block", "forget")
+ACTIONS = ("pause", "resume", "stop", "evaluate", "block", "forget")
 TOKEN_FILE = "control.token"  # in a node's state folder, mode 0600: what POST /control must carry
 
 

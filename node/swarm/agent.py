@@ -197,6 +197,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
         self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
+        self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
         self.lagging_since: dict[int, float] = {}
         self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
         self.work = WorkBook()  # since when each learner's counters must fit (protocol.work)
@@ -284,6 +285,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
 
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self.evaluate_now = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests)
                 self.loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
@@ -436,8 +438,9 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
                 await loop.run_in_executor(pool, self.learner_loop.evaluate, params, time.time())
                 del params
                 await loop.run_in_executor(pool, release_free_memory)
-                await asyncio.sleep(
-                    paced_wait(s.eval_every_s, self.learner_loop.eval_cpu_s, s.eval_cpu_share)
-                )
+                wait_s = paced_wait(s.eval_every_s, self.learner_loop.eval_cpu_s, s.eval_cpu_share)
+                with contextlib.suppress(TimeoutError):  # or sooner, when asked (POST /control "evaluate")
+                    await asyncio.wait_for(self.evaluate_now.wait(), wait_s)
+                self.evaluate_now.clear()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,7 @@ Routes:
   * ``GET /status``: the status document (``node.swarm.status.status_doc``) as JSON, from a copy rebuilt at
     most every ``CACHE_S`` seconds while the node trains (a flood of readers costs the node one build per
     interval, not one each), and at the next request after a rarer change (``FREQUENT``, ``on_event``);
-  * ``POST /control``: pause, resume, stop (and the ``block`` test hook), only with the node's control token
+  * ``POST /control``: pause, resume, stop, evaluate (and the ``block`` test hook), only with the node's control token
     (``Authorization: Bearer TOKEN``); without it, 403 before the body is read, and nothing changes;
   * ``GET /metrics``: Prometheus exposition from the node's own registry (``node.swarm.metrics``);
   * ``GET /history``: the curves and recent lists the dashboard draws (``node.swarm.history``);

@@ -37,7 +37,7 @@ class BadRequest(DDiLoCoError, ValueError):
 
 def parse_control(body: bytes) -> tuple[str, list[str]]:
     """The action of a POST /control body and, for ``block``, the peers; BadRequest says what is wrong."""
-    usage = 'expected JSON {"action": "pause" | "resume" | "stop" | "block"}'
+    usage = 'expected JSON {"action": "pause" | "resume" | "stop" | "evaluate" | "block"}'
     try:
         req = json.loads(body or b"{}")
     except (ValueError, RecursionError) as e:
@@ -46,7 +46,7 @@ def parse_control(body: bytes) -> tuple[str, list[str]]:
         raise BadRequest(usage)
     action = req["action"]
     if not isinstance(action, str) or action not in ACTIONS:
-        raise BadRequest(f"unknown action {repr(action)[:80]}: pause, resume, stop or block")
+        raise BadRequest(f"unknown action {repr(action)[:80]}: pause, resume, stop, evaluate or block")
     peers = req.get("peers", []) if action == "block" else []
     if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
         raise BadRequest("peers must be a list of peer ids")
@@ -196,6 +196,8 @@ def apply_control(node: Any, action: str, peers: list[str]) -> tuple[int, dict]:
         ll.paused.clear()
     elif action == "stop":
         node.request_stop("stop requested over the status endpoint")
+    elif action == "evaluate":  # the global model as it is now; the eval event follows
+        node.loop.call_soon_threadsafe(node.evaluate_now.set)
     elif action in ("block", "forget") and not node.settings.test_hooks:
         return 403, {"error": f"{action} is a test hook; start the node with --test-hooks"}
     elif action == "forget":  # the open rounds' contributions lost here, the receipts given for them kept
