@@ -294,6 +294,7 @@ class _Member(Evidence, Replication):
         self.tasks: list = []
         self.plan = SimpleNamespace(total_numel=sum(math.prod(s) for s in SPEC[0].values()))
         self.state_dir = folder
+        self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
         self._init_evidence()
         self._init_merge_watch()
 
@@ -317,9 +318,6 @@ class _Member(Evidence, Replication):
         coro.close()
 
     def _reset_sync(self, p, merged=frozenset()) -> None:
-        pass
-
-    def _schedule_unclocked(self) -> None:
         pass
 
 

@@ -13,6 +13,7 @@ import torch
 
 from dht.identity import Identity
 from node.common.events import EventLog
+from node.swarm.clocks import SwarmClocks
 from node.swarm.replication import Replication
 from protocol.agreement import MIN_ROUNDS, AgreementBook
 from protocol.codecs import encode_tensors
@@ -30,6 +31,8 @@ class _Node(Replication):
         self.applied, self.resets, self.decided = [], [], []
         self.loop = asyncio.get_running_loop()
         self.agreement = AgreementBook()
+        self.plan = SimpleNamespace(sync_every=8)
+        self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, self.loop.time)
 
     def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
         return False
@@ -85,7 +88,6 @@ def test_the_merge_leaves_the_loop_free_and_its_record_is_applied_here(monkeypat
         node.identity = Identity.generate()
         node.peer_id = node.identity.peer_id
         node.counters, node.leases, node._push_s = {"records_made": 0}, {}, {}
-        node._schedule_of = lambda p: None
         task = asyncio.ensure_future(
             node._merge_off_loop(0, Merge(1, _contributions(theta)), 3, 0.0, 0.0, 0.0)
         )
@@ -141,8 +143,7 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
         for _ in range(MIN_ROUNDS):
             node.agreement.add(["l0", "l1", "l2"], [0.5, -0.6, 0.4])
         node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
-        node._stop, node.plan = None, SimpleNamespace(sync_every=8)
-        node.clocks = lambda: [None]
+        node._stop = None
         node.live_members = lambda: {}
         node._spawn = lambda coro: coro.close()
         merged = []

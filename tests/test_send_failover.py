@@ -63,6 +63,7 @@ class _Sender(Contributions):
         self.events = EventLog()
         self.guard = Guard()
         self.accepted: list[str] = []
+        self.clocks = SimpleNamespace(due=lambda p: None)  # no schedule yet (node.swarm.clocks)
         self._init_merge_watch()
         self._init_contributions()
 
@@ -81,9 +82,6 @@ class _Sender(Contributions):
 
     def rounds_behind(self, p: int) -> int:
         return 0
-
-    def _schedule_of(self, p: int):
-        return None
 
     def live_members(self) -> dict:
         return self.members
@@ -240,17 +238,17 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         assert not await s._answers("C") and "C" in s.suspect  # no answer in time
         s.members = {"A": SimpleNamespace(leases={"3": 1}), "B": SimpleNamespace(leases={"3": 7})}
         now = s.loop.time()
-        s._schedule_of = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
+        s.clocks.due = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
         assert not s._stalled_here(3, "A")  # a lease never seen in a view read: no evidence
         two = 2 * s.pcfg.sync_every  # the learners' summed steps over two rounds
         s.swarm_steps = 1000 + two
         s.lease_seen = {("A", "3", 1): (now - 30.0, 1000), ("B", "3", 7): (now - 30.0, 1000)}  # held 30 s
         assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
-        s._schedule_of = lambda p: (now - 1.5, 1.0)
+        s.clocks.due = lambda p: (now - 1.5, 1.0)
         assert not s._stalled_here(3, "A")
         # a swarm at rest: the open round's slot long past, A's lease first seen a moment ago (it just took
         # the first contribution in a while): not stalled until two repeats after that
-        s._schedule_of = lambda p: (now - 100.0, 1.0)
+        s.clocks.due = lambda p: (now - 100.0, 1.0)
         s.lease_seen = {("A", "3", 1): (now - 0.5, 1000)}
         assert not s._stalled_here(3, "A")
         s.lease_seen = {("A", "3", 1): (now - 2.5, 1000)}
@@ -272,7 +270,7 @@ def test_a_first_round_has_time_for_its_grace_window_before_it_counts_as_stalled
         slow, fast = (SimpleNamespace(fragment=3, cid=CID, step_time_s=t) for t in (10.0, 0.05))
         assert s._merge_deadline(slow) == 2 * s.pcfg.overlap * 10.0
         assert s._merge_deadline(fast) == 8.0  # failover_s: the small model's deadline is as it was
-        s._schedule_of = lambda p: (s.loop.time() + 5.0, 30.0)  # on the schedule: due moment + 2 periods
+        s.clocks.due = lambda p: (s.loop.time() + 5.0, 30.0)  # on the schedule: due moment + 2 periods
         assert abs(s._merge_deadline(slow) - 65.0) < 0.1
 
     asyncio.run(go())

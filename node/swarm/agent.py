@@ -47,6 +47,7 @@ from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
+from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.dispatch import OPS, Dispatcher
 from node.swarm.evidence import Evidence
@@ -190,6 +191,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
         self.spool = Spool(self.state_dir / "records")  # the logs' signed bytes, on disk
         self.syncs = [SyncState(fragment=p) for p in range(P)]
+        # each fragment's round clock, and when its open round is due on this node's loop (node.swarm.clocks)
+        self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, lambda: self.loop.time())
         self.leases: dict[int, int] = {}
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}

@@ -340,7 +340,7 @@ class Contributions(MergeWatch):
         summed): a round held open below its quorum while every learner was paused is starved, not stalled;
         taken for stalled, a member that held one at rest was passed over unpinged, and two nodes answered
         ``ok`` to one contribution, in CI.)"""
-        m, sched = self.members.get(q), self._schedule_of(p)
+        m, sched = self.members.get(q), self.clocks.due(p)
         r = self.replicas[p].round + 1
         if m is None or sched is None or m.leases.get(str(p)) != r:
             return False

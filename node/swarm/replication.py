@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import replace
 
-from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
 from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
-class Replication(RecordPush, MergeWatch, Clocks):
+class Replication(RecordPush, MergeWatch):
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -127,7 +126,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             if parent is not None:
                 self._spawn(self._audit(sr, parent))
             self.recheck(sr)
-        self._schedule_unclocked()
+        self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
@@ -207,7 +206,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         over contributions that are still usable (not merged, base still anchored)."""
         old = self.syncs[p]
         rep = self.replicas[p]
-        due = self._schedule_of(p)
+        due = self.clocks.due(p)
         st = replace(
             SyncState(fragment=p, global_round=rep.round, live=old.live, working=old.working),
             due_at=None if due is None else due[0],
@@ -268,7 +267,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         # The slot the round was taken at: nearest to its quorum (a straggler of an earlier slot may have
         # arrived first). The wall clock is the swarm's; the state machine runs on the loop's.
         at = st.quorum_at if st.quorum_at is not None else (st.first_at if st.first_at is not None else t0)
-        clocks = self.clocks()
+        clocks = self.clocks.current()
         clock = clocks[p]  # its own, or the stagger's before its first record
         due = round_due(clock, time.time() - (t0 - at))
         # The members' measured step rates (each over its last steps, the warm-up left out); none measured
@@ -321,7 +320,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         self.counters["records_made"] += 1
         self.leases.pop(p, None)
         sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
-        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self._schedule_of(p)))
+        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
         self._spawn(self._broadcast(p, sr))
 
     def _agreed(self, rec, cosines) -> None:

@@ -57,7 +57,7 @@ class MergeWatch:
         at 124M parameters a step took 8-10 s, the grace window 10 s, and every synchroniser of a first
         round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run."""
         now = self.loop.time()
-        sched = self._schedule_of(header.fragment)
+        sched = self.clocks.due(header.fragment)
         if sched is not None:
             due, every = sched
         else:
@@ -95,7 +95,7 @@ class MergeWatch:
         merge latency (``node.swarm.lateness``), in fragment p's round periods. One judged slow against the
         other signers is passed over as a stalled one is (``slow_rounds``): a synchroniser that holds each
         round to just before its stall deadline costs the swarm rounds and is never found stalled."""
-        sched = self._schedule_of(p)
+        sched = self.clocks.due(p)
         if sched is None or sched[1] <= 0:  # no schedule yet: no period to measure against
             return
         if (
