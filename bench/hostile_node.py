@@ -283,7 +283,7 @@ def tamper_forge(attack: str) -> None:
             print(f"{attack}: fragment {p}: {e}", file=sys.stderr)
             return
         targets = [q for q in node.live_members() if q != node.peer_id]
-        await asyncio.gather(*(node._push(q, sr.raw) for q in targets))
+        await asyncio.gather(*(node.record_push.push(q, sr.raw) for q in targets))
         forged["n"] += 1
         if forged["n"] % 20 == 1:
             print(f"{attack}: {forged['n']} records signed and pushed", file=sys.stderr)

@@ -14,6 +14,7 @@ import torch
 from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.clocks import SwarmClocks
+from node.swarm.push import RecordPush
 from node.swarm.replication import Replication
 from protocol.agreement import MIN_ROUNDS, AgreementBook
 from protocol.codecs import encode_tensors
@@ -83,11 +84,21 @@ def test_the_merge_leaves_the_loop_free_and_its_record_is_applied_here(monkeypat
         node = _Node(rep)
         node._decide = lambda p, d: node.decided.append(d.state.global_round)
         node._spawn = lambda coro: asyncio.ensure_future(coro)
-        node._broadcast = lambda p, sr: asyncio.sleep(0)
+        # no member to push the record to (node.swarm.push)
+        node.record_push = RecordPush(
+            None,
+            SimpleNamespace(elect_workers=False, rpc_timeout_s=1.0),
+            "me",
+            {},
+            lambda: {},
+            lambda p, seen: seen,
+            lambda p: [],
+            node.loop.time,
+        )
         node.settings = type("S", (), {"swarm": "s"})()
         node.identity = Identity.generate()
         node.peer_id = node.identity.peer_id
-        node.counters, node.leases, node._push_s = {"records_made": 0}, {}, {}
+        node.counters, node.leases = {"records_made": 0}, {}
         task = asyncio.ensure_future(
             node._merge_off_loop(0, Merge(1, _contributions(theta)), 3, 0.0, 0.0, 0.0)
         )

@@ -57,6 +57,7 @@ from node.swarm.lateness import MergeLatency
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
+from node.swarm.push import RecordPush
 from node.swarm.receipts import Receipts
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
@@ -212,7 +213,6 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
         self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
         self.published_self: Member | None = None  # this node's membership record as peers read it
-        self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
         self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
         # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
@@ -245,6 +245,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.status_server: StatusServer | None = None
         self.outbox: asyncio.Queue | None = None  # our contributions, from the learner thread to the sender
         self.transport: Transport | None = None
+        self.record_push: RecordPush | None = None  # new records to the members that need them first
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
@@ -304,6 +305,16 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
+        self.record_push = RecordPush(
+            self.transport,
+            s,
+            self.peer_id,
+            self.suspect,
+            self.live_members,
+            self._workers,
+            self.candidates,
+            self.loop.time,
+        )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
         Dispatcher(self._known, self.penalise, handlers).register(self.transport)
         await self.transport.start()

@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 
 from node.swarm.memory import momentum_lent
-from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
 from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS, credits
 from node.swarm.watch import MergeWatch
@@ -46,7 +45,7 @@ logger = logging.getLogger(__name__)
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
-class Replication(RecordPush, MergeWatch):
+class Replication(MergeWatch):
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -319,9 +318,9 @@ class Replication(RecordPush, MergeWatch):
         self._apply(sr, made_here=True)
         self.counters["records_made"] += 1
         self.leases.pop(p, None)
-        sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
+        sync_s = self.loop.time() - t0 + self.record_push.last_s(p)
         self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
-        self._spawn(self._broadcast(p, sr))
+        self._spawn(self.record_push.broadcast(p, sr))
 
     def _agreed(self, rec, cosines) -> None:
         """Take one robust merge's cosines, made here or recomputed by an audit here (``protocol.agreement``)."""
