@@ -300,9 +300,9 @@ def tamper_forge(attack: str) -> None:
 
 def tamper_late() -> None:
     """``sync-late``: when elected it merges honestly, but only 0.8 of its senders' stall deadline after its
-    quorum (``node.swarm.watch``: ``STALL_PERIODS`` round periods): never found stalled."""
+    quorum (``node.swarm.deadlines``: ``STALL_PERIODS`` round periods): never found stalled."""
+    from node.swarm.deadlines import STALL_PERIODS
     from node.swarm.replication import Replication
-    from node.swarm.watch import STALL_PERIODS
 
     honest_merge = Replication._merge
 

@@ -295,8 +295,8 @@ class _Member(Evidence, Replication):
         self.plan = SimpleNamespace(total_numel=sum(math.prod(s) for s in SPEC[0].values()))
         self.state_dir = folder
         self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
+        self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
         self._init_evidence()
-        self._init_merge_watch()
 
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)

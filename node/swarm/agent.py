@@ -49,11 +49,11 @@ from node.learner.unit import Unit
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
+from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import OPS, Dispatcher
 from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
-from node.swarm.lateness import MergeLatency
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
@@ -198,7 +198,6 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
-        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
         self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.lagging_since: dict[int, float] = {}
@@ -225,7 +224,6 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._relinking: asyncio.Task | None = None
         # each part's own state, declared where the part is written
         self._init_catch_up()
-        self._init_merge_watch()
         self._init_contributions()
         self._init_receipts()
         self._init_vouching()
@@ -246,6 +244,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.outbox: asyncio.Queue | None = None  # our contributions, from the learner thread to the sender
         self.transport: Transport | None = None
         self.record_push: RecordPush | None = None  # new records to the members that need them first
+        self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
@@ -292,6 +291,22 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests)
                 self.loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         s = self.settings
+        self.deadlines = MergeDeadlines(
+            s,
+            self.pcfg,
+            self.replicas,
+            self.clocks,
+            self.loop,
+            self.guard,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.live_members,
+            self.rounds_behind,
+            self.watched_round,
+            self.check_omission,
+            self._send_again,
+        )
         self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
         self.membership = Membership(
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission

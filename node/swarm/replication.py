@@ -1,6 +1,8 @@
 """Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
-as the synchroniser, pushing records, and the server side of the record and records ops. A mixin of
-``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``."""
+as the synchroniser, and the server side of the record and records ops. A mixin of
+``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``, the
+push of the records made here ``node.swarm.push``, the deadlines of the rounds that took our contributions
+``node.swarm.deadlines``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from dataclasses import replace
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply
 from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS, credits
-from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
     decode_record,
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
-class Replication(MergeWatch):
+class Replication:
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -104,7 +105,7 @@ class Replication(MergeWatch):
         while len(log) > self.pcfg.history:
             _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
             self.work.settle(c[0] for c in old.record.contributors if credits(old.signer, c[0], self.peer_id))
-        self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
+        self.deadlines.left_out(sr)  # a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(
             "merge",
