@@ -46,12 +46,12 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
+from node.swarm.audit import Audit
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import OPS, Dispatcher
-from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
 from node.swarm.memory import release_free_memory
@@ -102,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions, Receipts):
+class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contributions, Receipts):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -227,7 +227,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._init_contributions()
         self._init_receipts()
         self._init_vouching()
-        self._init_evidence()
+        self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {
