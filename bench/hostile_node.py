@@ -283,7 +283,7 @@ def tamper_forge(attack: str) -> None:
             print(f"{attack}: fragment {p}: {e}", file=sys.stderr)
             return
         targets = [q for q in node.live_members() if q != node.peer_id]
-        await asyncio.gather(*(node._push(q, sr.raw) for q in targets))
+        await asyncio.gather(*(node.record_push.push(q, sr.raw) for q in targets))
         forged["n"] += 1
         if forged["n"] % 20 == 1:
             print(f"{attack}: {forged['n']} records signed and pushed", file=sys.stderr)
@@ -300,9 +300,9 @@ def tamper_forge(attack: str) -> None:
 
 def tamper_late() -> None:
     """``sync-late``: when elected it merges honestly, but only 0.8 of its senders' stall deadline after its
-    quorum (``node.swarm.watch``: ``STALL_PERIODS`` round periods): never found stalled."""
+    quorum (``node.swarm.deadlines``: ``STALL_PERIODS`` round periods): never found stalled."""
+    from node.swarm.deadlines import STALL_PERIODS
     from node.swarm.replication import Replication
-    from node.swarm.watch import STALL_PERIODS
 
     honest_merge = Replication._merge
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from node.swarm.audit import Audit
 from node.swarm.contributions import OwnCids
 from node.swarm.dispatch import Dispatcher
-from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.replication import Replication
@@ -274,7 +274,7 @@ def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undon
         swarm.stop()
 
 
-class _Member(Evidence, Replication):
+class _Member(Audit, Replication):
     """The audit and record paths of a node over one fragment, with no network: proofs come in by ``_h_proof``."""
 
     def __init__(self, folder) -> None:
@@ -294,8 +294,9 @@ class _Member(Evidence, Replication):
         self.tasks: list = []
         self.plan = SimpleNamespace(total_numel=sum(math.prod(s) for s in SPEC[0].values()))
         self.state_dir = folder
-        self._init_evidence()
-        self._init_merge_watch()
+        self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
+        self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
+        self._init_audit()
 
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)
@@ -317,9 +318,6 @@ class _Member(Evidence, Replication):
         coro.close()
 
     def _reset_sync(self, p, merged=frozenset()) -> None:
-        pass
-
-    def _schedule_unclocked(self) -> None:
         pass
 
 

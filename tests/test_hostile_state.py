@@ -484,7 +484,7 @@ def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_pat
         wait_until(stalled, 120, "a round the member took and left unmerged")
         every_fragment_merges(swarm, 6, "beside the member")
         # each incident costs the fragment a bounded wait, then the round moves on: the sender found the round
-        # stalled within two due periods of its due moment (at least two heartbeats; ``node.swarm.watch``),
+        # stalled within two due periods of its due moment (at least two heartbeats; ``node.swarm.deadlines``),
         # and the fragment merged again within failover_s (6 s) of that on the sender's node (0.02-1.2 s in
         # three suite runs; 45-65 s freezes before the watch). Stalls after the last merge
         # checked here are left out: the test's end may come before their round.

@@ -4,7 +4,7 @@ public swarm's synchroniser gives, and when elected merges only the first it hol
 subset, which no audit refutes, but its record beside its own receipt proves the drop
 (``node.swarm.receipts``). ``sync-censor`` does the same and gives no receipt. Every honest node bans the
 dropper; the censor's oks without receipts send each contribution to the next candidate. The work left out
-goes again (``node.swarm.watch.left_out``) and is merged in a later round, and the model holds."""
+goes again (``MergeDeadlines.left_out``) and is merged in a later round, and the model holds."""
 
 import time
 

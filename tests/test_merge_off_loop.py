@@ -13,6 +13,8 @@ import torch
 
 from dht.identity import Identity
 from node.common.events import EventLog
+from node.swarm.clocks import SwarmClocks
+from node.swarm.push import RecordPush
 from node.swarm.replication import Replication
 from protocol.agreement import MIN_ROUNDS, AgreementBook
 from protocol.codecs import encode_tensors
@@ -30,6 +32,8 @@ class _Node(Replication):
         self.applied, self.resets, self.decided = [], [], []
         self.loop = asyncio.get_running_loop()
         self.agreement = AgreementBook()
+        self.plan = SimpleNamespace(sync_every=8)
+        self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, self.loop.time)
 
     def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
         return False
@@ -80,12 +84,21 @@ def test_the_merge_leaves_the_loop_free_and_its_record_is_applied_here(monkeypat
         node = _Node(rep)
         node._decide = lambda p, d: node.decided.append(d.state.global_round)
         node._spawn = lambda coro: asyncio.ensure_future(coro)
-        node._broadcast = lambda p, sr: asyncio.sleep(0)
+        # no member to push the record to (node.swarm.push)
+        node.record_push = RecordPush(
+            None,
+            SimpleNamespace(elect_workers=False, rpc_timeout_s=1.0),
+            "me",
+            {},
+            lambda: {},
+            lambda p, seen: seen,
+            lambda p: [],
+            node.loop.time,
+        )
         node.settings = type("S", (), {"swarm": "s"})()
         node.identity = Identity.generate()
         node.peer_id = node.identity.peer_id
-        node.counters, node.leases, node._push_s = {"records_made": 0}, {}, {}
-        node._schedule_of = lambda p: None
+        node.counters, node.leases = {"records_made": 0}, {}
         task = asyncio.ensure_future(
             node._merge_off_loop(0, Merge(1, _contributions(theta)), 3, 0.0, 0.0, 0.0)
         )
@@ -141,8 +154,7 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
         for _ in range(MIN_ROUNDS):
             node.agreement.add(["l0", "l1", "l2"], [0.5, -0.6, 0.4])
         node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
-        node._stop, node.plan = None, SimpleNamespace(sync_every=8)
-        node.clocks = lambda: [None]
+        node._stop = None
         node.live_members = lambda: {}
         node._spawn = lambda coro: coro.close()
         merged = []

@@ -312,14 +312,12 @@ class _Restarted(Replication, Audit):
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)
         self.resets: list[int] = []
         self.plan = SimpleNamespace(total_numel=rep.numel)
+        self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
+        self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
         self._init_audit()
-        self._init_merge_watch()
 
     def _reset_sync(self, p: int, merged=frozenset()) -> None:
         self.resets.append(self.replicas[p].round)
-
-    def _schedule_unclocked(self) -> None:
-        pass
 
 
 def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_elses(tmp_path):

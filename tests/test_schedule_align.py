@@ -38,7 +38,9 @@ def _loop(steps: int, first_step: int, swarm_step):
     plan = plan_fragments({"a": 8, "b": 8, "c": 8, "d": 8}, 4, 4)
     learner = SimpleNamespace(plan=plan, steps=steps, book=SimpleNamespace(step=steps))
     node = SimpleNamespace(
-        blocking=False, swarm_step=lambda: swarm_step, clocks=lambda: [None] * len(plan.fragments)
+        blocking=False,
+        swarm_step=lambda: swarm_step,
+        clocks=SimpleNamespace(current=lambda: [None] * len(plan.fragments)),
     )
     loop = SimpleNamespace(learner=learner, node=node, _first_step=first_step, slots=SlotBook(), step_s=0.1)
     return lambda: LearnerLoop._due_after_step(loop)

@@ -18,6 +18,7 @@ import node.swarm.contributions as contributions
 from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.contributions import Contributions
+from node.swarm.deadlines import MergeDeadlines
 from node.swarm.guard import Guard
 from node.swarm.receipts import Receipts, make_receipt
 from node.swarm.transport import Reply, TransportError
@@ -63,8 +64,25 @@ class _Sender(Contributions):
         self.events = EventLog()
         self.guard = Guard()
         self.accepted: list[str] = []
-        self._init_merge_watch()
+        self.clocks = SimpleNamespace(due=lambda p: None)  # no schedule yet (node.swarm.clocks)
         self._init_contributions()
+        # the deadlines of the rounds that take our contributions, as the node wires them
+        self.deadlines = MergeDeadlines(
+            self.settings,
+            self.pcfg,
+            self.replicas,
+            self.clocks,
+            self.loop,
+            self.guard,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.live_members,
+            self.rounds_behind,
+            self.watched_round,
+            self.check_omission,
+            self._send_again,
+        )
 
     def keep_message(self, raw: bytes, sig: bytes) -> str:  # node.swarm.audit: nothing kept here
         return ""
@@ -82,11 +100,14 @@ class _Sender(Contributions):
     def rounds_behind(self, p: int) -> int:
         return 0
 
-    def _schedule_of(self, p: int):
-        return None
-
     def live_members(self) -> dict:
         return self.members
+
+    def watched_round(self, rc, open_round: int) -> int:  # receipts are off here (``receipts_on``)
+        raise AssertionError("no receipt to watch")
+
+    def check_omission(self, sr, rc) -> bool:
+        raise AssertionError("no receipt to check")
 
 
 def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0, setup=None) -> _Sender:
@@ -153,7 +174,7 @@ class _ReceiptSender(Receipts, _Sender):
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         super().__init__(order, hung, failover_s)
         self.settings.trusted = False
-        self.replicas = {3: SimpleNamespace(round=4, hash="h4")}
+        self.replicas[3] = SimpleNamespace(round=4, hash="h4")  # the deadlines read the same dict
         self.state_dir = Path("/nonexistent")  # no receipts.log of an earlier life: none given
         self._init_receipts()
 
@@ -190,14 +211,14 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
     assert [t for t, _ in s.transport.calls] == order
     assert s.counters["no_receipt"] == 4 and s.counters["contributions_sent"] == 1
     assert set(s.suspect) == set(order[:4])
-    header, target, round_, rc, _ = s._taken()[3]
+    header, target, round_, rc, _ = s.deadlines.taken[3]
     assert (target, round_, rc.signer, rc.cid, rc.parent) == (order[4], 5, order[4], CID, "h4-fork")
     # the record watched is the receipt's round where it is near ours, else ours (a far one never comes)
     assert [s.watched_round(replace(rc, round=r), 5) for r in (3, 4, 5, 6, 7, 99)] == [5, 4, 5, 6, 5, 5]
 
 
 def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_and_sends_again():
-    """``_check_merged`` at the deadline of a round A took: merged (our replica, or a head another member
+    """``MergeDeadlines.check_merged`` at the deadline of a round A took: merged (our replica, or a head another member
     publishes, reached the round) changes nothing; not merged suspects A for ``STALL_TTLS`` x ``ttl_s`` and
     puts our latest contribution to the fragment back in the outbox (an older one's watch does not)."""
 
@@ -206,18 +227,20 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
         old, latest = SimpleNamespace(fragment=3, cid="me:3:1"), SimpleNamespace(fragment=3, cid="me:3:2")
         s.last_contribution[3] = (latest, "enc")
         s.replicas[3].round = 5
-        s._check_merged("A", latest, open_round=5)  # our replica holds the round: merged
+        s.deadlines.check_merged("A", latest, open_round=5)  # our replica holds the round: merged
         s.replicas[3].round = 4
         s.members = {"B": SimpleNamespace(head_round=lambda p: 5)}
-        s._check_merged("A", latest, open_round=5)  # B publishes the round: merged, we catch up
+        s.deadlines.check_merged("A", latest, open_round=5)  # B publishes the round: merged, we catch up
         s.guard.merged(["me:3:2"])
         s.members = {"B": SimpleNamespace(head_round=lambda p: 4)}
-        s._check_merged("A", latest, open_round=5)  # a record named our contribution
+        s.deadlines.check_merged("A", latest, open_round=5)  # a record named our contribution
         assert not s.suspect and s.outbox.empty() and not s.counters["stalls"]
-        s.guard = Guard()
-        s._check_merged("A", old, open_round=5)  # an older one: A suspected, the latest not resent
+        s = _Sender(["A", "B"], set(), 1.0)  # nothing merged anywhere
+        s.last_contribution[3] = (latest, "enc")
+        s.replicas[3].round = 4
+        s.deadlines.check_merged("A", old, open_round=5)  # an older one: A suspected, the latest not resent
         assert s.suspect["A"] > 0 and s.outbox.empty()
-        s._check_merged("A", latest, open_round=5)
+        s.deadlines.check_merged("A", latest, open_round=5)
         assert s.outbox.get_nowait() == (latest, "enc") and s.counters["stalls"] == 2
         assert [e["peer"] for e in s.events.of("stall")] == ["A", "A"]
 
@@ -240,17 +263,17 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         assert not await s._answers("C") and "C" in s.suspect  # no answer in time
         s.members = {"A": SimpleNamespace(leases={"3": 1}), "B": SimpleNamespace(leases={"3": 7})}
         now = s.loop.time()
-        s._schedule_of = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
+        s.clocks.due = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
         assert not s._stalled_here(3, "A")  # a lease never seen in a view read: no evidence
         two = 2 * s.pcfg.sync_every  # the learners' summed steps over two rounds
         s.swarm_steps = 1000 + two
         s.lease_seen = {("A", "3", 1): (now - 30.0, 1000), ("B", "3", 7): (now - 30.0, 1000)}  # held 30 s
         assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
-        s._schedule_of = lambda p: (now - 1.5, 1.0)
+        s.clocks.due = lambda p: (now - 1.5, 1.0)
         assert not s._stalled_here(3, "A")
         # a swarm at rest: the open round's slot long past, A's lease first seen a moment ago (it just took
         # the first contribution in a while): not stalled until two repeats after that
-        s._schedule_of = lambda p: (now - 100.0, 1.0)
+        s.clocks.due = lambda p: (now - 100.0, 1.0)
         s.lease_seen = {("A", "3", 1): (now - 0.5, 1000)}
         assert not s._stalled_here(3, "A")
         s.lease_seen = {("A", "3", 1): (now - 2.5, 1000)}
@@ -270,10 +293,10 @@ def test_a_first_round_has_time_for_its_grace_window_before_it_counts_as_stalled
     async def go() -> None:
         s = _Sender(["A"], set(), failover_s=8.0)
         slow, fast = (SimpleNamespace(fragment=3, cid=CID, step_time_s=t) for t in (10.0, 0.05))
-        assert s._merge_deadline(slow) == 2 * s.pcfg.overlap * 10.0
-        assert s._merge_deadline(fast) == 8.0  # failover_s: the small model's deadline is as it was
-        s._schedule_of = lambda p: (s.loop.time() + 5.0, 30.0)  # on the schedule: due moment + 2 periods
-        assert abs(s._merge_deadline(slow) - 65.0) < 0.1
+        assert s.deadlines.deadline(slow) == 2 * s.pcfg.overlap * 10.0
+        assert s.deadlines.deadline(fast) == 8.0  # failover_s: the small model's deadline is as it was
+        s.clocks.due = lambda p: (s.loop.time() + 5.0, 30.0)  # on the schedule: due moment + 2 periods
+        assert abs(s.deadlines.deadline(slow) - 65.0) < 0.1
 
     asyncio.run(go())
 

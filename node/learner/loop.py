@@ -208,7 +208,7 @@ class LearnerLoop(threading.Thread):
             return by_steps
         step_s = self.step_s or 0.0
         now = time.time()
-        clocks = [usable(c, now) for c in self.node.clocks()]
+        clocks = [usable(c, now) for c in self.node.clocks.current()]
         return due_fragments(self.slots, clocks, by_steps, now + step_s, step_s)
 
     def _service(self) -> tuple[list[int], list]:

@@ -46,16 +46,18 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
+from node.swarm.audit import Audit
 from node.swarm.catch_up import CatchUp
+from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
+from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import OPS, Dispatcher
-from node.swarm.evidence import Evidence
 from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
-from node.swarm.lateness import MergeLatency
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
+from node.swarm.push import RecordPush
 from node.swarm.receipts import Receipts
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
@@ -100,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Contributions, Receipts):
+class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contributions, Receipts):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -190,11 +192,12 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
         self.spool = Spool(self.state_dir / "records")  # the logs' signed bytes, on disk
         self.syncs = [SyncState(fragment=p) for p in range(P)]
+        # each fragment's round clock, and when its open round is due on this node's loop (node.swarm.clocks)
+        self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, lambda: self.loop.time())
         self.leases: dict[int, int] = {}
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
-        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
         self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
@@ -210,7 +213,6 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
         self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
         self.published_self: Member | None = None  # this node's membership record as peers read it
-        self._push_s: dict[int, float] = {}  # how long the last record push of each fragment took
         self._addrs: list[str] = []
         self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
         # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
@@ -223,11 +225,10 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self._relinking: asyncio.Task | None = None
         # each part's own state, declared where the part is written
         self._init_catch_up()
-        self._init_merge_watch()
         self._init_contributions()
         self._init_receipts()
         self._init_vouching()
-        self._init_evidence()
+        self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {
@@ -243,6 +244,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
         self.status_server: StatusServer | None = None
         self.outbox: asyncio.Queue | None = None  # our contributions, from the learner thread to the sender
         self.transport: Transport | None = None
+        self.record_push: RecordPush | None = None  # new records to the members that need them first
+        self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
@@ -290,6 +293,22 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests)
                 self.loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         s = self.settings
+        self.deadlines = MergeDeadlines(
+            s,
+            self.pcfg,
+            self.replicas,
+            self.clocks,
+            self.loop,
+            self.guard,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.live_members,
+            self.rounds_behind,
+            self.watched_round,
+            self.check_omission,
+            self._send_again,
+        )
         self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
         self.membership = Membership(
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
@@ -303,6 +322,16 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Evidence, Persistence, Con
             from node.swarm.sealed import SealedTransport
 
             self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
+        self.record_push = RecordPush(
+            self.transport,
+            s,
+            self.peer_id,
+            self.suspect,
+            self.live_members,
+            self._workers,
+            self.candidates,
+            self.loop.time,
+        )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
         Dispatcher(self._known, self.penalise, handlers).register(self.transport)
         await self.transport.start()

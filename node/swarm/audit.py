@@ -11,7 +11,10 @@ the signed messages. The auditor bans the signer, undoes the record and every ro
 (``FragmentReplica.rewind``), and hands the proof on (``proof`` op); each member checks it alone, does the
 same and hands it on once. A record on an undone chain is refused (``undone``) from then on.
 
-A mixin of ``node.swarm.agent.Node``, through ``node.swarm.evidence.Evidence``."""
+A record that breaks a rule every node checks the same way needs no recompute: it bans its signer at once and
+goes on as evidence (``proven_lie``, ``convict``, ``evidence`` op; the rules are ``node.swarm.evidence``).
+
+A mixin of ``node.swarm.agent.Node``."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import random
 import time
 from collections import OrderedDict
 
+from node.swarm.evidence import proof_config
 from node.swarm.kept import FETCH_MAX, KeptMessages, parse_kept_request
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply, TransportError
@@ -50,7 +54,7 @@ class MessagesUnserved(ProtocolError):
 
 class Audit:
     def _init_audit(self) -> None:
-        """This part's own state (``Evidence._init_evidence`` calls it, after ``plan`` and ``spool``)."""
+        """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``spool``)."""
         # the signed messages this node sent or merged (empty where it audits nothing): twice the model's
         # parameters in bytes, about 3.5 rounds of every fragment's int4 contributions
         self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel), self.spool)
@@ -61,6 +65,7 @@ class Audit:
         self._recomputing = asyncio.Semaphore(1)
         # (fragment, round, new hash) -> (record, messages, caller) of proofs this node cannot check yet
         self._waiting_proofs: OrderedDict[tuple[int, int, str], tuple] = OrderedDict()
+        self._proof_cfg = proof_config(self.pcfg)  # the bounds a record is a proven lie against
 
     def kept(self) -> KeptMessages:
         """The signed messages this node sent or merged, kept for audits (``node.swarm.kept``)."""
@@ -317,6 +322,23 @@ class Audit:
             before is not None and before.record.new_hash == rec.parent_hash
         )
 
+    # ---------------------------------------------------------------- evidence: lies every node checks alike
+    def proven_lie(self, sr: SignedRecord) -> ProtocolError | None:
+        """What ``sr`` proves its signer did wrong, by the checks every node makes alike; None: nothing."""
+        if sr.signer == self.peer_id:
+            return None
+        try:
+            self.replicas[sr.record.fragment].check_record(sr.record, self._proof_cfg)
+        except ProtocolError as e:
+            return e
+        return None
+
+    def convict(self, sr: SignedRecord, lie: ProtocolError, source: str) -> bool:
+        """Ban ``sr``'s signer for the lie it signed and pass the record on; True if the ban is new."""
+        if self.guard.banned(sr.signer, time.monotonic()):
+            return False
+        return self.ban_and_hand_on(sr, lie.code.value, source, "evidence", bytes(sr.raw))
+
     # ---------------------------------------------------------------- conviction and undo
     def convict_merge(
         self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]], source: str, gap: float
@@ -389,6 +411,14 @@ class Audit:
         digests = parse_kept_request(raw)
         found = [m for m in (self.kept().get(d) for d in digests) if m is not None]
         return Reply(True, body=pack_list([x for m in found for x in m]))
+
+    async def _h_evidence(self, caller: str, raw: bytes) -> Reply:
+        sr = decode_record(raw, self.settings.swarm, self.spec)
+        lie = self.proven_lie(sr)
+        if lie is None:
+            raise ProtocolError(RejectCode.MALFORMED, f"evidence against {sr.signer} proves no lie")
+        self.convict(sr, lie, caller)
+        return Reply(True)
 
     async def _h_proof(self, caller: str, body: bytes) -> Reply:
         items = unpack_list(body, max_items=1 + 2 * PROOF_MESSAGES)

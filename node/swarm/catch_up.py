@@ -274,7 +274,7 @@ class CatchUp:
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
         self.took_from(p, pid, st.round)  # node.swarm.vouch: our head's witness until a record comes
         self._reset_sync(p, merged=set(st.merged))
-        self._schedule_unclocked()
+        self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, st.round, rep.theta, True)
 

@@ -17,9 +17,9 @@ import math
 import time
 from collections import OrderedDict
 
+from node.swarm.deadlines import STALL_PERIODS
 from node.swarm.receipts import parse_retry
 from node.swarm.transport import Reply, TransportError
-from node.swarm.watch import STALL_PERIODS, MergeWatch
 from node.swarm.wire import (
     pack_list,
     parse_redirect,
@@ -83,7 +83,7 @@ class OwnCids:
         return self.since is not None and moment >= self.since and cid not in self.sent
 
 
-class Contributions(MergeWatch):
+class Contributions:
     def _init_contributions(self) -> None:
         """This part's own state (the node's constructor calls it, after ``settings``)."""
         self._pings: dict[str, object] = {}  # peer -> when it last answered a ping, or the ping under way
@@ -106,6 +106,13 @@ class Contributions(MergeWatch):
         on a chain; the replay guard refuses it once a merge record names it)."""
         if p in self.last_contribution:
             self.loop.call_soon_threadsafe(self.outbox.put_nowait, self.last_contribution[p])
+
+    def _send_again(self, header: ContributionHeader) -> None:
+        """Put our latest contribution to ``header``'s fragment back in the outbox, if ``header`` is still it
+        (``MergeDeadlines``: its round stalled, or its record left it out)."""
+        latest = self.last_contribution.get(header.fragment)
+        if latest is not None and latest[0] is header:
+            self.outbox.put_nowait(latest)
 
     async def _sender_loop(self) -> None:
         while True:
@@ -185,7 +192,7 @@ class Contributions(MergeWatch):
                     replayed = False  # its word that it merged it is watched like a receipt-less ok
                 self.counters["contributions_sent"] += 1
                 if target != self.peer_id and not replayed:
-                    self._watch_merge(target, header, rc)
+                    self.deadlines.watch(target, header, rc)  # node.swarm.deadlines
                 return
             last = f"{target}: {reply.code} {reply.message}"
             if reply.code in (RejectCode.UNKNOWN_OP.value, RejectCode.INTERNAL.value):
@@ -340,7 +347,7 @@ class Contributions(MergeWatch):
         summed): a round held open below its quorum while every learner was paused is starved, not stalled;
         taken for stalled, a member that held one at rest was passed over unpinged, and two nodes answered
         ``ok`` to one contribution, in CI.)"""
-        m, sched = self.members.get(q), self._schedule_of(p)
+        m, sched = self.members.get(q), self.clocks.due(p)
         r = self.replicas[p].round + 1
         if m is None or sched is None or m.leases.get(str(p)) != r:
             return False

@@ -46,7 +46,7 @@ HOSTILE = frozenset(
 
 
 # Refusals only a liar earns, but only from the peer that signed the record: a record's signer pushes it
-# (``Replication._broadcast``), and one fetched by catch-up may come from an honest holder.
+# (``RecordPush.broadcast``), and one fetched by catch-up may come from an honest holder.
 SIGNED_LIES = frozenset({RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE})
 
 

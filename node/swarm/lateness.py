@@ -2,7 +2,7 @@
 slow enough to pass over (docs/security.md, "A synchroniser that holds its rounds").
 
 A synchroniser that merges honestly but holds each round until just before its senders' stall deadline
-(``node.swarm.watch``) is never found stalled, yet the fragment merges fewer rounds. Each round that took a
+(``node.swarm.deadlines``) is never found stalled, yet the fragment merges fewer rounds. Each round that took a
 contribution of ours and merged it gives one sample: the seconds from the synchroniser's ``ok`` to its record
 applied here, in the fragment's round periods. A signer whose median over its last ``KEEP`` samples (at least
 ``MIN_SAMPLES``) is over ``SLOW_FACTOR`` times the median of every other signer's samples, and over it by

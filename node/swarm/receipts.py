@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dht.identity import verify
+from node.swarm.deadlines import STALL_TTLS
 from node.swarm.transport import Reply
-from node.swarm.watch import STALL_TTLS
 from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import cid_moment

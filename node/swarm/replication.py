@@ -1,6 +1,8 @@
 """Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
-as the synchroniser, pushing records, and the server side of the record and records ops. A mixin of
-``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``."""
+as the synchroniser, and the server side of the record and records ops. A mixin of
+``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``, the
+push of the records made here ``node.swarm.push``, the deadlines of the rounds that took our contributions
+``node.swarm.deadlines``."""
 
 from __future__ import annotations
 
@@ -10,12 +12,9 @@ import logging
 import time
 from dataclasses import replace
 
-from node.swarm.clocks import Clocks
 from node.swarm.memory import momentum_lent
-from node.swarm.push import RecordPush
 from node.swarm.transport import Reply
 from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS, credits
-from node.swarm.watch import MergeWatch
 from node.swarm.wire import (
     SignedRecord,
     decode_record,
@@ -44,7 +43,7 @@ logger = logging.getLogger(__name__)
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
 
 
-class Replication(RecordPush, MergeWatch, Clocks):
+class Replication:
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
@@ -103,7 +102,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         while len(log) > self.pcfg.history:
             _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
             self.work.settle(c[0] for c in old.record.contributors if credits(old.signer, c[0], self.peer_id))
-        self.left_out(sr)  # node.swarm.watch: a round that took our contribution and merged without it
+        self.deadlines.left_out(sr)  # a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(
             "merge",
@@ -124,7 +123,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
             if parent is not None:
                 self._spawn(self._audit(sr, parent))
             self.recheck(sr)
-        self._schedule_unclocked()
+        self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
             self.learner_loop.deliver(p, rec.round, rep.theta, False, mine)
@@ -204,7 +203,7 @@ class Replication(RecordPush, MergeWatch, Clocks):
         over contributions that are still usable (not merged, base still anchored)."""
         old = self.syncs[p]
         rep = self.replicas[p]
-        due = self._schedule_of(p)
+        due = self.clocks.due(p)
         st = replace(
             SyncState(fragment=p, global_round=rep.round, live=old.live, working=old.working),
             due_at=None if due is None else due[0],
@@ -268,7 +267,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
         rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
         reported = [c.step_time_s for c in a.contributions]
         at = time.time() - (t0 - taken_at(st, t0))
-        due, period = record_timing(p, self.clocks(), at, rates, reported, self.pcfg.sync_every, self.plan)
+        due, period = record_timing(
+            p, self.clocks.current(), at, rates, reported, self.pcfg.sync_every, self.plan
+        )
         self._spawn(self._merge_off_loop(p, a, len(quorum_basis(self.pcfg, st)), due, period, t0))
 
     async def _merge_off_loop(
@@ -311,9 +312,9 @@ class Replication(RecordPush, MergeWatch, Clocks):
         self._apply(sr, made_here=True)
         self.counters["records_made"] += 1
         self.leases.pop(p, None)
-        sync_s = self.loop.time() - t0 + self._push_s.get(p, 0.0)
-        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self._schedule_of(p)))
-        self._spawn(self._broadcast(p, sr))
+        sync_s = self.loop.time() - t0 + self.record_push.last_s(p)
+        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
+        self._spawn(self.record_push.broadcast(p, sr))
 
     def _agreed(self, rec, cosines) -> None:
         """Take one robust merge's cosines, made here or recomputed by an audit here (``protocol.agreement``)."""

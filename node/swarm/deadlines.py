@@ -1,6 +1,6 @@
 """Whether a round that took one of our contributions merged it: a
 synchroniser that answered ``ok`` must merge the round by its due moment plus ``STALL_PERIODS`` due periods
-(``_check_merged``: else it is suspected, and the contribution goes to the next candidate), and the record of
+(``check_merged``: else it is suspected, and the contribution goes to the next candidate), and the record of
 that round must name the contribution (``left_out``: else it goes again, to the next round's synchroniser).
 
 A synchroniser that answers ``ok`` and merges a round without some contributions signs a faithful merge of a
@@ -9,33 +9,90 @@ next round too (it came in while the round was merging); sent again, it replaces
 contributions are keyed by learner and base round), and the replay guard keeps a second copy out of any
 chain that merged the first.
 
-A mixin of ``node.swarm.agent.Node``, like ``node.swarm.contributions``, on the node's event loop."""
+``MergeDeadlines`` is a part the node owns (``Node.deadlines``, made on its event loop when the node runs):
+the sender (``node.swarm.contributions``) hands it each contribution another member took, and the record
+logic (``node.swarm.replication``) each record it applies."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
+from node.swarm.lateness import MergeLatency
 from protocol.messages import ContributionHeader
+
+if TYPE_CHECKING:
+    from dht.records import Member
+    from node.common.events import EventLog
+    from node.swarm.clocks import SwarmClocks
+    from node.swarm.guard import Guard
+    from node.swarm.settings import NodeSettings
+    from node.swarm.wire import SignedRecord
+    from protocol.config import ProtocolConfig
+    from protocol.replica import FragmentReplica
 
 logger = logging.getLogger(__name__)
 STALL_PERIODS = 2  # due periods a synchroniser that took a contribution has to merge the round
 STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never merged it stays suspected
 
 
-class MergeWatch:
-    """The deadline and the record of each round a synchroniser took one of our contributions for."""
+class TakenReceipt(Protocol):
+    """What the deadlines read of a synchroniser's receipt for our contribution (``node.swarm.receipts``)."""
 
-    def _init_merge_watch(self) -> None:
-        # per fragment, our latest contribution another member took: (header, that member, open round, its
-        # receipt or None: ``node.swarm.receipts``)
-        self._taken_by: dict[int, tuple[ContributionHeader, str, int, object]] = {}
+    round: int
 
-    def _taken(self) -> dict[int, tuple[ContributionHeader, str, int, object]]:
-        """Per fragment, our latest contribution another member took (``_taken_by``)."""
-        return self._taken_by
 
-    def _watch_merge(self, target: str, header: ContributionHeader, receipt=None) -> None:
+class MergeDeadlines:
+    """The deadline and the record of each round a synchroniser took one of our contributions for, and how
+    late each synchroniser merges them (``latency``: ``node.swarm.lateness``).
+
+    Its collaborators: the node's settings, protocol configuration, replicas and clocks; the loop it runs on;
+    the guard (``was_merged``); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock),
+    ``counters`` and ``events``, which it writes to; ``live_members`` and ``rounds_behind`` of the node's
+    membership view; ``watched_round`` and ``check_omission`` of its receipts (``node.swarm.receipts``); and
+    ``send_again``, which puts our latest contribution to a fragment back in the outbox if it is still the
+    given one."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        pcfg: ProtocolConfig,
+        replicas: Sequence[FragmentReplica],
+        clocks: SwarmClocks,
+        loop: asyncio.AbstractEventLoop,
+        guard: Guard,
+        suspect: dict[str, float],
+        counters: dict[str, int],
+        events: EventLog,
+        live_members: Callable[[], dict[str, Member]],
+        rounds_behind: Callable[[int], int],
+        watched_round: Callable[[TakenReceipt, int], int],
+        check_omission: Callable[[SignedRecord, TakenReceipt], bool],
+        send_again: Callable[[ContributionHeader], None],
+    ) -> None:
+        self.settings = settings
+        self.pcfg = pcfg
+        self.replicas = replicas
+        self.clocks = clocks
+        self.loop = loop
+        self.guard = guard
+        self.suspect = suspect
+        self.counters = counters
+        self.events = events
+        self.live_members = live_members
+        self.rounds_behind = rounds_behind
+        self.watched_round = watched_round
+        self.check_omission = check_omission
+        self.send_again = send_again
+        # per fragment, our latest contribution another member took: (header, that member, the round whose
+        # record must name it, its receipt or None: ``node.swarm.receipts``, when it was taken on the loop)
+        self.taken: dict[int, tuple[ContributionHeader, str, int, TakenReceipt | None, float]] = {}
+        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
+
+    def watch(self, target: str, header: ContributionHeader, receipt: TakenReceipt | None = None) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
         moment plus ``STALL_PERIODS`` due periods (at least two heartbeats). One that answers ``ok`` and
         never merges (hung past its transport, or hostile) would otherwise hold the fragment for as long as
@@ -44,12 +101,12 @@ class MergeWatch:
         open_round = self.replicas[p].round + 1
         now = self.loop.time()
         if receipt is not None:  # the synchroniser's own word of the round it took it into
-            self._taken()[p] = (header, target, self.watched_round(receipt, open_round), receipt, now)
+            self.taken[p] = (header, target, self.watched_round(receipt, open_round), receipt, now)
         elif self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: nothing to watch
-            self._taken()[p] = (header, target, open_round, None, now)
-        self.loop.call_later(self._merge_deadline(header), self._check_merged, target, header, open_round)
+            self.taken[p] = (header, target, open_round, None, now)
+        self.loop.call_later(self.deadline(header), self.check_merged, target, header, open_round)
 
-    def _merge_deadline(self, header: ContributionHeader) -> float:
+    def deadline(self, header: ContributionHeader) -> float:
         """Seconds from now until a round that took ``header`` must have merged: its due moment plus
         ``STALL_PERIODS`` due periods; before the swarm has a schedule (its first rounds, which merge on
         arrival), ``STALL_PERIODS`` times the longest wait an honest synchroniser may take, ``failover_s``,
@@ -57,7 +114,7 @@ class MergeWatch:
         at 124M parameters a step took 8-10 s, the grace window 10 s, and every synchroniser of a first
         round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run."""
         now = self.loop.time()
-        sched = self._schedule_of(header.fragment)
+        sched = self.clocks.due(header.fragment)
         if sched is not None:
             due, every = sched
         else:
@@ -67,7 +124,7 @@ class MergeWatch:
             )
         return max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
 
-    def _check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
+    def check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
         """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or
         ``target`` is suspected for ``STALL_TTLS`` x ``ttl_s`` (left out of elections, so the round goes to
         the next candidate, and named dead to it) and this contribution, if still our latest to the
@@ -86,16 +143,14 @@ class MergeWatch:
             p,
             open_round,
         )
-        latest = self.last_contribution.get(p)
-        if latest is not None and latest[0] is header:  # the watch of an older one leaves it to this one's
-            self.outbox.put_nowait(latest)
+        self.send_again(header)  # the watch of an older one leaves it to this one's
 
-    def _merged_after(self, signer: str, p: int, round_: int, seconds: float) -> None:
+    def merged_after(self, signer: str, p: int, round_: int, seconds: float) -> None:
         """``signer`` merged the round that took our contribution ``seconds`` after its ``ok``: a sample of its
         merge latency (``node.swarm.lateness``), in fragment p's round periods. One judged slow against the
         other signers is passed over as a stalled one is (``slow_rounds``): a synchroniser that holds each
         round to just before its stall deadline costs the swarm rounds and is never found stalled."""
-        sched = self._schedule_of(p)
+        sched = self.clocks.due(p)
         if sched is None or sched[1] <= 0:  # no schedule yet: no period to measure against
             return
         if (
@@ -117,18 +172,18 @@ class MergeWatch:
             {q[-6:]: m for q, m in medians.items() if q != signer},
         )
 
-    def left_out(self, sr) -> None:
+    def left_out(self, sr: SignedRecord) -> None:
         """A record of fragment p was applied here (``Replication._apply``): where it is the round (or a later
         one) that took our latest contribution and no record applied names it, it was left out. Counted
         (``left_out``), and sent again if it is still our latest to that fragment."""
         rec = sr.record
-        taken = self._taken().get(rec.fragment)
+        taken = self.taken.get(rec.fragment)
         if taken is None or rec.round < taken[2]:
             return
-        header, target, _, receipt, taken_at = self._taken().pop(rec.fragment)
+        header, target, _, receipt, taken_at = self.taken.pop(rec.fragment)
         if self.guard.was_merged(header.cid):
             if sr.signer == target:
-                self._merged_after(target, rec.fragment, rec.round, self.loop.time() - taken_at)
+                self.merged_after(target, rec.fragment, rec.round, self.loop.time() - taken_at)
             return
         if receipt is not None and rec.round == receipt.round:
             self.check_omission(sr, receipt)  # node.swarm.receipts: its signer's own receipt, left out
@@ -142,6 +197,4 @@ class MergeWatch:
             signer=sr.signer,
             cid=header.cid,
         )
-        latest = self.last_contribution.get(rec.fragment)
-        if latest is not None and latest[0] is header:
-            self.outbox.put_nowait(latest)
+        self.send_again(header)
