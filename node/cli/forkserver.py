@@ -12,6 +12,8 @@ import signal
 import sys
 import time
 
+from node.common.lifetime import exit_without_teardown
+
 _exited: dict[int, int] = {}  # pid -> exit code, as subprocess reports it (-N: killed by signal N)
 
 
@@ -103,7 +105,7 @@ def _serve() -> dict:
             answer = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(answer).encode() + b"\n")
         out.flush()
-    sys.exit(0)
+    exit_without_teardown(0)  # its launcher closed the pipe: the teardown of torch took 10-20 s
 
 
 def _become_node(req: dict) -> int:
@@ -145,6 +147,4 @@ def _become_node(req: dict) -> int:
 
 
 if __name__ == "__main__":
-    from node.common.lifetime import exit_without_teardown
-
     exit_without_teardown(_become_node(_serve()))  # in the forked child: the server's _serve exits itself
