@@ -33,7 +33,7 @@ def test_sync_diloco_nodes_wait_for_every_merge_and_merge_everyone(tmp_path):
             wait_until(lambda: merged_together() >= 5, 150, "5 merges holding both learners' contributions")
         except AssertionError as e:  # what each node merged and holds, for whoever reads the failure
             seen = {
-                i: [(e["round"], len(e["learners"])) for e in swarm.events(i) if e["kind"] == "merge"][-8:]
+                i: [(m["round"], len(m["learners"])) for m in swarm.events(i) if m["kind"] == "merge"][-8:]
                 for i in ids
             }
             st = {i: (s["fragments"][0], s["learner"]) for i, s in swarm.status().items()}
