@@ -41,7 +41,7 @@ from dht.identity import Identity
 from dht.records import Member, RecordError, parse_member, sign_member
 from node.common.status_wire import MAX_REQUEST, decode_body, encode_frame, frame_size
 from node.swarm.audit import PROOF_MESSAGES
-from node.swarm.kept import parse_kept_request
+from node.swarm.audit_archive import parse_kept_request
 from node.swarm.receipts import make_receipt, omits, parse_retry, read_receipt
 from node.swarm.sealed import SealedTransport
 from node.swarm.transport import Reply, _write_header, header_size, parse_header
@@ -568,7 +568,7 @@ def test_audit_proof():
 
 
 def test_kept_request_and_reply():
-    """node.swarm.kept / node.swarm.audit: the ``kept`` request (digests) and its reply [message, signature]."""
+    """node.swarm.audit_archive / node.swarm.audit: the ``kept`` request (digests) and its reply [message, signature]."""
     assert parse_kept_request(stored("kept_request.json")) == [hashlib.sha256(contribution()).hexdigest()]
     msg, sig = unpack_list(stored("kept_reply.bin"), max_items=2)
     assert hashlib.sha256(msg).hexdigest() == parse_kept_request(stored("kept_request.json"))[0]

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from node.learner.evaluation import ParamsModel
 from node.learner.learner import InnerConfig, Learner
 from node.learner.task import TaskConfig, evaluate, load_task
+from node.swarm.audit_archive import AuditArchive
 from node.swarm.checkpoint import CheckpointError, PendingCheckpoint, list_checkpoints, load_checkpoint
 from node.swarm.guard import WorkBook
-from node.swarm.kept import KeptMessages
 from node.swarm.memory import breakdown
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
@@ -217,7 +217,7 @@ def test_the_account_counts_a_shared_tensor_once():
     reps = [
         FragmentReplica(f.index, lrn.base[f.index], f.is_embedding, copy=False) for f in lrn.plan.fragments
     ]
-    kept = KeptMessages(1 << 20, None)
+    kept = AuditArchive(1 << 20, None)
     node = SimpleNamespace(learner=lrn, replicas=reps, plan=lrn.plan, logs=[], kept=lambda: kept)
     mem = breakdown(node)
     w = mem["weights_bytes"]

@@ -1,7 +1,7 @@
 """Audits of merge records (docs/security.md, "Audited merges").
 
 A merge record names, per contributor, the sha256 of the message its learner signed (``protocol.audit``). The
-members that sent or merged a contribution keep its signed message for a while (``KeptMessages``) and serve
+members that sent or merged a contribution keep its signed message for a while (``AuditArchive``) and serve
 it to any member (``kept`` op). For a share of records (``--audit``), the member drawn by the record's own hash
 among the electable members other than its signer (its contributors, where any is electable) fetches the messages (from their learners first, then the
 signer), checks each against the record's digest and its learner's signature, and merges them again on its
@@ -26,8 +26,8 @@ import random
 import time
 from collections import OrderedDict
 
+from node.swarm.audit_archive import FETCH_MAX, AuditArchive, parse_kept_request
 from node.swarm.evidence import proof_config
-from node.swarm.kept import FETCH_MAX, KeptMessages, parse_kept_request
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply, TransportError
 from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list, verify_contribution
@@ -57,7 +57,7 @@ class Audit:
         """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``spool``)."""
         # the signed messages this node sent or merged (empty where it audits nothing): twice the model's
         # parameters in bytes, about 3.5 rounds of every fragment's int4 contributions
-        self._kept = KeptMessages(max(32 << 20, 2 * self.plan.total_numel), self.spool)
+        self._kept = AuditArchive(max(32 << 20, 2 * self.plan.total_numel), self.spool)
         self._undone: set[str] = set()
         self._cleared: OrderedDict[str, None] = OrderedDict()  # records an audit here found faithful
         # one recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
@@ -67,8 +67,8 @@ class Audit:
         self._waiting_proofs: OrderedDict[tuple[int, int, str], tuple] = OrderedDict()
         self._proof_cfg = proof_config(self.pcfg)  # the bounds a record is a proven lie against
 
-    def kept(self) -> KeptMessages:
-        """The signed messages this node sent or merged, kept for audits (``node.swarm.kept``)."""
+    def kept(self) -> AuditArchive:
+        """The signed messages this node sent or merged, kept for audits (``node.swarm.audit_archive``)."""
         return self._kept
 
     def keep_message(self, raw: bytes, sig: bytes) -> str | None:

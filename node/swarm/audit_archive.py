@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 FETCH_MAX = 64  # messages one ``kept`` request may ask for (an audit asks several times where it needs more)
 
 
-class KeptMessages:
+class AuditArchive:
     """Signed contribution messages (message, signature) by sha256 of the message, newest kept, at most
     ``max_bytes`` of them. With a ``spool`` (``node.swarm.spool``) each message is written to the node's state
     folder and read back when an audit asks for it: at 124M parameters the cap held 0.5x the fp32 weights in
