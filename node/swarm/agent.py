@@ -65,8 +65,8 @@ from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.spool import Spool
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Transport, max_frame_bytes
+from node.swarm.vetting import SnapshotVetting
 from node.swarm.view import SwarmView
-from node.swarm.vouch import Vouching
 from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
 from protocol.hashing import model_hash
@@ -102,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contributions, Receipts):
+class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions, Receipts):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -227,7 +227,6 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
         self._init_catch_up()
         self._init_contributions()
         self._init_receipts()
-        self._init_vouching()
         self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
@@ -246,6 +245,7 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
         self.transport: Transport | None = None
         self.record_push: RecordPush | None = None  # new records to the members that need them first
         self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
+        self.vetting: SnapshotVetting | None = None  # whether a donor's head and snapshot are to be believed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
@@ -331,6 +331,21 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
             self._workers,
             self.candidates,
             self.loop.time,
+        )
+        self.vetting = SnapshotVetting(
+            s,
+            self.pcfg,
+            self.spec,
+            self.peer_id,
+            self.replicas,
+            self.heads,
+            self.logs,
+            self.work,
+            self.transport,
+            self.events,
+            self.live_members,
+            self.winning_heads,
+            self.penalise,
         )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
         Dispatcher(self._known, self.penalise, handlers).register(self.transport)
