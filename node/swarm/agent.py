@@ -64,7 +64,7 @@ from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.spool import Spool
 from node.swarm.status_p2p import StatusProtocol
-from node.swarm.transport import Transport, max_frame_bytes
+from node.swarm.transport import Reply, Transport, max_frame_bytes
 from node.swarm.vetting import SnapshotVetting
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
@@ -102,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions, Receipts):
+class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -226,7 +226,23 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions, R
         # each part's own state, declared where the part is written
         self._init_catch_up()
         self._init_contributions()
-        self._init_receipts()
+        # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.receipts)
+        self.receipts = Receipts(
+            s,
+            self.identity,
+            self.state_dir,
+            self.replicas,
+            self.syncs,
+            self.spec,
+            self.guard,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.last_contribution,
+            self._send_again,
+            self._reset_sync,
+            self.ban_and_hand_on,
+        )
         self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
@@ -265,6 +281,10 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions, R
 
     def tokens_merged(self) -> float:
         return sum(t * s for t, s in zip(self.merged_tokens, self.shares))
+
+    # ---------------------------------------------------------------- ops a part of the node answers
+    async def _h_omission(self, caller: str, body: bytes) -> Reply:
+        return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
@@ -305,8 +325,8 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions, R
             self.events,
             self.live_members,
             self.rounds_behind,
-            self.watched_round,
-            self.check_omission,
+            self.receipts.watched_round,
+            self.receipts.check_omission,
             self._send_again,
         )
         self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
