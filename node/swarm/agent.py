@@ -102,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
+class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -265,7 +265,32 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
-        self._restored = self._restore()
+        # its checkpoints, the state it resumes from, and the files other tools read (node.swarm.persistence)
+        self.persistence = Persistence(
+            s,
+            self.state_dir,
+            self.peer_id,
+            self.unit,
+            self.task,
+            self.plan,
+            self.learner,
+            self.learner_loop,
+            self.replicas,
+            self.heads,
+            self.syncs,
+            self.merged_tokens,
+            self.work,
+            self.counters,
+            self.events,
+            self.logged_learners,
+            self.global_hash,
+            self.rounds_merged,
+            self.tokens_merged,
+        )
+        restored = self.persistence.restore()  # the checkpoint's file name, or None
+        self._restored = restored is not None
+        if restored is not None:
+            self.joined_by = f"checkpoint {restored}"
         self._phase("restore")
 
     def _phase(self, name: str) -> None:
@@ -378,7 +403,8 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
         self.events.subscribe(history.on_event)
         self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
-        self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
+        # where ddiloco doctor finds a node that is still joining
+        self.persistence.write_ready(self._addrs, self.status_server.url, "starting.json")
         self.outbox = asyncio.Queue()
         try:
             if not await self._until_stopped(self._enter()):
@@ -390,12 +416,12 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
                 logger.info(
                     "network side niced by %d (%d threads); the learner keeps its priority", s.agent_nice, n
                 )
-            self._write_ready()
+            self.persistence.write_ready(self._addrs, self.status_server.url)
             self._spawn(self._heartbeat_loop())
             self._spawn(self._sender_loop())
             self._spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
-                self._spawn(self._checkpoint_loop())
+                self._spawn(self.persistence.checkpoint_loop())
             if s.duration > 0:
                 self.loop.call_later(s.duration, self.request_stop, f"duration {s.duration:g}s reached")
             await self._stop.wait()
@@ -452,7 +478,9 @@ class Node(SwarmView, Replication, CatchUp, Audit, Persistence, Contributions):
             await asyncio.to_thread(ll.join, 120)
         await cancel_until_done(self._tasks, TASKS_STOP_S)
         try:
-            await self._final_files()
+            if not await self.persistence.save_final():
+                self.stop_reason += " (final checkpoint or export failed; see the log)"
+            self.persistence.write_final(self.stop_reason)
         finally:
             self.events.emit(
                 "run",

@@ -1,7 +1,7 @@
 """Contributions, both ends: a learner's outer gradient routed to its fragment's synchroniser with failover
 (``_send``), and the synchroniser's acceptance checks before the pure core sees it (``_accept``).
 
-A mixin of ``node.swarm.agent.Node`` (like ``Replication`` and ``Persistence``): it uses the node's
+A mixin of ``node.swarm.agent.Node`` (like ``Replication``): it uses the node's
 transport, views, guard, replicas and synchroniser states, and runs on the node's event loop except for
 ``post_contribution`` and ``resend``, which the learner thread calls.
 """
