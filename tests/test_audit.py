@@ -296,13 +296,12 @@ class _Member(Audit, Replication):
         self.state_dir = folder
         self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
         self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
+        # the audit paths alone (node.swarm.receipts: tests/test_receipts.py)
+        self.receipts = SimpleNamespace(receipts_on=lambda: False)
         self._init_audit()
 
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)
-
-    def receipts_on(self) -> bool:  # the audit paths alone (node.swarm.receipts: tests/test_receipts.py)
-        return False
 
     async def _known(self, caller: str) -> bool:
         return True

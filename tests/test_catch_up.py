@@ -46,7 +46,7 @@ def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
         _syncing=set(),
         live_members=lambda: {},
         winning_heads=lambda p, ms, refused: ([9, "h", 1, 1.0], ["a", "b", "c"]),
-        refused_heads=lambda p: set(),
+        vetting=SimpleNamespace(refused_heads=lambda p: set()),
         _spawn=lambda coro: coro.close(),
     )
     backoff = Backoff(base_s=60, cap_s=60)

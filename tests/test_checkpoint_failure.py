@@ -20,7 +20,6 @@ from node.swarm import persistence
 from node.swarm.checkpoint import PendingCheckpoint
 from node.swarm.guard import WorkBook
 from node.swarm.persistence import Persistence
-from node.swarm.view import SwarmView
 
 
 class _Loop:
@@ -42,22 +41,36 @@ class _Loop:
         LearnerLoop._answer(self, asks)
 
 
-class _Node(Persistence):
-    def __init__(self, tmp_path, alive: bool) -> None:
-        self.replicas = [
-            SimpleNamespace(theta={"w": torch.randn(256, 256)}, momentum={"w": torch.zeros(256, 256)}, lent=0)
-        ]
-        self.peer_id, self.heads, self.merged_tokens = "me", [(0, "h", 0, 0.0)], [0]
-        self.state_dir, self.settings = tmp_path, SimpleNamespace(swarm="s")
-        lstate = ({"param/w": torch.randn(64)}, {"steps": 3})
-        self.learner = SimpleNamespace(state=lambda full=None, copy=False: lstate, sharded=False)
-        self.learner_loop = (
-            _Loop(self.learner) if alive else SimpleNamespace(is_alive=lambda: False, tokens=0)
-        )
-        self.counters, self.events = {"checkpoints": 0}, SimpleNamespace(emit=lambda *a, **k: None)
-        self.work, self.logs = WorkBook(), []
-
-    logged_learners = SwarmView.logged_learners
+def _persistence(tmp_path, alive: bool) -> Persistence:
+    """A node's checkpoints over one fragment's replica and a learner that lays its state out as between two
+    steps (``alive``) or is stopped; nothing else of a node (no task, no plan: no export here)."""
+    replicas = [
+        SimpleNamespace(theta={"w": torch.randn(256, 256)}, momentum={"w": torch.zeros(256, 256)}, lent=0)
+    ]
+    lstate = ({"param/w": torch.randn(64)}, {"steps": 3})
+    learner = SimpleNamespace(state=lambda full=None, copy=False: lstate, sharded=False)
+    loop = _Loop(learner) if alive else SimpleNamespace(is_alive=lambda: False, tokens=0)
+    return Persistence(
+        SimpleNamespace(swarm="s"),
+        tmp_path,
+        "me",
+        None,
+        None,
+        None,
+        learner,
+        loop,
+        replicas,
+        [(0, "h", 0, 0.0)],
+        [],
+        [0],
+        WorkBook(),
+        {"checkpoints": 0},
+        SimpleNamespace(emit=lambda *a, **k: None),
+        lambda: set(),  # no records logged: no learner credited by them
+        lambda: "h",
+        lambda: 0,
+        lambda: 0.0,
+    )
 
 
 @pytest.mark.parametrize("alive", [True, False])
@@ -66,14 +79,14 @@ def test_a_checkpoint_that_fails_on_a_full_disk_holds_no_tensor_after(tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(PendingCheckpoint, "write", full)
-    node = _Node(tmp_path, alive)
+    node = _persistence(tmp_path, alive)
     old = weakref.ref(node.replicas[0].theta["w"])
     logged = []
     monkeypatch.setattr(persistence.logger, "error", lambda msg, *a: logged.append(msg % a))
 
     async def main():
         node.settings.checkpoint_every_s, node.settings.checkpoint_cpu_share = 0.01, 0.0
-        task = asyncio.ensure_future(node._checkpoint_loop())
+        task = asyncio.ensure_future(node.checkpoint_loop())
         if alive:
             while not node.learner_loop.requests:
                 await asyncio.sleep(0.01)

@@ -234,7 +234,7 @@ def kept_reply() -> bytes:
 
 @functools.cache
 def records_request() -> bytes:
-    """The ``records`` request (node.swarm.catch_up, node.swarm.vouch)."""
+    """The ``records`` request (node.swarm.catch_up, node.swarm.vetting)."""
     return json.dumps({"fragment": 0, "from": 3}).encode()
 
 

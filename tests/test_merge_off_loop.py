@@ -34,9 +34,8 @@ class _Node(Replication):
         self.agreement = AgreementBook()
         self.plan = SimpleNamespace(sync_every=8)
         self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, self.loop.time)
-
-    def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
-        return False
+        # a swarm whose learners are vouched for: no receipts (node.swarm.receipts)
+        self.receipts = SimpleNamespace(receipts_on=lambda: False)
 
     def _apply(self, sr, made_here=False):
         assert made_here

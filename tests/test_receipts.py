@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from node.common.events import EventLog
 from node.swarm.dispatch import Dispatcher
+from node.swarm.guard import Guard
 from node.swarm.receipts import BUSY_RETRY_S, Receipts, make_receipt, omits, parse_retry, read_receipt
 from node.swarm.wire import decode_record, encode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError
@@ -25,9 +27,27 @@ SWARM = "receipts-test"
 PARENT = "a" * 64
 
 
-def _dispatch(node, op: str, caller: str, body: bytes):
-    """A request as the node's transport hands it on: through its dispatcher (admission, refusal, score)."""
-    handler = getattr(node, f"_h_{op}")
+def receipts_of(identity, folder, replicas, syncs, settings=None, cls=Receipts, **parts) -> Receipts:
+    """A node's receipts (``cls``) handed fakes of the rest of the node: ``parts`` names any collaborator to
+    give instead (``Receipts``'s arguments); the rest take anything and change nothing."""
+    given = dict(
+        spec={},
+        guard=Guard(),
+        suspect={},
+        counters={"receipts_held": 0},
+        events=EventLog(),
+        last_contribution={},
+        send_again=lambda header: None,
+        reset_sync=lambda p, merged=frozenset(): None,
+        ban_and_hand_on=lambda sr, why, source, op, body, **fields: True,
+    )
+    settings = settings or SimpleNamespace(swarm=SWARM, trusted=False, ttl_s=6.0)
+    return cls(settings, identity, folder, replicas, syncs, **{**given, **parts})
+
+
+def _dispatch(node, handler, op: str, caller: str, body: bytes):
+    """A request as the node's transport hands it on to ``handler``: through its dispatcher (admission,
+    refusal, score)."""
     return Dispatcher(node._known, getattr(node, "penalise", lambda *a: None), {op: handler})(
         op, caller, body
     )
@@ -107,16 +127,11 @@ def test_junk_that_is_not_a_receipt_is_refused_before_its_signature_is_read():
             read_receipt(SWARM, sync.peer_id, pack_list([doc, sig]))
 
 
-class _Synchroniser(Receipts):
-    """What a node's receipts read of it: its identity, state folder, one fragment's replica and round."""
-
-    def __init__(self, ident: Identity, folder) -> None:
-        self.identity, self.peer_id, self.state_dir = ident, ident.peer_id, folder
-        self.settings = SimpleNamespace(swarm=SWARM, trusted=False)
-        self.replicas = [SimpleNamespace(round=4, hash=PARENT)]
-        self.syncs = [SyncState(fragment=0, global_round=4)]
-        self.counters = {"receipts_held": 0}
-        self._init_receipts()
+def _synchroniser(ident: Identity, folder) -> Receipts:
+    """A synchroniser's receipts: its identity and state folder, one fragment's replica and round."""
+    return receipts_of(
+        ident, folder, [SimpleNamespace(round=4, hash=PARENT)], [SyncState(fragment=0, global_round=4)]
+    )
 
 
 def test_a_synchroniser_restarted_on_the_parent_it_gave_receipts_on_does_not_sign_without_them(
@@ -127,11 +142,11 @@ def test_a_synchroniser_restarted_on_the_parent_it_gave_receipts_on_does_not_sig
     learner holding the receipt would get it banned everywhere)."""
     sync, learner, other = Identity.generate(), Identity.generate(), Identity.generate()
     cid = f"{sender_tag(learner.peer_id)}:0:8:1000"
-    node = _Synchroniser(sync, tmp_path)
+    node = _synchroniser(sync, tmp_path)
     rc = read_receipt(SWARM, sync.peer_id, node.give_receipt(0, learner.peer_id, cid))
     assert (rc.round, rc.parent, rc.cid) == (5, PARENT, cid)
     assert node.receipted(0, 5) == {cid}
-    again = _Synchroniser(sync, tmp_path)  # a new life, same folder
+    again = _synchroniser(sync, tmp_path)  # a new life, same folder
     (tmp_path / "receipts.log").open("a").write('["torn line\n')  # a write the kill cut short
     without = _record(sync, spec, [(other.peer_id, "O:0:999")]).record
     assert again.breaks_receipt(without) == [cid] and again.holds_receipts(without)
@@ -142,7 +157,7 @@ def test_a_synchroniser_restarted_on_the_parent_it_gave_receipts_on_does_not_sig
 
 def test_a_contribution_must_name_its_moment_and_replace_only_an_older_one(tmp_path):
     sync, learner = Identity.generate(), Identity.generate()
-    node = _Synchroniser(sync, tmp_path)
+    node = _synchroniser(sync, tmp_path)
     tag = sender_tag(learner.peer_id)
     with pytest.raises(ProtocolError, match="names no moment"):
         node.check_taken(0, learner.peer_id, f"{tag}:0:8:soon", 4)
@@ -159,7 +174,7 @@ def test_a_synchroniser_merging_its_round_asks_senders_to_wait_a_merges_time(tmp
     """Where receipts bind, a contribution that comes while the round merges is not queued for a round whose
     parent nobody knows yet: the sender is told how long a merge takes here, and tries again then (each try
     carries the whole contribution)."""
-    node = _Synchroniser(Identity.generate(), tmp_path)
+    node = _synchroniser(Identity.generate(), tmp_path)
     assert node.merging_here("learner", 0) is None  # collecting: taken
     node.syncs[0] = replace(node.syncs[0], phase=Phase.MERGING)
     assert node.merging_here(node.peer_id, 0) is None  # its own learner's: queued, as ever
@@ -179,14 +194,18 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
     """The ``omission`` op: each node checks the record and the receipt alone (two signatures, the names)."""
     from tests.test_audit import SPEC, _Member
 
-    class _Judge(Receipts, _Member):
-        def __init__(self, folder) -> None:
-            super().__init__(folder)
-            self._init_receipts()
-
     sync, learner, other = Identity.generate(), Identity.generate(), Identity.generate()
-    judge = _Judge(tmp_path)
-    judge.ban_and_hand_on = lambda sr, why, source, op, body, **f: judge.guard.ban(sr.signer, 0.0, why)
+    judge = _Member(tmp_path)  # its dispatcher: admission, and the score of a refused proof
+    receipts = receipts_of(
+        SimpleNamespace(peer_id=judge.peer_id),
+        tmp_path,
+        judge.replicas,
+        [SyncState(fragment=0)],
+        settings=judge.settings,
+        spec=judge.spec,
+        guard=judge.guard,
+        ban_and_hand_on=lambda sr, why, source, op, body, **f: judge.guard.ban(sr.signer, 0.0, why),
+    )
     cid = f"{sender_tag(learner.peer_id)}:0:8:1000"
 
     def record(people, signer=sync):
@@ -195,7 +214,9 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
         return encode_record("s", MergeRecord(0, 5, PARENT, "b" * 64, rows, grad), signer)
 
     def prove(rec: bytes, rc) -> tuple:
-        reply = asyncio.run(_dispatch(judge, "omission", "relay", pack_list([rec, rc.packed()])))
+        reply = asyncio.run(
+            _dispatch(judge, receipts.on_omission, "omission", "relay", pack_list([rec, rc.packed()]))
+        )
         return reply.ok, reply.code
 
     receipt = make_receipt("s", sync, 0, 5, PARENT, learner.peer_id, cid)
@@ -207,7 +228,7 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
         False,
         "bad_signature",
     )  # a receipt its signer never gave
-    reply = asyncio.run(_dispatch(judge, "omission", "relay", b"\x00\x01"))
+    reply = asyncio.run(_dispatch(judge, receipts.on_omission, "omission", "relay", b"\x00\x01"))
     assert (reply.ok, reply.code) == (False, "malformed")
     assert judge.penalised == ["malformed", "bad_signature", "malformed"]
     assert not judge.guard.banned(sync.peer_id, 1.0)

@@ -35,6 +35,7 @@ from protocol.replica import FragmentReplica
 from protocol.synchroniser import Merge, Phase, SyncState
 from tests.swarm_util import Swarm, wait_until
 from tests.test_merge_off_loop import _contributions, _Node
+from tests.test_receipts import receipts_of
 
 SWARM = "s"
 
@@ -49,44 +50,60 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
     async def main():
         rep = FragmentReplica(0, theta, is_embedding=False)
         node = _Node(rep)
-        node.settings = SimpleNamespace(swarm=SWARM)
-        node.identity = Identity.generate()
-        node.peer_id = node.identity.peer_id
-        node.receipts_on = lambda: True
-        node.holds_receipts = lambda rec: True  # it leaves out a contribution we gave a receipt for
-        node.renounce = lambda p, r, dropped: Receipts.renounce(node, p, r, dropped)
-        node.events, node.outbox = EventLog(), asyncio.Queue()
-        node.renounced = {}  # what ``Receipts._init_receipts`` declares
+        outbox, events = asyncio.Queue(), EventLog()
         cs = _contributions(theta)
         mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
-        node.last_contribution = {0: (mine, "enc")}
-        assert Receipts.renounced_now(node) == {}
+        last = {0: (mine, "enc")}
+
+        def send_again(header) -> None:  # as ``Contributions._send_again``
+            if last[header.fragment][0] is header:
+                outbox.put_nowait(last[header.fragment])
+
+        class _Holding(Receipts):
+            def holds_receipts(self, rec) -> bool:  # it leaves out a contribution we gave a receipt for
+                return True
+
+        node.receipts = receipts = receipts_of(
+            Identity.generate(),
+            Path("/nonexistent"),  # no receipts.log of an earlier life
+            node.replicas,
+            node.syncs,
+            settings=SimpleNamespace(swarm=SWARM, trusted=False),
+            events=events,
+            last_contribution=last,
+            send_again=send_again,
+            reset_sync=node._reset_sync,
+            cls=_Holding,
+        )
+        assert receipts.renounced_now() == {}
         await node._merge_off_loop(0, Merge(1, cs), 3, 0.0, 0.0, 0.0)
         assert node.applied == [] and rep.round == 0  # not signed
         assert node.resets == [(0, {c.cid for c in cs})]  # the round starts over, none of them carried
         assert node.syncs[0].phase is Phase.COLLECTING
-        assert node.renounced == {0: (1, rep.hash)} and Receipts.renounced_now(node) == {"0": 1}
-        assert node.outbox.get_nowait() == (mine, "enc")  # our own latest goes to the next candidate
-        assert [(e["fragment"], e["round"]) for e in node.events.of("renounce")] == [(0, 1)]
+        assert receipts.renounced == {0: (1, rep.hash)} and receipts.renounced_now() == {"0": 1}
+        assert outbox.get_nowait() == (mine, "enc")  # our own latest goes to the next candidate
+        assert [(e["fragment"], e["round"]) for e in events.of("renounce")] == [(0, 1)]
         rep.round = 1  # the next candidate's record of round 1 applied here: the renouncement is over
-        assert Receipts.renounced_now(node) == {}
+        assert receipts.renounced_now() == {}
 
     asyncio.run(main())
 
 
-class _View(Receipts, SwarmView):
-    """What ``candidates`` reads: the live members' records, this node's replica, its suspicions."""
+class _View(SwarmView):
+    """What ``candidates`` reads: the live members' records, this node's replica, its suspicions, and the
+    rounds it renounced (its receipts)."""
 
     def __init__(self, me: str, others: dict[str, Member]) -> None:
         self.peer_id, self.others = me, others
         self.replicas = [SimpleNamespace(round=4, hash="h4")]
         self.settings = SimpleNamespace(swarm=SWARM, elect_workers=False)
         self.published_self, self.suspect = None, {}
-        self.state_dir = Path("/nonexistent")  # no receipts.log of an earlier life
-        self._init_receipts()
+        # no receipts.log of an earlier life
+        self.receipts = receipts_of(SimpleNamespace(peer_id=me), Path("/nonexistent"), self.replicas, [])
 
     def live_members(self) -> dict[str, Member]:
-        return {**self.others, self.peer_id: _member(self.peer_id, renounced=self.renounced_now())}
+        mine = _member(self.peer_id, renounced=self.receipts.renounced_now())
+        return {**self.others, self.peer_id: mine}
 
     def credible(self, p, pid, round_, members) -> bool:
         return True
@@ -104,14 +121,15 @@ def test_every_view_elects_past_a_member_that_renounced_the_open_round_and_never
     assert sorted(order) == sorted(ids) and order == candidates(SWARM, 0, 5, sorted(ids))
     first = order[0]
     if first == me:  # this node renounced round 5 on the parent it holds
-        view.renounced = {0: (5, "h4")}
+        view.receipts.renounced = {0: (5, "h4")}
     else:  # a member's record says it renounced round 5
         view.others[first] = _member(first, renounced={"0": 5})
     assert view.candidates(0) == order[1:] and view.synchroniser_of(0) == order[1]
-    view.renounced, view.others = {}, {q: _member(q, renounced={"0": 6}) for q in rest}  # another round
-    view.renounced = {0: (5, "h3")}  # renounced on another parent: a round that is not this one
+    view.receipts.renounced = {}
+    view.others = {q: _member(q, renounced={"0": 6}) for q in rest}  # another round
+    view.receipts.renounced = {0: (5, "h3")}  # renounced on another parent: a round that is not this one
     assert view.candidates(0) == order
-    view.renounced = {0: (5, "h4")}
+    view.receipts.renounced = {0: (5, "h4")}
     view.others = {q: _member(q, renounced={"0": 5}) for q in rest}
     assert view.candidates(0) == order  # everyone renounced: the round waits for them, as before
 

@@ -23,8 +23,22 @@ from node.swarm.guard import Guard
 from node.swarm.receipts import Receipts, make_receipt
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
+from tests.test_receipts import receipts_of
 
 CID = "me:3:10:1000"
+
+
+class _NoReceipts:
+    """A swarm whose learners are vouched for: no receipts (``node.swarm.receipts``)."""
+
+    def receipts_on(self) -> bool:
+        return False
+
+    def watched_round(self, rc, open_round: int) -> int:
+        raise AssertionError("no receipt to watch")
+
+    def check_omission(self, sr, rc) -> bool:
+        raise AssertionError("no receipt to check")
 
 
 class _Transport:
@@ -66,6 +80,7 @@ class _Sender(Contributions):
         self.accepted: list[str] = []
         self.clocks = SimpleNamespace(due=lambda p: None)  # no schedule yet (node.swarm.clocks)
         self._init_contributions()
+        self.receipts = self._receipts()
         # the deadlines of the rounds that take our contributions, as the node wires them
         self.deadlines = MergeDeadlines(
             self.settings,
@@ -79,16 +94,16 @@ class _Sender(Contributions):
             self.events,
             self.live_members,
             self.rounds_behind,
-            self.watched_round,
-            self.check_omission,
+            self.receipts.watched_round,
+            self.receipts.check_omission,
             self._send_again,
         )
 
+    def _receipts(self):
+        return _NoReceipts()
+
     def keep_message(self, raw: bytes, sig: bytes) -> str:  # node.swarm.audit: nothing kept here
         return ""
-
-    def receipts_on(self) -> bool:  # a swarm whose learners are vouched for (node.swarm.receipts)
-        return False
 
     async def _accept(self, caller: str, payload: bytes) -> Reply:  # this node as the synchroniser
         self.accepted.append(caller)
@@ -102,12 +117,6 @@ class _Sender(Contributions):
 
     def live_members(self) -> dict:
         return self.members
-
-    def watched_round(self, rc, open_round: int) -> int:  # receipts are off here (``receipts_on``)
-        raise AssertionError("no receipt to watch")
-
-    def check_omission(self, sr, rc) -> bool:
-        raise AssertionError("no receipt to check")
 
 
 def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0, setup=None) -> _Sender:
@@ -168,15 +177,28 @@ def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
     assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")
 
 
-class _ReceiptSender(Receipts, _Sender):
+class _ReceiptSender(_Sender):
     """A sender in a public swarm: a synchroniser's ok must carry its receipt (``node.swarm.receipts``)."""
 
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         super().__init__(order, hung, failover_s)
-        self.settings.trusted = False
         self.replicas[3] = SimpleNamespace(round=4, hash="h4")  # the deadlines read the same dict
-        self.state_dir = Path("/nonexistent")  # no receipts.log of an earlier life: none given
-        self._init_receipts()
+
+    def _receipts(self) -> Receipts:
+        self.settings.trusted = False
+        return receipts_of(
+            SimpleNamespace(peer_id=self.peer_id),
+            Path("/nonexistent"),  # no receipts.log of an earlier life: none given
+            self.replicas,
+            [],
+            settings=self.settings,
+            guard=self.guard,
+            suspect=self.suspect,
+            counters=self.counters,
+            events=self.events,
+            last_contribution=self.last_contribution,
+            send_again=self._send_again,
+        )
 
 
 def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_is_watched(monkeypatch):
@@ -214,7 +236,8 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
     header, target, round_, rc, _ = s.deadlines.taken[3]
     assert (target, round_, rc.signer, rc.cid, rc.parent) == (order[4], 5, order[4], CID, "h4-fork")
     # the record watched is the receipt's round where it is near ours, else ours (a far one never comes)
-    assert [s.watched_round(replace(rc, round=r), 5) for r in (3, 4, 5, 6, 7, 99)] == [5, 4, 5, 6, 5, 5]
+    watched = [s.receipts.watched_round(replace(rc, round=r), 5) for r in (3, 4, 5, 6, 7, 99)]
+    assert watched == [5, 4, 5, 6, 5, 5]
 
 
 def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_and_sends_again():

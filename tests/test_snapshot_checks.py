@@ -1,6 +1,6 @@
 """What a snapshot must pass before it enters a replica, unit by unit:
 ``protocol.chain.snapshot_mismatch``, the state a donor's records reach from a round this replica keeps, and
-``Vouching.unwitnessed``, who must hold a head that no chain checks.
+``SnapshotVetting.unwitnessed``, who must hold a head that no chain checks.
 The swarm-level test, a member a round ahead serving an all-zero snapshot and forged records leading to it,
 is ``tests/test_hostile_snapshots.py``."""
 
@@ -13,7 +13,8 @@ import torch
 
 from dht.records import Member
 from node.swarm.guard import WorkBook
-from node.swarm.vouch import Vouching
+from node.swarm.vetting import SnapshotVetting, UnwitnessedSnapshot
+from node.swarm.view import SwarmView
 from protocol.chain import snapshot_mismatch
 from protocol.codecs import RANGE, Decoded
 from protocol.config import ProtocolConfig
@@ -137,20 +138,29 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     assert Audit.proven_lie(node, SimpleNamespace(signer="me", record=inflated)) is None  # never ourselves
 
 
-class _Views(Vouching):
-    """The parts of a node ``Vouching.unwitnessed`` reads: its view, heads, logs and the work it merged."""
-
-    def __init__(self, members: dict, worked: list[str], head=(5, "x5"), log=None) -> None:
-        self.peer_id, self.members = "me", members
-        self.heads = [head]
-        self.logs = [log or {}]
-        self.work, self.settings = WorkBook(), SimpleNamespace(heartbeat_s=1000.0)
-        self._init_vouching()
-        for q in worked:
-            self.work.merged(q, 0, 1.0)
-
-    def live_members(self) -> dict:
-        return self.members
+def _vetting(
+    members: dict, worked: list[str], head=(5, "x5"), log=None, cls=SnapshotVetting
+) -> SnapshotVetting:
+    """A vetting handed fakes of what it reads: the view's ``members`` (``live_members``), our head and log
+    of fragment 0, the work we merged (``worked``), and a transport and event log that take anything."""
+    work = WorkBook()
+    for q in worked:
+        work.merged(q, 0, 1.0)
+    return cls(
+        SimpleNamespace(heartbeat_s=1000.0, swarm="test"),
+        SimpleNamespace(history=4),
+        {},
+        "me",
+        [SimpleNamespace(round=int(head[0]))],
+        [head],
+        [log or {}],
+        work,
+        SimpleNamespace(count_refusal=lambda code: None),
+        SimpleNamespace(emit=lambda *a, **k: None),
+        lambda: members,
+        lambda p, members, strict=False, refused=(): (None, []),  # no head beats ours
+        lambda peer, code, signed=False: None,
+    )
 
 
 def _member(pid: str, head, client: bool = False) -> Member:
@@ -161,33 +171,33 @@ def test_a_head_is_unwitnessed_only_when_no_worker_holds_it_and_a_worker_holds_o
     liar, ally = _member("liar", (6, "zero")), _member("sybil", (6, "zero"))
     b = _member("b", (5, "x5"))
     # the liar alone a round ahead, an honest worker on our head: refused, whoever else echoes the liar
-    assert _Views({"liar": liar, "b": b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
-    assert _Views({"liar": liar, "sybil": ally, "b": b}, worked=["b", "liar"]).unwitnessed(
+    assert _vetting({"liar": liar, "b": b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
+    assert _vetting({"liar": liar, "sybil": ally, "b": b}, worked=["b", "liar"]).unwitnessed(
         "liar", 0, 6, "zero"
     )
     # the other side of a deep split: a member this node merged before holds the donor's head too: taken
     c, d = _member("c", (7, "y7")), _member("d", (7, "y7"))
-    assert not _Views({"c": c, "d": d, "b": b}, worked=["b", "c", "d"]).unwitnessed("c", 0, 7, "y7")
+    assert not _vetting({"c": c, "d": d, "b": b}, worked=["b", "c", "d"]).unwitnessed("c", 0, 7, "y7")
     # a node that merged no one's work yet (a joiner): our head published by B refuses the liar's ...
-    assert _Views({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    assert _vetting({"liar": liar, "b": b}, worked=[]).unwitnessed("liar", 0, 6, "zero")
     # ... and any member that holds state witnesses the swarm's head (two fresh joiners of a running swarm,
     # each the other's witness of round 0, refused the swarm's head for a whole run)
     swarm = {"a": _member("a", (6, "y6")), "c": _member("c", (6, "y6")), "b": _member("b", (0, "x0"))}
-    fresh = _Views(swarm, worked=[], head=(0, "x0"))
+    fresh = _vetting(swarm, worked=[], head=(0, "x0"))
     assert not fresh.unwitnessed("a", 0, 6, "y6")
-    assert fresh.unwitnessed("a", 0, 6, "y6") == _Views(swarm, worked=["c"], head=(0, "x0")).unwitnessed(
+    assert fresh.unwitnessed("a", 0, 6, "y6") == _vetting(swarm, worked=["c"], head=(0, "x0")).unwitnessed(
         "a", 0, 6, "y6"
     )
     # our chain without a witness (a client's record holds no state, or nobody): taken as before
     client_b = _member("b", (5, "x5"), client=True)
-    assert not _Views({"liar": liar, "b": client_b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
-    assert not _Views({"liar": liar}, worked=[]).unwitnessed("liar", 0, 6, "zero")
+    assert not _vetting({"liar": liar, "b": client_b}, worked=["b"]).unwitnessed("liar", 0, 6, "zero")
+    assert not _vetting({"liar": liar}, worked=[]).unwitnessed("liar", 0, 6, "zero")
     # a witness a round behind on our chain (its head is our log's round 4) counts as one
     log = {5: SimpleNamespace(record=SimpleNamespace(new_hash="x5", parent_hash="x4"))}
     behind = _member("b", (4, "x4"))
-    assert _Views({"liar": liar, "b": behind}, worked=["b"], log=log).unwitnessed("liar", 0, 6, "zero")
+    assert _vetting({"liar": liar, "b": behind}, worked=["b"], log=log).unwitnessed("liar", 0, 6, "zero")
     other_chain = _member("b", (4, "w4"))
-    assert not _Views({"liar": liar, "b": other_chain}, worked=["b"], log=log).unwitnessed(
+    assert not _vetting({"liar": liar, "b": other_chain}, worked=["b"], log=log).unwitnessed(
         "liar", 0, 6, "zero"
     )
 
@@ -196,15 +206,16 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     """A 2-to-1 split at one round where the lone head ranks first but the others refuse it (no chain reaches
     it: ``unwitnessed``): the lone node yields, once the stand-off has lasted ``LONE_HEARTBEATS``."""
     b, c = _member("b", (5, "y5", 2, 1.0)), _member("c", (5, "y5", 2, 1.0))
-    node = _Views({"b": b, "c": c}, worked=["b", "c"], head=(5, "x5", 2, 1.0))
-    assert node.unfollowed(0, node.members) == (None, [])  # the stand-off starts: not yet
+    members = {"b": b, "c": c}
+    node = _vetting(members, worked=["b", "c"], head=(5, "x5", 2, 1.0))
+    assert node.unfollowed(0, members) == (None, [])  # the stand-off starts: not yet
     node.settings.heartbeat_s = 0.0  # ... and has lasted long enough
-    assert node.unfollowed(0, node.members) == ([5, "y5", 2, 1.0], ["b", "c"])
+    assert node.unfollowed(0, members) == ([5, "y5", 2, 1.0], ["b", "c"])
     # a member holds ours: nothing to give up
     mine = _member("d", (5, "x5", 2, 1.0))
     assert node.unfollowed(0, {"b": b, "c": c, "d": mine}) == (None, [])
     # identities whose work this node never merged vouch for nothing; one worker is not a majority of two
-    assert _Views({"b": b, "c": c}, worked=[], head=(5, "x5", 2, 1.0)).unfollowed(0, node.members)[1] == []
+    assert _vetting({"b": b, "c": c}, worked=[], head=(5, "x5", 2, 1.0)).unfollowed(0, members)[1] == []
     assert node.unfollowed(0, {"b": b, "c": _member("c", (5, "z5", 2, 1.0))}) == (None, [])
     # a head of another round is winning_heads' business (ahead) or theirs to take (behind); a client holds none
     ahead = {"b": _member("b", (6, "y6", 2, 1.0)), "c": _member("c", (6, "y6", 2, 1.0))}
@@ -226,13 +237,13 @@ def test_a_head_no_member_takes_is_given_up_for_the_one_merged_members_agree_on_
     node.logs[0].clear()
     assert node.unfollowed(0, two_below) == (None, [])  # rounds our log no longer holds: no fork we can see
     node.settings.heartbeat_s = 1000.0
-    node.unfollowed(0, node.members)
+    node.unfollowed(0, members)
     clients = {q: _member(q, (5, "y5", 2, 1.0), client=True) for q in ("b", "c")}
     assert node.unfollowed(0, clients) == (None, [])
     # the stand-off's clock restarts when either head moves
     node.settings.heartbeat_s = 1000.0
     node.heads[0] = (5, "w5", 2, 1.0)
-    assert node.unfollowed(0, node.members) == (None, [])
+    assert node.unfollowed(0, members) == (None, [])
 
 
 def test_right_after_a_snapshot_the_member_it_came_from_witnesses_our_head():
@@ -240,7 +251,7 @@ def test_right_after_a_snapshot_the_member_it_came_from_witnesses_our_head():
     to round 6, witnesses ours: a liar's head a round past ours is refused (0.5 s after a snapshot a node
     took a liar's all-zero head while every honest member was a round past it)."""
     liar, b = _member("liar", (6, "zero")), _member("b", (6, "y6"))
-    node = _Views({"liar": liar, "b": b}, worked=["b"])
+    node = _vetting({"liar": liar, "b": b}, worked=["b"])
     assert not node.unwitnessed("liar", 0, 6, "zero")  # b's round 6 is on no chain this node knows
     node.took_from(0, "b", 5)
     assert node.unwitnessed("liar", 0, 6, "zero")
@@ -256,40 +267,37 @@ def test_a_node_alone_on_its_fork_refuses_a_lone_head_while_two_witnesses_agree_
     (a node alone on its fork took a liar's all-zero head a round past the rest, 1 install in 2 of 3 runs)."""
     liar = _member("liar", (7, "zero", 9, 9.0))
     b, c = _member("b", (6, "y6", 2, 1.0)), _member("c", (6, "y6", 2, 1.0))
-    node = _Views({"liar": liar, "b": b, "c": c}, worked=["b", "c"], head=(6, "x6", 2, 1.0))
-    assert node.unwitnessed("liar", 0, 7, "zero")
+    members = {"liar": liar, "b": b, "c": c}
+    assert _vetting(members, worked=["b", "c"], head=(6, "x6", 2, 1.0)).unwitnessed("liar", 0, 7, "zero")
     # one agreeing member, two that disagree, or two we never merged: the three-way split's exemption stands
-    assert not _Views({"liar": liar, "b": b}, worked=["b"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    assert not _vetting({"liar": liar, "b": b}, worked=["b"], head=(6, "x6")).unwitnessed(
+        "liar", 0, 7, "zero"
+    )
     split = {"liar": liar, "b": b, "c": _member("c", (6, "z6", 2, 1.0))}
-    assert not _Views(split, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
-    assert not _Views(node.members, worked=["liar"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    assert not _vetting(split, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    assert not _vetting(members, worked=["liar"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
     # members that agree on the donor's own head witness it
     echo = {"liar": liar, "b": _member("b", (7, "zero")), "c": _member("c", (7, "zero"))}
-    assert not _Views(echo, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
+    assert not _vetting(echo, worked=["b", "c"], head=(6, "x6")).unwitnessed("liar", 0, 7, "zero")
 
 
 def test_catch_up_looks_past_a_head_refused_as_unwitnessed_for_a_while():
-    from node.swarm.view import SwarmView
+    class _View(SwarmView):
+        """What ``SwarmView.winning_heads`` reads of a node: its peer id, heads and replicas."""
 
-    class _Node(_Views, SwarmView):
-        replicas = [SimpleNamespace(round=6)]
-        pcfg = SimpleNamespace(history=4)
-        transport = SimpleNamespace(count_refusal=lambda code: None)
-        events = SimpleNamespace(emit=lambda *a, **k: None)
+        def __init__(self, heads: list) -> None:
+            self.peer_id, self.heads = "me", heads
+            self.replicas, self.pcfg = [SimpleNamespace(round=6)], SimpleNamespace(history=4)
 
     liar = _member("liar", (7, "zero", 9, 9.0))
     b, c = _member("b", (7, "y7", 2, 1.0)), _member("c", (7, "y7", 2, 1.0))
-    node = _Node({"liar": liar, "b": b, "c": c}, worked=["b", "c"], head=(6, "x6", 2, 1.0))
-    assert node.winning_heads(0, node.members, refused=node.refused_heads(0)) == (
-        list(liar.heads["0"]),
-        ["liar"],
-    )
+    members, head = {"liar": liar, "b": b, "c": c}, (6, "x6", 2, 1.0)
+    view = _View([head])
+    node = _vetting(members, worked=["b", "c"], head=head)
+    assert view.winning_heads(0, members, refused=node.refused_heads(0)) == (list(liar.heads["0"]), ["liar"])
     node._unwitnessed_seen(0, "liar", 7, "zero")
     assert node.refused_heads(0) == {(7, "zero")}
-    assert node.winning_heads(0, node.members, refused=node.refused_heads(0)) == (
-        [7, "y7", 2, 1.0],
-        ["b", "c"],
-    )
+    assert view.winning_heads(0, members, refused=node.refused_heads(0)) == ([7, "y7", 2, 1.0], ["b", "c"])
     node.settings.heartbeat_s = 0.0  # the refusal has lapsed: the head is tried again
     node._unwitnessed_seen(0, "liar", 7, "zero")
     assert node.refused_heads(0) == set()
@@ -302,13 +310,9 @@ def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ou
     neither: with the plain merge, nodes alone on their forks installed it 1-7 times a run."""
     import asyncio
 
-    from node.swarm.vouch import UnwitnessedSnapshot
+    class _Vetting(SnapshotVetting):
+        """Its donor's records and signed head as the test sets them, and what it asked for."""
 
-    class _Node(_Views):
-        replicas = [SimpleNamespace(round=6)]
-        pcfg = SimpleNamespace(history=4)
-        transport = SimpleNamespace(count_refusal=lambda code: None)
-        events = SimpleNamespace(emit=lambda *a, **k: None)
         chain, signed, asked = None, False, []
 
         async def _donor_chain(self, donor, p, round_, hash_):
@@ -319,7 +323,7 @@ def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ou
             self.asked.append("signed")
             return self.signed
 
-    def vouch(node: _Node, head) -> bool:
+    def vouch(node: _Vetting, head) -> bool:
         try:
             asyncio.run(node.vouch_head("liar", 0, head))
         except UnwitnessedSnapshot:
@@ -327,7 +331,8 @@ def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ou
         return True
 
     liar, b = _member("liar", (7, "zero", 9, 9.0)), _member("b", (6, "y6", 2, 1.0))
-    node = _Node({"liar": liar, "b": b}, worked=["b"], head=(6, "x6", 2, 1.0))
+    members = {"liar": liar, "b": b}
+    node = _vetting(members, worked=["b"], head=(6, "x6", 2, 1.0), cls=_Vetting)
     assert not node.unwitnessed("liar", 0, 7, "zero")  # the three-way split's exemption, as before ...
     assert not vouch(node, (7, "zero")) and node.asked == ["records", "signed"]  # ... but no record: refused
     assert node.refused_heads(0) == {(7, "zero")}
@@ -337,5 +342,5 @@ def test_a_head_no_other_member_publishes_needs_the_donors_records_even_where_ou
     assert vouch(node, (7, "zero"))
     # another member publishes the same head: the exemption stands, nothing is asked
     node.chain, node.signed, node.asked = None, False, []
-    node.members["c"] = _member("c", (7, "zero", 9, 9.0))
+    members["c"] = _member("c", (7, "zero", 9, 9.0))
     assert vouch(node, (7, "zero")) and node.asked == []

@@ -126,12 +126,10 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
             self.lagging_since = {0: time.monotonic() - 60}
             self._syncing: set = set()
             self.pulled: list[str] = []
+            self.vetting = SimpleNamespace(refused_heads=lambda p: set())  # no head refused
 
         def live_members(self) -> dict:
             return {}
-
-        def refused_heads(self, p: int) -> set:
-            return set()
 
         def winning_heads(self, p, members, strict=False, refused=()):
             return [9, "h9", 2, 1.0], ["worker", *(f"sybil{i:02d}" for i in range(32))]

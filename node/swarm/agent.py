@@ -64,9 +64,9 @@ from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.spool import Spool
 from node.swarm.status_p2p import StatusProtocol
-from node.swarm.transport import Transport, max_frame_bytes
+from node.swarm.transport import Reply, Transport, max_frame_bytes
+from node.swarm.vetting import SnapshotVetting
 from node.swarm.view import SwarmView
-from node.swarm.vouch import Vouching
 from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
 from protocol.hashing import model_hash
@@ -102,7 +102,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contributions, Receipts):
+class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -226,8 +226,23 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
         # each part's own state, declared where the part is written
         self._init_catch_up()
         self._init_contributions()
-        self._init_receipts()
-        self._init_vouching()
+        # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.receipts)
+        self.receipts = Receipts(
+            s,
+            self.identity,
+            self.state_dir,
+            self.replicas,
+            self.syncs,
+            self.spec,
+            self.guard,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.last_contribution,
+            self._send_again,
+            self._reset_sync,
+            self.ban_and_hand_on,
+        )
         self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
@@ -246,10 +261,36 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
         self.transport: Transport | None = None
         self.record_push: RecordPush | None = None  # new records to the members that need them first
         self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
+        self.vetting: SnapshotVetting | None = None  # whether a donor's head and snapshot are to be believed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self.learner_loop = LearnerLoop(self, self.learner)
-        self._restored = self._restore()
+        # its checkpoints, the state it resumes from, and the files other tools read (node.swarm.persistence)
+        self.persistence = Persistence(
+            s,
+            self.state_dir,
+            self.peer_id,
+            self.unit,
+            self.task,
+            self.plan,
+            self.learner,
+            self.learner_loop,
+            self.replicas,
+            self.heads,
+            self.syncs,
+            self.merged_tokens,
+            self.work,
+            self.counters,
+            self.events,
+            self.logged_learners,
+            self.global_hash,
+            self.rounds_merged,
+            self.tokens_merged,
+        )
+        restored = self.persistence.restore()  # the checkpoint's file name, or None
+        self._restored = restored is not None
+        if restored is not None:
+            self.joined_by = f"checkpoint {restored}"
         self._phase("restore")
 
     def _phase(self, name: str) -> None:
@@ -265,6 +306,10 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
 
     def tokens_merged(self) -> float:
         return sum(t * s for t, s in zip(self.merged_tokens, self.shares))
+
+    # ---------------------------------------------------------------- ops a part of the node answers
+    async def _h_omission(self, caller: str, body: bytes) -> Reply:
+        return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
@@ -305,8 +350,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
             self.events,
             self.live_members,
             self.rounds_behind,
-            self.watched_round,
-            self.check_omission,
+            self.receipts.watched_round,
+            self.receipts.check_omission,
             self._send_again,
         )
         self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
@@ -332,6 +377,21 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
             self.candidates,
             self.loop.time,
         )
+        self.vetting = SnapshotVetting(
+            s,
+            self.pcfg,
+            self.spec,
+            self.peer_id,
+            self.replicas,
+            self.heads,
+            self.logs,
+            self.work,
+            self.transport,
+            self.events,
+            self.live_members,
+            self.winning_heads,
+            self.penalise,
+        )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
         Dispatcher(self._known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
@@ -343,7 +403,8 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
         self.events.subscribe(history.on_event)
         self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
-        self._write_ready("starting.json")  # where ddiloco doctor finds a node that is still joining
+        # where ddiloco doctor finds a node that is still joining
+        self.persistence.write_ready(self._addrs, self.status_server.url, "starting.json")
         self.outbox = asyncio.Queue()
         try:
             if not await self._until_stopped(self._enter()):
@@ -355,12 +416,12 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
                 logger.info(
                     "network side niced by %d (%d threads); the learner keeps its priority", s.agent_nice, n
                 )
-            self._write_ready()
+            self.persistence.write_ready(self._addrs, self.status_server.url)
             self._spawn(self._heartbeat_loop())
             self._spawn(self._sender_loop())
             self._spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
-                self._spawn(self._checkpoint_loop())
+                self._spawn(self.persistence.checkpoint_loop())
             if s.duration > 0:
                 self.loop.call_later(s.duration, self.request_stop, f"duration {s.duration:g}s reached")
             await self._stop.wait()
@@ -417,7 +478,9 @@ class Node(SwarmView, Replication, CatchUp, Vouching, Audit, Persistence, Contri
             await asyncio.to_thread(ll.join, 120)
         await cancel_until_done(self._tasks, TASKS_STOP_S)
         try:
-            await self._final_files()
+            if not await self.persistence.save_final():
+                self.stop_reason += " (final checkpoint or export failed; see the log)"
+            self.persistence.write_final(self.stop_reason)
         finally:
             self.events.emit(
                 "run",

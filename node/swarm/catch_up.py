@@ -85,7 +85,7 @@ class CatchUp:
         plan: dict[str, list[int]] = {}
         donors_of: dict[int, list[str]] = {}
         for p in range(len(self.replicas)):
-            holders = await self.join_donors(p, self.members)  # node.swarm.vouch
+            holders = await self.vetting.join_donors(p, self.members)
             if holders:
                 donors_of[p] = holders
         if not donors_of:
@@ -225,8 +225,8 @@ class CatchUp:
                 if vetted is not None and [st.round, st.hash] != [int(vetted[0]), str(vetted[1])]:
                     # the donor served another head than the one vetted before the fetch (a liar served
                     # its all-zero state for a head of its own that a fork made us follow)
-                    await self.vouch_head(pid, st.fragment, (st.round, st.hash))
-                await self._check_snapshot(pid, st)  # node.swarm.vouch: raises where it may not come in
+                    await self.vetting.vouch_head(pid, st.fragment, (st.round, st.hash))
+                await self.vetting.check_snapshot(pid, st)  # raises where it may not come in
                 self._install_snapshot(st, pid, replace_ours)
 
     def _untrusted(self, p: int, pid: str, round_: int) -> None:
@@ -272,7 +272,7 @@ class CatchUp:
         self._inherited_ids()[p] = st.merged
         self.counters["resyncs"] += 1
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)
-        self.took_from(p, pid, st.round)  # node.swarm.vouch: our head's witness until a record comes
+        self.vetting.took_from(p, pid, st.round)  # our head's witness until a record comes
         self._reset_sync(p, merged=set(st.merged))
         self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
@@ -285,12 +285,12 @@ class CatchUp:
         now = time.monotonic()
         members = self.live_members()
         for p in range(len(self.replicas)):
-            head, holders = self.winning_heads(p, members, refused=self.refused_heads(p))
+            head, holders = self.winning_heads(p, members, refused=self.vetting.refused_heads(p))
             yielding = False
-            if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vouch)
+            if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vetting)
                 head, holders = self.outvoted(p, members)
                 if not holders:
-                    head, holders = self.unfollowed(p, members)
+                    head, holders = self.vetting.unfollowed(p, members)
                 yielding = bool(holders)
             if not holders:
                 self.lagging_since.pop(p, None)
@@ -351,10 +351,10 @@ class CatchUp:
                 if not trusted:
                     self._untrusted(p, pid, int(head[0]))
                 else:
-                    # node.swarm.vouch: raises where no chain checks a head the swarm does not hold (the
+                    # node.swarm.vetting: raises where no chain checks a head the swarm does not hold (the
                     # majority's head, when yielding, needs no other witness)
                     if not yielding:
-                        await self.vouch_head(pid, p, head)
+                        await self.vetting.vouch_head(pid, p, head)
                     await self._fetch_snapshot(pid, [p], yielding, None if yielding else head)
             self.lagging_since.pop(p, None)
             backoff.succeeded(pid)

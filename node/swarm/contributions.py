@@ -1,7 +1,7 @@
 """Contributions, both ends: a learner's outer gradient routed to its fragment's synchroniser with failover
 (``_send``), and the synchroniser's acceptance checks before the pure core sees it (``_accept``).
 
-A mixin of ``node.swarm.agent.Node`` (like ``Replication`` and ``Persistence``): it uses the node's
+A mixin of ``node.swarm.agent.Node`` (like ``Replication``): it uses the node's
 transport, views, guard, replicas and synchroniser states, and runs on the node's event loop except for
 ``post_contribution`` and ``resend``, which the learner thread calls.
 """
@@ -183,9 +183,9 @@ class Contributions:
                     continue
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 replayed, rc = reply.code == RejectCode.REPLAYED.value, None
-                if target != self.peer_id and self.receipts_on():  # node.swarm.receipts
+                if target != self.peer_id and self.receipts.receipts_on():  # node.swarm.receipts
                     if not replayed:
-                        rc = self.check_receipt(target, header, reply.body)
+                        rc = self.receipts.check_receipt(target, header, reply.body)
                         if rc is None:  # took it and promised nothing: as good as dead for this round
                             dead.add(target)
                             continue
@@ -292,21 +292,21 @@ class Contributions:
                     RejectCode.STALE_BASE,
                     f"fragment {p} no longer keeps round {h.base_round} here (now at {rep.round})",
                 )
-            if (busy := self.merging_here(caller, p)) is not None:
+            if (busy := self.receipts.merging_here(caller, p)) is not None:
                 return busy
             # the record names its digest; audits fetch it (node.swarm.audit)
             digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )
-            binding, receipt = caller != self.peer_id and self.receipts_on(), b""  # node.swarm.receipts
+            binding, receipt = caller != self.peer_id and self.receipts.receipts_on(), b""
             if binding:
-                self.check_taken(p, c.learner, c.cid, c.base_round)
+                self.receipts.check_taken(p, c.learner, c.cid, c.base_round)
             d = on_contribution(self.pcfg, self.syncs[p], c, self.loop.time())
             if binding:
                 if d.state.pending.get((c.learner, c.base_round)) is not c:  # not taken: say so, no ok
                     raise ProtocolError(RejectCode.STALE_BASE, d.reason)
-                receipt = self.give_receipt(p, c.learner, c.cid)
+                receipt = self.receipts.give_receipt(p, c.learner, c.cid)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:

@@ -1,6 +1,8 @@
 """A node's files: checkpoints (periodic and at exit), resuming from one, ready.json and final.json.
 
-``Node`` mixes this in; the state it reads and writes (replicas, heads, learner, counters) is the node's.
+``Persistence`` is a part the node owns (``Node.persistence``): the node restores from it when it is made,
+runs its checkpoint loop, and has it write its files when it is ready and when it stops. The state it
+writes and restores (replicas, heads, the learner's) is the node's, handed to it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,25 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.common.priority import paced_wait
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
 from node.swarm.memory import momentum_lent, release_free_memory
 from node.swarm.wire import SNAPSHOT_IDS_MAX
 from protocol.synchroniser import SyncState
+
+if TYPE_CHECKING:
+    from node.common.events import EventLog
+    from node.learner.learner import Learner
+    from node.learner.loop import LearnerLoop
+    from node.learner.unit import Unit
+    from node.swarm.guard import WorkBook
+    from node.swarm.settings import NodeSettings
+    from protocol.fragments import FragmentPlan
+    from protocol.replica import FragmentReplica
 
 FIRST_CHECKPOINT_S = 10.0  # seconds from joining to the first periodic checkpoint
 
@@ -31,13 +45,63 @@ def _abandon_late(fut: concurrent.futures.Future) -> None:
 
 
 class Persistence:
-    """Checkpoints and the files other tools read (``ddiloco up``, ``ddiloco status``, tests)."""
+    """Checkpoints and the files other tools read (``ddiloco up``, ``ddiloco status``, tests).
 
-    checkpoint_cpu_s = 0.0  # CPU seconds the last checkpoint took (laying out, writing, hashing)
+    Its collaborators: the node's settings (``swarm``, ``export``, ``checkpoint_every_s``,
+    ``checkpoint_cpu_share``), state folder, peer id and unit (or None); the task and fragment plan (the
+    exported model); the learner and its loop (whose state a checkpoint holds, and which lays it out); the
+    node's ``replicas``, ``heads``, ``syncs`` and ``merged_tokens`` (one entry per fragment, replaced in
+    place: a restore writes them) and its ``WorkBook`` (the learners credited); ``counters`` and ``events``,
+    which it writes to; and of the node, ``logged_learners`` (the learners its logs name), ``global_hash``,
+    ``rounds_merged`` and ``tokens_merged``."""
 
-    async def _final_files(self) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        state_dir: Path,
+        peer_id: str,
+        unit: Unit | None,
+        task,
+        plan: FragmentPlan,
+        learner: Learner,
+        learner_loop: LearnerLoop,
+        replicas: Sequence[FragmentReplica],
+        heads: list[tuple],
+        syncs: list[SyncState],
+        merged_tokens: list[int],
+        work: WorkBook,
+        counters: dict[str, int],
+        events: EventLog,
+        logged_learners: Callable[[], set[str]],
+        global_hash: Callable[[], str],
+        rounds_merged: Callable[[], int],
+        tokens_merged: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.state_dir = state_dir
+        self.peer_id = peer_id
+        self.unit = unit
+        self.task = task
+        self.plan = plan
+        self.learner = learner
+        self.learner_loop = learner_loop
+        self.replicas = replicas
+        self.heads = heads
+        self.syncs = syncs
+        self.merged_tokens = merged_tokens
+        self.work = work
+        self.counters = counters
+        self.events = events
+        self.logged_learners = logged_learners
+        self.global_hash = global_hash
+        self.rounds_merged = rounds_merged
+        self.tokens_merged = tokens_merged
+        self.checkpoint_cpu_s = 0.0  # CPU seconds the last checkpoint took (laying out, writing, hashing)
+
+    async def save_final(self) -> bool:
         """At exit, once the learner has stopped: its last adoptions, a final evaluation, checkpoint and
-        export (when the learner ran and did not fail), then final.json in any case."""
+        export (when the learner ran and did not fail). False: the checkpoint or the export failed (the
+        node's final.json, ``write_final``, says so)."""
         ll = self.learner_loop
         if ll.ident is not None and ll.error is None:
             try:
@@ -54,19 +118,21 @@ class Persistence:
                 await asyncio.to_thread(export_pretrained, self.task, out, params)
             except Exception:  # noqa: BLE001 - the summary below must still be written
                 logger.exception("final checkpoint or export failed")
-                self.stop_reason += " (final checkpoint or export failed; see the log)"
-        self._write_final()
+                return False
+        return True
 
-    def _restore(self) -> bool:
+    def restore(self) -> str | None:
+        """Resume from the newest checkpoint of this node in its state folder: the checkpoint's file name, or
+        None (none, another node's, or one whose fragments do not land on their hashes)."""
         ck = load_latest(self.state_dir / "checkpoints", self.settings.swarm)
         if ck is None:
-            return False
+            return None
         meta = ck.meta
         if meta.get("peer_id") != self.peer_id:
             logger.warning(
                 "checkpoint %s belongs to %s, not %s; ignored", ck.path, meta.get("peer_id"), self.peer_id
             )
-            return False
+            return None
         for p, rep in enumerate(self.replicas):
             r, h, n, w = meta["heads"][p]
             theta = {k: ck.tensors[f"theta/{p}/{k}"] for k in rep.theta}
@@ -74,19 +140,18 @@ class Persistence:
             rep.load_state(int(r), theta, mom)
             if rep.hash != h:
                 logger.warning("checkpoint %s: fragment %d does not land on its hash; ignored", ck.path, p)
-                return False
+                return None
             self.heads[p] = (int(r), h, int(n), float(w))
             self.syncs[p] = SyncState(fragment=p, global_round=int(r))
-        self.merged_tokens = [int(x) for x in meta["merged_tokens"]]
+        self.merged_tokens[:] = [int(x) for x in meta["merged_tokens"]]
         credited = meta.get("credited", [])  # absent in an older node's checkpoint
         if isinstance(credited, list):
             self.work.settle(tags=[q for q in credited[-SNAPSHOT_IDS_MAX:] if isinstance(q, str) and q])
         self.learner.load_state(ck.tensors, meta["learner"])
         self.learner.drop_unmerged()
         self.learner_loop.tokens = int(meta.get("tokens", 0))
-        self.joined_by = f"checkpoint {ck.path.name}"
         logger.info("resumed from %s", ck.path)
-        return True
+        return ck.path.name
 
     async def checkpoint(self) -> Path | None:
         """Write a checkpoint with no copy of the model made for it (``PendingCheckpoint``): the learner
@@ -167,18 +232,20 @@ class Persistence:
         )
         return path
 
-    def _write_ready(self, name: str = "ready.json") -> None:
+    def write_ready(self, addrs: list[str], status_url: str, name: str = "ready.json") -> None:
+        """Where other tools find this node: its multiaddrs (``addrs``) and status endpoint, in ``name``."""
         doc = {
             "peer_id": self.peer_id,
-            "maddrs": [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in a else a for a in self._addrs],
-            "status_url": self.status_server.url,
+            "maddrs": [f"{a}/p2p/{self.peer_id}" if "/p2p/" not in a else a for a in addrs],
+            "status_url": status_url,
             "pid": os.getpid(),
         }
         tmp = self.state_dir / f".{name}.tmp"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.state_dir / name)
 
-    def _write_final(self) -> None:
+    def write_final(self, stop_reason: str) -> None:
+        """final.json: what this node ended on, and why it stopped."""
         doc = {
             "peer_id": self.peer_id,
             "model_hash": self.global_hash(),
@@ -186,13 +253,13 @@ class Persistence:
             "tokens_merged": self.tokens_merged(),
             "steps": self.learner.steps,
             "eval_loss": self.learner_loop.eval_loss,
-            "stop_reason": self.stop_reason,
+            "stop_reason": stop_reason,
             "tokens": self.learner_loop.tokens,
             "unit": self.unit.status() if self.unit is not None else None,
         }
         (self.state_dir / "final.json").write_text(json.dumps(doc, indent=1))
 
-    async def _checkpoint_loop(self) -> None:
+    async def checkpoint_loop(self) -> None:
         # The first soon after joining: a node killed before its first checkpoint restarts by downloading
         # the whole global state (theta and momentum, seconds over a slow link) instead of resuming from
         # its own state and catching up on the rounds it missed.

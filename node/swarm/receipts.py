@@ -18,7 +18,10 @@ once each has been refused one, while one that censors a single learner, and tak
 contributions with receipts, costs that learner its rounds there (with ``carry`` its work goes out again with
 its next contribution; without, it is lost). Neither can sign a record that drops what it promised without the proof of it.
 
-A mixin of ``node.swarm.agent.Node``, on the node's event loop.
+``Receipts`` is a part the node owns (``Node.receipts``), on the node's event loop: the synchroniser's side
+(``node.swarm.contributions``) asks it for a receipt with every ``ok``, the sender's side checks the one it
+gets back, and the record logic (``node.swarm.replication``, ``node.swarm.deadlines``) asks it whether a
+record keeps the receipts given here and names the contributions receipted to us.
 """
 
 from __future__ import annotations
@@ -29,17 +32,26 @@ import math
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dht.identity import verify
+from dht.identity import Identity, verify
 from node.swarm.deadlines import STALL_TTLS
 from node.swarm.transport import Reply
 from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import cid_moment
 from protocol.replica import MergeRecord
-from protocol.synchroniser import Phase
+from protocol.synchroniser import Phase, SyncState
+
+if TYPE_CHECKING:
+    from node.common.events import EventLog
+    from node.swarm.guard import Guard
+    from node.swarm.settings import NodeSettings
+    from protocol.messages import ContributionHeader
+    from protocol.replica import FragmentReplica
 
 logger = logging.getLogger(__name__)
 _DOMAIN = "ddiloco/receipt/v1"
@@ -170,11 +182,53 @@ def omits(sr: SignedRecord, rc: Receipt) -> bool:
 
 class Receipts:
     """Both ends: the synchroniser's receipts and what it gave (``given``), the learner's check of a receipt and
-    of the record that should honour it, and the ``omission`` op."""
+    of the record that should honour it, and the ``omission`` op.
 
-    def _init_receipts(self) -> None:
-        """This part's own state (the node's constructor calls it, after ``state_dir``): the receipts given,
-        read back from the state folder; the round each fragment renounced here last, with its parent."""
+    Its collaborators: the node's settings (``trusted``, ``swarm``, ``ttl_s``), identity (which signs the
+    receipts) and state folder (``receipts.log``); the node's ``replicas`` and ``syncs`` (one entry per
+    fragment, replaced in place); its ``spec``, to decode a record handed on; the guard (accused and banned
+    synchronisers); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock), ``counters``
+    and ``events``, which it writes to; ``last_contribution`` (fragment -> our latest (header, encoded)) and
+    ``send_again``, which puts that one back in the outbox if it is still the given header
+    (``Contributions._send_again``); ``reset_sync``, which starts a fragment's open round over without the
+    given contributions (``Replication._reset_sync``); and ``ban_and_hand_on``, which bans a record's
+    signer and hands the proof on (``Audit.ban_and_hand_on``).
+
+    Its own state: the receipts given, read back from the state folder; the round each fragment renounced
+    here last, with its parent (``renounced``)."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        identity: Identity,
+        state_dir: Path,
+        replicas: Sequence[FragmentReplica],
+        syncs: Sequence[SyncState],
+        spec: dict,
+        guard: Guard,
+        suspect: dict[str, float],
+        counters: dict[str, int],
+        events: EventLog,
+        last_contribution: dict[int, tuple],
+        send_again: Callable[[ContributionHeader], None],
+        reset_sync: Callable[..., None],
+        ban_and_hand_on: Callable[..., bool],
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.peer_id: str = identity.peer_id
+        self.state_dir = state_dir
+        self.replicas = replicas
+        self.syncs = syncs
+        self.spec = spec
+        self.guard = guard
+        self.suspect = suspect
+        self.counters = counters
+        self.events = events
+        self.last_contribution = last_contribution
+        self.send_again = send_again
+        self.reset_sync = reset_sync
+        self.ban_and_hand_on = ban_and_hand_on
         self._given: OrderedDict[tuple[int, int, str], set[tuple[str, str]]] = OrderedDict()
         for p, r, h, learner, cid in _read_log(self.state_dir / RECEIPT_LOG):
             _remember(self._given, (p, r, h), learner, cid)
@@ -279,10 +333,10 @@ class Receipts:
         self.renounced[p] = (round_, rep.hash)
         self.events.emit("renounce", t=time.time(), fragment=p, round=round_, parent=rep.hash)
         logger.warning("fragment %d round %d renounced here: the next candidate takes it", p, round_)
-        self._reset_sync(p, merged=dropped)
+        self.reset_sync(p, merged=dropped)
         latest = self.last_contribution.get(p)
         if latest is not None and latest[0].cid in dropped:
-            self.outbox.put_nowait(latest)
+            self.send_again(latest[0])
 
     def renounced_now(self) -> dict[str, int]:
         """The open rounds this node renounced, on its replicas' parents (published: ``Member.renounced``)."""
@@ -339,7 +393,8 @@ class Receipts:
         )
         self.ban_and_hand_on(sr, "omitted_contribution", source, "omission", body, **fields)
 
-    async def _h_omission(self, caller: str, body: bytes) -> Reply:
+    async def on_omission(self, caller: str, body: bytes) -> Reply:
+        """The ``omission`` op: a record and the receipt its signer gave, handed on (``convict_omission``)."""
         items = unpack_list(body, max_items=2)
         if len(items) != 2:
             raise ProtocolError(RejectCode.MALFORMED, "an omission proof is [record, receipt]")

@@ -241,10 +241,10 @@ class Replication:
             logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
             return
         kept = self.agreement.keep_trusted(a.contributions) if self.pcfg.distrust else a.contributions
-        if len(kept) < len(a.contributions) and self.receipts_on():
+        if len(kept) < len(a.contributions) and self.receipts.receipts_on():
             # a contribution we gave a receipt for is merged: a robust merge bounds its learner's say, and
             # leaving it out would prove us a liar (node.swarm.receipts)
-            promised = self.receipted(p, a.round)
+            promised = self.receipts.receipted(p, a.round)
             kept = tuple(c for c in a.contributions if c in kept or c.cid in promised)
         if len(kept) < len(a.contributions):
             out = [c for c in a.contributions if c not in kept]
@@ -299,9 +299,9 @@ class Replication:
                 "merge of fragment %d round %d dropped: its round was reset or the node stops", p, a.round
             )
             return
-        if self.receipts_on() and self.holds_receipts(rec):  # node.swarm.receipts: not signed, handed on
+        if self.receipts.receipts_on() and self.receipts.holds_receipts(rec):  # not signed, handed on
             left = list(st.pending.values()) + list(st.queued.values()) + list(a.contributions)
-            self.renounce(p, a.round, {c.cid for c in left})
+            self.receipts.renounce(p, a.round, {c.cid for c in left})
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)

@@ -91,7 +91,7 @@ class SwarmView:
             steps_per_s=self.learner_loop.steps_per_s(),
             cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
-            renounced=self.renounced_now(),
+            renounced=self.receipts.renounced_now(),
         )
 
     def live_members(self) -> dict[str, Member]:

@@ -22,7 +22,9 @@ node whose own chain has no witness (a joiner, a node restarted, a three-way spl
 before, unless two or more witnesses agree on another head: then it looks past the refused head
 (``refused_heads``) to the best one it can take.
 
-A mixin of ``node.swarm.agent.Node``, like ``node.swarm.catch_up``."""
+``SnapshotVetting`` is a part the node owns (``Node.vetting``, made with its transport when the node runs):
+catch-up (``node.swarm.catch_up``) asks it which donors a joiner downloads from, whether a head may be
+fetched and a fetched snapshot let in, and tells it where each snapshot came from."""
 
 from __future__ import annotations
 
@@ -31,12 +33,26 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import TransportError
 from node.swarm.wire import FragmentState, decode_record, unpack_list
 from protocol.chain import snapshot_mismatch
 from protocol.errors import ProtocolError, RejectCode
+
+if TYPE_CHECKING:
+    from collections import OrderedDict
+
+    from dht.records import Member
+    from node.common.events import EventLog
+    from node.swarm.guard import WorkBook
+    from node.swarm.settings import NodeSettings
+    from node.swarm.transport import Transport
+    from node.swarm.wire import SignedRecord
+    from protocol.config import ProtocolConfig
+    from protocol.replica import FragmentReplica
 
 logger = logging.getLogger(__name__)
 # how long (x heartbeat_s) this node's head may stand with no member taking it while members it merged agree on
@@ -50,11 +66,47 @@ class UnwitnessedSnapshot(TransportError):
     """A snapshot not fetched: no record chain checks it, no other member holds its head, ours has a witness."""
 
 
-class Vouching:
-    """The check a snapshot passes before ``CatchUp._install_snapshot``."""
+class SnapshotVetting:
+    """The checks a head passes before its snapshot is fetched, and a snapshot before
+    ``CatchUp._install_snapshot`` lets it in; the heads refused lately, and where each fragment's last
+    snapshot came from.
 
-    def _init_vouching(self) -> None:
-        """This part's own state (the node's constructor calls it)."""
+    Its collaborators: the node's settings (``swarm``, ``heartbeat_s``), protocol configuration and
+    fragment spec; its own peer id; the node's ``replicas``, ``heads`` and ``logs`` (one entry per fragment,
+    replaced or cleared in place), which it reads to know its own chain; the node's ``WorkBook`` (whose work
+    it merged: the witnesses); the transport, to ask donors for records and count refusals; ``events``,
+    which it writes to; ``live_members`` and ``winning_heads`` of the node's membership view
+    (``node.swarm.view``); and ``penalise``, which scores a peer for a refused message (a forged snapshot)."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        pcfg: ProtocolConfig,
+        spec: dict,
+        peer_id: str,
+        replicas: Sequence[FragmentReplica],
+        heads: Sequence[tuple],
+        logs: Sequence[OrderedDict[int, SignedRecord]],
+        work: WorkBook,
+        transport: Transport,
+        events: EventLog,
+        live_members: Callable[[], dict[str, Member]],
+        winning_heads: Callable[..., tuple[list | None, list[str]]],
+        penalise: Callable[..., None],
+    ) -> None:
+        self.settings = settings
+        self.pcfg = pcfg
+        self.spec = spec
+        self.peer_id = peer_id
+        self.replicas = replicas
+        self.heads = heads
+        self.logs = logs
+        self.work = work
+        self.transport = transport
+        self.events = events
+        self.live_members = live_members
+        self.winning_heads = winning_heads
+        self.penalise = penalise
         self._took_from: dict[int, tuple[str, int]] = {}  # fragment -> (donor, round) of its last snapshot
         self._refused_heads: dict[int, dict[tuple[int, str], float]] = {}  # fragment -> head -> refused until
         # fragment -> ((our head, the head two or more others agree on), since when this node is alone on it)
@@ -277,13 +329,13 @@ class Vouching:
     async def vouch_head(self, donor: str, p: int, head) -> None:
         """Before a snapshot of ``head`` is fetched from ``donor``: raise ``UnwitnessedSnapshot`` (counted,
         not scored: an honest lone head can meet it) where the head is ``unwitnessed`` and no chain of the
-        donor's records reaches it from a round this replica keeps (then ``_check_snapshot`` compares)."""
+        donor's records reaches it from a round this replica keeps (then ``check_snapshot`` compares)."""
         r, h = int(head[0]), str(head[1])
         unwitnessed = self.unwitnessed(donor, p, r, h)
         # Ours without a witness either (a node alone on its fork, in a three-way split) is no reason to take
         # a head no other member publishes on its donor's word alone: it needs the donor's checked records, or
         # (a fork deeper than the records kept: two nodes alone on two chains must still meet) a signed record
-        # of the head on the donor, which ``_check_snapshot`` then holds the state to where it can. With the
+        # of the head on the donor, which ``check_snapshot`` then holds the state to where it can. With the
         # plain merge, a node alone on its fork took a liar's all-zero head a round past the rest, which has
         # no record (7 installs in one run of six).
         alone = not unwitnessed and not self._published(donor, p, lambda x: (int(x[0]), str(x[1])) == (r, h))
@@ -302,7 +354,7 @@ class Vouching:
             f"and {why}: not fetched"
         )
 
-    async def _check_snapshot(self, donor: str, st: FragmentState) -> None:
+    async def check_snapshot(self, donor: str, st: FragmentState) -> None:
         """Let ``st`` in (return), or raise ``forged_snapshot`` (scored against the donor) when the donor's
         own records refute it. Only a fork shallower than the records kept can be checked, so the records
         are asked for only then: a joiner does not download them in vain."""
