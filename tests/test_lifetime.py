@@ -113,3 +113,21 @@ def test_a_stopping_node_cancels_again_a_task_that_swallowed_its_cancel():
     lost = asyncio.run(main())
     if sys.version_info < (3, 12):
         assert lost  # the loss this guards against happens on this Python
+
+
+def test_an_exit_without_teardown_runs_the_exit_handlers_flushes_and_keeps_the_code(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, sys\n"
+        "from node.common.lifetime import exit_without_teardown\n"
+        "atexit.register(lambda: print('handler ran'))\n"
+        "print('buffered', end='')\n"
+        "sys.stderr.write('to stderr')\n"
+        "exit_without_teardown(int(sys.argv[1]) if sys.argv[1] != 'none' else None)\n"
+    )
+    for arg, rc in (("3", 3), ("none", 0)):
+        out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=60)
+        assert out.returncode == rc, out
+        assert out.stdout == "bufferedhandler ran\n" and out.stderr == "to stderr", out

@@ -58,11 +58,11 @@ async def cancel_until_done(tasks, deadline_s: float, again_s: float = 0.5) -> s
     return pending
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int | None) -> None:
     """End this process with ``code`` once its work is done and written: the exit handlers run, buffered output
     is flushed, and the interpreter's teardown is skipped. That teardown collects and frees every object of
     torch, hivemind and the node (some 325,000 in a tiny node), 10-20 s of a stop on a loaded 2-core machine
-    after the node itself had stopped in under a second."""
+    after the node itself had stopped in under a second. ``code`` as ``sys.exit`` takes it (None: 0)."""
     import atexit
     import sys
 
@@ -73,4 +73,4 @@ def exit_without_teardown(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # closed, or its pipe gone
             pass
-    os._exit(code)
+    os._exit(0 if code is None else int(code))
