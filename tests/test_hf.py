@@ -185,7 +185,7 @@ def test_presets_pick_a_model_and_batch_and_flags_override_them():
     from node.cli.main import _parser
 
     def cfg(*argv):
-        return build_config(_parser().parse_args(["train-local", *argv]), None)
+        return build_config(_parser(["train-local"]).parse_args(["train-local", *argv]), None)
 
     small = cfg("--preset", "small")
     assert (small.model.dim, small.model.layers, small.task.batch_size) == (320, 8, 16)

@@ -40,6 +40,7 @@ def _preload() -> int:
     import torch._dynamo  # noqa: F401
 
     import node.cli.main  # noqa: F401
+    import node.cli.node_cmd  # noqa: F401 - the CLI imports it only for a node's command
     import node.swarm.agent  # noqa: F401
     from dht import launch  # noqa: F401
 
