@@ -42,6 +42,7 @@ from pathlib import Path
 
 from node.common.events import read_events
 from node.common.status_client import StatusError, read_control_token, send_control
+from node.local.forks import ForkServer
 from node.local.hostile import alie_z
 from node.local.launcher import Child, poll, private_tmp, quiet_period, start_node, stop_all, wait_ready
 
@@ -59,18 +60,35 @@ ATTACKS = (
 
 
 def start_hostile(
-    index: int, run_dir: Path, attack: str, flags: list[str], peers: list[str], z: float = 0.25
+    index: int,
+    run_dir: Path,
+    attack: str,
+    flags: list[str],
+    peers: list[str],
+    z: float = 0.25,
+    forks: ForkServer | None = None,
 ) -> Child:
+    """Node ``index`` running ``bench/hostile_node.py attack``: a fresh process, or one forked by ``forks``
+    (``node.local.forks``)."""
     d = run_dir / f"node-{index}"
     d.mkdir(parents=True, exist_ok=True)
     log = d / "node.log"
-    cmd = [sys.executable, str(ROOT / "bench" / "hostile_node.py"), attack, "--state-dir", str(d)]
-    cmd += ["--exit-with-parent", *flags, "--initial-peers", ",".join(peers)]
+    script = str(ROOT / "bench" / "hostile_node.py")
+    argv = [attack, "--state-dir", str(d), "--exit-with-parent", *flags, "--initial-peers", ",".join(peers)]
     tmp = private_tmp(index)
     env = dict(os.environ, TMPDIR=tmp, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.update(DDILOCO_ALIE_Z=str(z), DDILOCO_COLLUDERS=str(run_dir / "colluders.txt"))
+    if forks is not None:
+        return Child(index, d, forks.spawn(argv, env, str(log), cwd=str(ROOT), script=script), log, tmp=tmp)
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, process_group=0, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, script, *argv],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+            env=env,
+            cwd=ROOT,
+        )
     return Child(index, d, proc, log, tmp=tmp)
 
 

@@ -6,7 +6,7 @@ no honest learner is distrusted anywhere, and the honest nodes end on one hash."
 
 import pytest
 
-from tests.swarm_util import TINY, Swarm, wait_until
+from tests.swarm_util import TINY, Swarm, fork_server, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -19,7 +19,7 @@ def test_a_negating_learner_is_distrusted_and_refused_and_no_honest_one_is(tmp_p
     swarm = Swarm(tmp_path, TINY)  # --distrust is on by default
     try:
         swarm.start_many(3)
-        liar = start_hostile(3, tmp_path, "flip", swarm.flags, swarm.children[0].maddrs)
+        liar = start_hostile(3, tmp_path, "flip", swarm.flags, swarm.children[0].maddrs, forks=fork_server())
         swarm.children[3] = liar
         wait_ready([liar], 120)
         honest = {swarm.children[i].peer_id for i in range(3)}

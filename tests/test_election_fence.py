@@ -237,7 +237,7 @@ def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm
     from bench.attacks import start_hostile
     from node.common.events import read_events
     from node.local.launcher import wait_ready
-    from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
+    from tests.swarm_util import TINY, Swarm, assert_eval_held, fork_server, wait_until
 
     swarm = Swarm(tmp_path, TINY)
     try:
@@ -253,7 +253,7 @@ def test_members_signing_records_no_one_elected_change_nothing_in_a_public_swarm
         forgers = {}
         for i, attack in ((3, "forge-self"), (4, "forge-unserved")):
             forgers[i] = swarm.children[i] = start_hostile(
-                i, tmp_path, attack, swarm.flags, swarm.children[0].maddrs
+                i, tmp_path, attack, swarm.flags, swarm.children[0].maddrs, forks=fork_server()
             )
         wait_ready(list(forgers.values()), 120)
         ids = {c.peer_id for c in forgers.values()}

@@ -46,6 +46,27 @@ def test_a_forked_command_runs_in_its_folder_writes_its_log_and_exits_with_its_c
     )  # a key of its own: the child's randomness is its own
 
 
+def test_a_forked_script_runs_as_python_would_run_it(forks, tmp_path):
+    """``spawn(script=...)``: the file runs as ``__main__`` with its own argv (``bench/hostile_node.py``, a
+    node with changes of its own, is forked so), its exit code is the child's, and a script that is not a
+    file is refused before any fork."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    print(sys.argv[1:], os.getcwd(), os.environ['MARK'])\n"
+        "    sys.exit(3)\n"
+    )
+    log = tmp_path / "s.log"
+    child = forks.spawn(
+        ["a", "--b"], dict(os.environ, MARK="m"), str(log), cwd=str(tmp_path), script=str(script)
+    )
+    assert child.wait(timeout=60) == 3
+    assert log.read_text().split("\n")[0] == f"['a', '--b'] {tmp_path} m"
+    with pytest.raises(ForkServerError, match="is not a file"):
+        forks.spawn(["a"], dict(os.environ), str(log), cwd=str(tmp_path), script=str(tmp_path / "none.py"))
+
+
 def test_a_forked_node_has_its_own_group_environment_and_a_kill_is_reported(forks, tmp_path):
     c = start_node(0, tmp_path, TINY, [], forks=forks)
     try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.swarm_util import TINY, Swarm, assert_eval_held, wait_until
+from tests.swarm_util import TINY, Swarm, assert_eval_held, fork_server, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -27,8 +27,12 @@ def test_a_synchroniser_that_drops_what_it_took_is_banned_and_one_that_promises_
         swarm.start_many(3)
         wait_until(lambda: _evals(swarm), 90, "an evaluation on every honest node")
         since = time.time()
-        dropper = start_hostile(3, tmp_path, "sync-drop", swarm.flags, swarm.children[0].maddrs)
-        censor = start_hostile(4, tmp_path, "sync-censor", swarm.flags, swarm.children[0].maddrs)
+        dropper = start_hostile(
+            3, tmp_path, "sync-drop", swarm.flags, swarm.children[0].maddrs, forks=fork_server()
+        )
+        censor = start_hostile(
+            4, tmp_path, "sync-censor", swarm.flags, swarm.children[0].maddrs, forks=fork_server()
+        )
         swarm.children[3], swarm.children[4] = dropper, censor
         wait_ready([dropper, censor], 120)
         honest = range(3)

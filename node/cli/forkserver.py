@@ -57,11 +57,14 @@ def _check_spawn(req: dict) -> None:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in req["env"].items())
         and isinstance(req.get("log"), str)
         and isinstance(req.get("cwd"), str)
+        and isinstance(req.get("script", ""), str)
     )
     if not ok:
         raise ValueError("a spawn request needs argv [str], env {str: str}, log str and cwd str")
     if not os.path.isdir(req["cwd"]):
         raise ValueError(f"cwd {req['cwd']!r} is not a folder")
+    if "script" in req and not os.path.isfile(req["script"]):
+        raise ValueError(f"script {req['script']!r} is not a file")
 
 
 def _serve() -> dict:
@@ -112,6 +115,7 @@ def _serve() -> dict:
 def _become_node(req: dict) -> int:
     """In the forked child: be what ``python -m node`` with this request's argv would have been."""
     import random
+    import runpy
     import tempfile
 
     import torch
@@ -143,6 +147,13 @@ def _become_node(req: dict) -> int:
     # the threads a fresh process would start with: OMP_NUM_THREADS of its environment, else torch's default
     omp = req["env"].get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else req["threads"])
+    if "script" in req:  # as ``python script argv...`` would run it
+        sys.argv = [req["script"], *req["argv"]]
+        try:
+            runpy.run_path(req["script"], run_name="__main__")
+        except SystemExit as e:
+            return e.code
+        return 0
     sys.argv = ["ddiloco", *req["argv"]]
     return main(req["argv"])
 

@@ -65,10 +65,22 @@ class ForkServer:
             raise ForkServerError(answer["error"])
         return answer
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: str, cwd: str | None = None) -> Forked:
-        """A node process running ``ddiloco *argv`` with ``env``, its output appended to ``log``."""
-        answer = self._ask({"op": "spawn", "argv": argv, "env": env, "log": log, "cwd": cwd or os.getcwd()})
-        return Forked(self, answer["pid"], ["ddiloco", *argv])
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log: str,
+        cwd: str | None = None,
+        script: str | None = None,
+    ) -> Forked:
+        """A node process running ``ddiloco *argv`` with ``env``, its output appended to ``log``; or, given
+        ``script``, one running that Python file as ``python script *argv`` would (a node with changes of its
+        own, such as ``bench/hostile_node.py``, which ends by running the node's CLI)."""
+        req = {"op": "spawn", "argv": argv, "env": env, "log": log, "cwd": cwd or os.getcwd()}
+        if script is not None:
+            req["script"] = script
+        answer = self._ask(req)
+        return Forked(self, answer["pid"], [script or "ddiloco", *argv])
 
     def returncode(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})["returncode"]
