@@ -25,6 +25,12 @@ def add_parser(sub) -> None:
     upp.add_argument(
         "--node-flags", default="", help='extra flags for every node, e.g. "--fragments 8 --sync-every 8"'
     )
+    upp.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="start every node as a fresh 'ddiloco node' process (default: forked from one process that "
+        "imported torch and the node once: seconds of start-up and CPU saved for every node after the first)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,4 +43,12 @@ def run(args: argparse.Namespace) -> int:
     flags = shlex.split(args.node_flags)
     if args.config:
         flags = ["--config", str(Path(args.config).resolve()), *flags]
-    return up(args.nodes, args.duration, run_dir, flags, as_json=args.json, quiet=args.quiet)
+    return up(
+        args.nodes,
+        args.duration,
+        run_dir,
+        flags,
+        as_json=args.json,
+        quiet=args.quiet,
+        fork=not args.fresh_processes,
+    )

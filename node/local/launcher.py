@@ -290,7 +290,10 @@ def up(
     quiet: bool = False,
     refresh_s: float = 2.0,
     start_timeout_s: float = 180.0,
+    fork: bool = True,
 ) -> int:
+    """``ddiloco up``. ``fork``: the nodes are forked by a fork server (``node.local.forks``), which imports
+    torch and the node once for all of them; each is still a process of its own."""
     if nodes < 1:
         raise ConfigError(f"nodes={nodes} is invalid: need at least 1")
     if duration < 0:
@@ -303,14 +306,16 @@ def up(
     quiet = quiet or as_json
     t_start = time.monotonic()
     interrupted = False
+    forks = None
     try:
         prepare_data(flags, quiet)
         _log(f"starting {nodes} nodes in {run_dir} (logs: node-*/node.log)", quiet)
-        children.append(start_node(0, run_dir, flags + _part(0, nodes, flags), []))
+        forks = ForkServer() if fork and nodes > 1 else None
+        children.append(start_node(0, run_dir, flags + _part(0, nodes, flags), [], forks=forks))
         wait_ready(children[:1], start_timeout_s)
         boot = children[0].maddrs
         for i in range(1, nodes):
-            children.append(start_node(i, run_dir, flags + _part(i, nodes, flags), boot))
+            children.append(start_node(i, run_dir, flags + _part(i, nodes, flags), boot, forks=forks))
         wait_ready(children, start_timeout_s)
         _log(f"swarm up: bootstrap {boot[0] if boot else '?'}; status of node 0: {children[0].url}", quiet)
         t_train = time.monotonic()
@@ -348,6 +353,8 @@ def up(
         except KeyboardInterrupt:
             settled = False
         stop_all(children)
+        if forks is not None:
+            forks.close()
     finals = []
     for c in children:
         f = c.state_dir / "final.json"
