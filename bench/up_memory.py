@@ -1,7 +1,7 @@
 """Issue 30's acceptance run with its memory measured: ``ddiloco up`` as a user runs it, each node process's
 resident memory sampled beside it.
 
-Every ``--every-s`` (0.1 s) this script reads ``/proc/PID/status`` of each node (the children of ``up``; their
+Every ``--every-s`` (0.1 s) this script reads ``/proc/PID/status`` of each node (``up``'s node processes; their
 DHT processes are left out) and keeps VmHWM, the kernel's own peak, so a spike shorter than the interval still
 counts. Each rise of a node's peak is set against that node's events within ``--window-s`` and the largest
 are printed. At the end, per node: peak RSS against its fp32 weights (``weights_bytes`` from the node's own
@@ -35,6 +35,22 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def _nodes(up_pid: int, run_dir: Path) -> dict[int, str]:
+    """The node processes of ``up``, by pid, and their folder's name. ``up`` forks its nodes from a fork
+    server (``node.local.forks``; with ``--fresh-processes`` they are its own children): a node is named by
+    the pid its ``ready.json`` gives, and is measured from the moment it wrote it (VmHWM is the kernel's
+    peak of the process's life, so nothing is missed)."""
+    named = {}
+    for ready in run_dir.glob("node-*/ready.json"):
+        try:
+            named[int(json.loads(ready.read_text())["pid"])] = ready.parent.name
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written
+    pids = _children(up_pid)
+    pids += [g for c in pids for g in _children(c)]  # a fork server's nodes
+    return {pid: named[pid] for pid in pids if pid in named}
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -72,12 +88,16 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--node-flags", default=ACCEPTANCE)
     ap.add_argument("--every-s", type=float, default=0.1)
+    ap.add_argument(
+        "--fresh-processes", action="store_true", help="up's nodes as fresh processes, not forked (up's flag)"
+    )
     ap.add_argument("--window-s", type=float, default=3.0, help="events shown around each rise of a peak")
     ap.add_argument("--run-dir", default="", help="keep the run here (default: a temporary folder, removed)")
     a = ap.parse_args()
     run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="up_memory_"))
     cmd = [sys.executable, "-m", "node", "up", "--nodes", str(a.nodes), "--duration", str(a.duration)]
     cmd += ["--json", "--run-dir", str(run_dir), "--node-flags", a.node_flags]
+    cmd += ["--fresh-processes"] if a.fresh_processes else []
     up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.append(up.stdout.read()), daemon=True)
@@ -89,14 +109,12 @@ def main() -> int:
     last_print = time.time()
     try:
         while up.poll() is None:
-            for pid in _children(up.pid):
+            for pid, name in _nodes(up.pid, run_dir).items():
                 try:
                     st = _status(pid)
-                    if pid not in names:
-                        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        names[pid] = Path(cmdline[cmdline.index(b"--state-dir") + 1].decode()).name
-                except (OSError, ValueError):
+                except OSError:
                     continue
+                names[pid] = name
                 h = st.get("VmHWM", 0)
                 if h > peak.get(pid, 0) + (2 << 20):
                     rises.append((time.time(), pid, h))
