@@ -60,7 +60,9 @@ def _check_spawn(req: dict) -> None:
         and isinstance(req.get("script", ""), str)
     )
     if not ok:
-        raise ValueError("a spawn request needs argv [str], env {str: str}, log str and cwd str")
+        raise ValueError(
+            "a spawn request needs argv [str], env {str: str}, log str and cwd str (script str: optional)"
+        )
     if not os.path.isdir(req["cwd"]):
         raise ValueError(f"cwd {req['cwd']!r} is not a folder")
     if "script" in req and not os.path.isfile(req["script"]):
