@@ -44,6 +44,8 @@ class _View:
     _workers = SwarmView._workers
     logged_learners = SwarmView.logged_learners
     signer_electable = Replication.signer_electable
+    fence_stands_aside = Replication.fence_stands_aside
+    _stands_aside = Replication._stands_aside
     _vouch = Replication._vouch
 
     def __init__(self, elect: bool = True, audit_share: float = 1.0) -> None:
@@ -143,6 +145,78 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
     assert v.signer_electable(0, "a", v.members.keys())
     v.chain(_signed("a", ["a"]), _signed("b", ["b", "a"]))
     assert v.signer_electable(0, "b", v.members.keys())
+
+
+def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot():
+    """A swarm's first rounds (nobody credited yet): a pushed record whose signer is not first in this node's
+    rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
+    moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
+    applied at once, and moots the held one; a held record that still follows the head then is applied (its
+    first candidate never delivered). Leases do not put a signer first here: a lease is its own word. Once
+    the fence decides (members credited), nothing is held."""
+    from node.swarm.replication import Replication as R
+
+    applied, later = [], []
+
+    class _Turn(_View):
+        out_of_turn = R.out_of_turn
+        _on_record = R._on_record
+        _hold_out_of_turn = R._hold_out_of_turn
+        _retry_out_of_turn = R._retry_out_of_turn
+
+        def __init__(self):
+            super().__init__()
+            self.turn_held, self.counters = {}, {"out_of_turn_held": 0}
+            self.replicas = [SimpleNamespace(round=2, hash="h2")]
+            self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((s, f, a)))
+            self.settings.failover_s = 6.0
+            self.order = ["first", "forger"]
+            self.leases_asked = []
+
+        def candidates(self, p, dead=(), leases=True):
+            self.leases_asked.append(leases)
+            return list(self.order)
+
+        def _stop_set(self):
+            return False
+
+        def _apply(self, sr):
+            applied.append(sr)
+            self.replicas[0] = SimpleNamespace(round=sr.record.round, hash=sr.record.new_hash)
+
+    def pushed(signer: str) -> SignedRecord:
+        sr = _signed(signer, [signer])
+        sr.record.parent_hash = "h2"
+        return sr
+
+    v = _Turn()
+    v.members = {"first": None, "forger": None}
+    forged, honest = pushed("forger"), pushed("first")
+    assert "held" in v._on_record(forged, "forger").message
+    assert applied == [] and v.counters["out_of_turn_held"] == 1 and v.leases_asked == [False]
+    v._on_record(forged, "forger")  # pushed again (a relay): held once
+    assert len(later) == 1 and later[0][0] == 6.0
+    assert v._on_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
+    s, f, a = later.pop()
+    f(*a)
+    assert applied == [honest] and v.turn_held == {}  # moot: it no longer follows the head
+    # the first candidate never delivers: a failover later, the held record is applied
+    v.replicas[0] = SimpleNamespace(round=2, hash="h2")
+    late = pushed("forger")
+    v._on_record(late, "forger")
+    s, f, a = later.pop()
+    f(*a)
+    assert applied == [honest, late]
+    # members credited, watched for the window: the fence decides and holds nothing
+    v = _Turn()
+    v.chain(_signed("first", ["first", "forger"]), _signed("forger", ["forger", "first"]))
+    v.replicas = [SimpleNamespace(round=2, hash="h2")]
+    assert not v.out_of_turn(pushed("forger"))
+    # the swarm elects anyone (private, open learners): no hold either
+    v = _Turn()
+    v.settings.elect_workers = False
+    v.members = {"first": None, "forger": None}
+    assert not v.out_of_turn(pushed("forger")) and not v.out_of_turn(pushed("first"))
 
 
 def test_a_record_naming_no_signed_message_is_refused_where_the_swarm_audits():

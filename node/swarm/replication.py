@@ -177,6 +177,34 @@ class Replication:
                     f"round {rec.round} names contribution {cid} of ours, never sent",
                 )
 
+    def fence_stands_aside(self, p: int, known) -> bool:
+        """Whether the election fence of a public swarm stands aside for fragment p (``signer_electable``):
+        this node has not watched the swarm merge for the election's window, or its chain credits fewer than
+        ``ELECT_CREDITED`` members. False where the swarm elects anyone (no fence at all)."""
+        if not self.settings.elect_workers:
+            return False
+        return self._stands_aside(p, self.work.credited_of(set(known), self.logged_learners()))
+
+    def _stands_aside(self, p: int, credited: frozenset[str]) -> bool:
+        watched = self.work.watched_for(time.monotonic(), ELECT_WATCH_ROUNDS * self.syncs[p].due_every)
+        return not watched or len(credited) < ELECT_CREDITED
+
+    def out_of_turn(self, sr: SignedRecord) -> bool:
+        """Whether a record pushed here for the round after our head comes from a signer this node's view does
+        not put first, while the fence stands aside (``fence_stands_aside``): nobody is credited yet, so a
+        member that signs a record for every round the moment the one before it lands (``forge-signed`` in
+        ``bench/hostile_node.py``) would win every race. First by the rendezvous order alone, not by leases: a
+        lease is a member's own word in its membership record, and a forger could claim every open round.
+        Such a record is held, not refused (``_hold_out_of_turn``): views differ for a moment at start-up, and
+        an honest record from another view's first candidate lands a ``failover_s`` late, or a fork decides."""
+        if sr.signer == self.peer_id:
+            return False
+        known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
+        if not self.fence_stands_aside(sr.record.fragment, known):
+            return False
+        first = self.candidates(sr.record.fragment, leases=False)[:1]
+        return bool(first) and first[0] != sr.signer
+
     def signer_electable(self, p: int, signer: str, known) -> bool:
         """The election fence of a public swarm (``elect`` workers): whether a view on the chain this node
         follows could have elected ``signer`` for a round of fragment p. Every view elects among the members
@@ -186,15 +214,15 @@ class Replication:
         partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
         hold the same). True where the swarm elects anyone, while this node has not watched the swarm merge
         for the election's window itself, and while its chain credits fewer than ``ELECT_CREDITED`` members."""
-        if not self.settings.elect_workers or signer == self.peer_id:
+        if signer == self.peer_id or not self.settings.elect_workers:
             return True
+        logged = self.logged_learners()
+        credited = self.work.credited_of(set(known) | {signer}, logged)
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
         # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
-        # suite run), and a restarted node refused the next honest record of the swarm's synchroniser
-        if not self.work.watched_for(time.monotonic(), ELECT_WATCH_ROUNDS * self.syncs[p].due_every):
-            return True
-        credited = self.work.credited_of(set(known) | {signer}, self.logged_learners())
-        if len(credited) < ELECT_CREDITED:  # elections stand aside too (``SwarmView._workers``)
+        # suite run), and a restarted node refused the next honest record of the swarm's synchroniser. And
+        # with fewer than ``ELECT_CREDITED`` credited, elections stand aside too (``SwarmView._workers``).
+        if self._stands_aside(p, credited):
             return True
         return signer in credited
 
@@ -366,11 +394,14 @@ class Replication:
             self.penalise(caller, e.code, signed=proof)
             return Reply(False, e.code.value, str(e))
 
-    def _on_record(self, sr: SignedRecord, caller: str) -> Reply:
+    def _on_record(self, sr: SignedRecord, caller: str, waited: bool = False) -> Reply:
         rec = sr.record
         p = rec.fragment
         rep = self.replicas[p]
         if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
+            if not waited and self.out_of_turn(sr):
+                self._hold_out_of_turn(sr, caller)
+                return Reply(True, message="held: out of turn while nobody is credited yet")
             try:
                 self._apply(sr)
             except ProtocolError as e:
@@ -419,6 +450,33 @@ class Replication:
                 self._spawn(self._catch_up(p, caller, theirs))
             return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
         return Reply(True, message=f"ignored: we are at round {rep.round}")
+
+    def _hold_out_of_turn(self, sr: SignedRecord, caller: str) -> None:
+        """A record ``out_of_turn``: tried again ``failover_s`` later (the time a sender takes to re-route past a
+        synchroniser that died), where it still follows our head; by then the first candidate's record for
+        the round has usually landed, and this one is moot."""
+        key = (sr.record.fragment, sr.record.round, sr.record.new_hash)
+        if key in self.turn_held:
+            return
+        if len(self.turn_held) >= UNELECTED_HELD:
+            return  # too many held: dropped (the sender's own heads and our catch-up still reach its chain)
+        self.counters["out_of_turn_held"] += 1
+        self.turn_held[key] = (sr, caller)
+        self.loop.call_later(self.settings.failover_s, self._retry_out_of_turn, key)
+
+    def _retry_out_of_turn(self, key: tuple) -> None:
+        held = self.turn_held.pop(key, None)
+        if held is None or self._stop_set():
+            return
+        sr, caller = held
+        rep = self.replicas[key[0]]
+        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+            return  # the round landed from its first candidate (or the chain moved on): moot here
+        try:
+            self._on_record(sr, caller, waited=True)
+        except ProtocolError as e:
+            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
+            logger.info("fragment %d round %d, held out of turn, refused: %s", *key[:2], e)
 
     def _hold_unelected(self, sr: SignedRecord) -> None:
         """A record the election fence refused: tried once more a heartbeat later, where it still follows our

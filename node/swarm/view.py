@@ -209,11 +209,12 @@ class SwarmView:
         held = [(self._head_key(h), list(h), qs) for h, qs in groups.items() if len(qs) >= 2]
         return min(held)[1:] if held else (None, [])
 
-    def candidates(self, p: int, dead: Collection[str] = ()) -> list[str]:
+    def candidates(self, p: int, dead: Collection[str] = (), leases: bool = True) -> list[str]:
         """Fragment p's synchroniser and its failovers, in order. Eligibility (``dht.records.eligible``) is judged
         without the peers found dead (``dead``, from a sender) or suspected here: a member that claims the
         newest head but takes no contribution (a hung process, or one that answers ``unknown_op``) would
-        otherwise stay the only candidate, and the fragment would merge nothing until its record expired."""
+        otherwise stay the only candidate, and the fragment would merge nothing until its record expired.
+        ``leases``: a member that claims the open round's lease goes first (False: the rendezvous order)."""
         members = self.live_members()
         open_round = self.replicas[p].round + 1
         # Eligibility from what every peer can read: this node's own record as published, not its fresh
@@ -242,7 +243,9 @@ class SwarmView:
         elig = eligible(list(seen.values()), p)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)
-        holders = sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round)
+        holders = (
+            sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round) if leases else []
+        )
         if holders:
             order = [holders[0]] + [x for x in order if x != holders[0]]
         return order
