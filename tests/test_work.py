@@ -128,10 +128,9 @@ def test_credits_handed_by_a_snapshot_or_checkpoint_are_elected_by_at_once():
 
 
 def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rounds():
-    """``SwarmView.credit_snapshot``: installing a snapshot settles the learners its donor credits
-    (``WorkBook.credited``: settled first, then the donor's logged learners, newest last, capped), not the
-    senders of its merged ids (no id says who signed the record that merged it); of the log it replaces, only
-    records too deep for the fork it resolved to undo."""
+    """``SwarmView.credit_snapshot``: installing a snapshot settles its merged ids' senders and the learners its
+    donor credits (``WorkBook.credited``: settled first, then the donor's logged learners, newest last, capped);
+    of the log it replaces, only records too deep for the fork it resolved to undo."""
     from types import SimpleNamespace
 
     from node.swarm.view import SwarmView
@@ -156,8 +155,7 @@ def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rou
     view.logs = [{3: rec(d), 9: rec(e), 10: rec(c)}]  # round 10: ours, on the fork the snapshot resolves
     st = FragmentState(0, 10, "h", 1, 1.0, {}, {}, merged=(contribution_id(b, 0, 5, 1.0),))
     view.credit_snapshot(replace(st, credited=donor.credited([], 8)))
-    # not b (a merged id alone), not e (round 9 > 10 - 4), not c
-    assert set(view.work.settled) == {sender_tag(q) for q in (a, d)}
+    assert set(view.work.settled) == {sender_tag(q) for q in (a, b, d)}  # not e (round 9 > 10 - 4), not c
 
 
 def test_a_negative_or_nan_work_factor_is_refused():

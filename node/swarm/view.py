@@ -272,16 +272,14 @@ class SwarmView:
         }
 
     def credit_snapshot(self, st: FragmentState) -> None:
-        """On installing snapshot ``st``, before its fragment's log is cleared: the learners its donor's chain
-        credits settle (``st.credited``), and of our log's records, only those too deep for a fork the snapshot
-        resolved to undo. Not the senders its merged ids name: an id does not say who signed the record that
-        merged it, so a member's records naming itself alone, applied while the fence stood aside (a swarm's
-        first rounds), made it electable on every node that later installed a snapshot of that chain."""
+        """On installing snapshot ``st``, before its fragment's log is cleared: the learners its chain credits
+        (its merged ids, its donor's credits) settle, and of our log's records, only those too deep for a
+        fork the snapshot resolved to undo."""
         deep = [sr for r, sr in self.logs[st.fragment].items() if r <= st.round - self.pcfg.history]
         learners = (
             c[0] for sr in deep for c in sr.record.contributors if credits(sr.signer, c[0], self.peer_id)
         )
-        self.work.settle(learners, tags=st.credited)
+        self.work.settle(learners, st.merged, st.credited)
 
     def rounds_behind(self, p: int) -> int:
         """How many rounds of fragment p the newest published head is ahead of ours (0 if none is)."""
