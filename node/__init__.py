@@ -7,7 +7,7 @@ below it (``tests/test_layering.py`` holds the rule, and ``tests/test_import_cyc
   learner   the model, data and task; the learner (inner optimiser, snapshots); its training loop; the
             multi-process learner units (DDP, FSDP2)
   swarm     one node of a real swarm: the agent and its transport, wire formats, contributions,
-            replication, catch-up, views, guard, checkpoints, persistence and status endpoint
+            replication, catch-up, views, peer scores, checkpoints, persistence and status endpoint
   local     the in-process runner and its baselines on a virtual clock; the local multi-node launcher
   chaos     real node processes under a failure plan: the harness, plans, reports, network namespaces
   cli       the ``ddiloco`` command line: one module per subcommand, and the configuration machinery

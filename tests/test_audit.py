@@ -19,11 +19,12 @@ from dht.identity import Identity
 from node.swarm.audit import Audit
 from node.swarm.contributions import OwnCids
 from node.swarm.dispatch import Dispatcher
-from node.swarm.guard import Guard, WorkBook
 from node.swarm.metrics import NODE_COUNTERS
+from node.swarm.peer_scores import PeerScores
 from node.swarm.replication import Replication
-from node.swarm.spool import Spool
+from node.swarm.signed_files import SignedFiles
 from node.swarm.wire import decode_record, encode_record, pack_list, sign_contribution
+from node.swarm.work_book import WorkBook
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
@@ -287,8 +288,8 @@ class _Member(Audit, Replication):
         self.pcfg = ProtocolConfig()
         self.replicas, self.heads, self.merged_tokens = [_replica()], [None], [0]
         self.logs = [OrderedDict()]
-        self.spool = Spool(folder / "records")
-        self.guard, self.work, self.own_cids = Guard(), WorkBook(), OwnCids("me")
+        self.signed_files = SignedFiles(folder / "records")
+        self.peer_scores, self.work, self.own_cids = PeerScores(), WorkBook(), OwnCids("me")
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)
@@ -379,7 +380,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
         _dispatch(node, "proof", "accuser", pack_list([bad.raw, *(x for m in msgs2 for x in m)]))
     )
     assert reply.ok, reply
-    assert node.guard.banned(liar.peer_id, time.monotonic()) and node.counters["convictions"] == 1
+    assert node.peer_scores.banned(liar.peer_id, time.monotonic()) and node.counters["convictions"] == 1
     rep = node.replicas[0]
     assert rep.round == 1 and 2 not in node.logs[0] and node.counters["rounds_undone"] == 1
     assert rep.hash != bad.record.new_hash and parent == node.logs[0][1].record.new_hash

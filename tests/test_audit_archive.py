@@ -4,12 +4,12 @@ import gc
 import os
 
 from node.swarm.audit_archive import AuditArchive
-from node.swarm.spool import Spool
+from node.swarm.signed_files import SignedFiles
 
 
 def test_kept_messages_are_on_disk_read_back_whole_and_their_files_go_when_evicted(tmp_path):
-    spool = Spool(tmp_path / "records")
-    kept = AuditArchive(max_bytes=3 * 1100, spool=spool)
+    files = SignedFiles(tmp_path / "records")
+    kept = AuditArchive(max_bytes=3 * 1100, signed_files=files)
     msgs = [os.urandom(1000) for _ in range(5)]
     digests = [kept.put(m, b"s" * 64) for m in msgs]
     # the cap holds three messages; the two oldest are gone, and their files with them
@@ -25,12 +25,12 @@ def test_kept_messages_are_on_disk_read_back_whole_and_their_files_go_when_evict
     assert kept.get(digests[2]) is None and kept.get(digests[3]) == (msgs[3], b"s" * 64)
 
 
-def test_without_a_spool_or_with_a_disk_that_refuses_the_messages_stay_in_memory(tmp_path):
+def test_without_signed_files_or_with_a_disk_that_refuses_the_messages_stay_in_memory(tmp_path):
     plain = AuditArchive(max_bytes=1 << 20)
     d = plain.put(b"m" * 100, b"sig")
     assert plain.get(d) == (b"m" * 100, b"sig") and plain.resident == plain.bytes == 103
     blocked = tmp_path / "file"
-    blocked.write_bytes(b"")  # the spool's folder cannot be made under a file
-    kept = AuditArchive(max_bytes=1 << 20, spool=Spool(blocked / "records"))
+    blocked.write_bytes(b"")  # the files' folder cannot be made under a file
+    kept = AuditArchive(max_bytes=1 << 20, signed_files=SignedFiles(blocked / "records"))
     d = kept.put(b"m" * 100, b"sig")
     assert kept.get(d) == (b"m" * 100, b"sig") and kept.resident == 103

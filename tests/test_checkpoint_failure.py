@@ -18,8 +18,8 @@ import torch
 from node.learner.loop import LearnerLoop
 from node.swarm import persistence
 from node.swarm.checkpoint import PendingCheckpoint
-from node.swarm.guard import WorkBook
 from node.swarm.persistence import Persistence
+from node.swarm.work_book import WorkBook
 
 
 class _Loop:

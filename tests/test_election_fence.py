@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from node.swarm.audit import Audit
-from node.swarm.guard import WorkBook
 from node.swarm.replication import Replication
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
+from node.swarm.work_book import WorkBook
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.codecs import get_codec
 from protocol.config import ProtocolConfig

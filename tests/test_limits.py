@@ -95,7 +95,7 @@ def test_a_record_counts_a_bounded_time_whatever_expiry_it_claims():
         _read_failing=False,
         members=members,
         blocked=set(),
-        guard=SimpleNamespace(banned_until={}),
+        peer_scores=SimpleNamespace(banned_until={}),
         peer_id="me",
         self_member=lambda t: member("me", t, t + ttl),
     )

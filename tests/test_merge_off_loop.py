@@ -14,7 +14,7 @@ import torch
 from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.clocks import SwarmClocks
-from node.swarm.push import RecordPush
+from node.swarm.record_push import RecordPush
 from node.swarm.replication import Replication
 from protocol.agreement import MIN_ROUNDS, AgreementBook
 from protocol.codecs import encode_tensors
@@ -83,7 +83,7 @@ def test_the_merge_leaves_the_loop_free_and_its_record_is_applied_here(monkeypat
         node = _Node(rep)
         node._decide = lambda p, d: node.decided.append(d.state.global_round)
         node._spawn = lambda coro: asyncio.ensure_future(coro)
-        # no member to push the record to (node.swarm.push)
+        # no member to push the record to (node.swarm.record_push)
         node.record_push = RecordPush(
             None,
             SimpleNamespace(elect_workers=False, rpc_timeout_s=1.0),

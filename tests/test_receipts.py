@@ -13,7 +13,7 @@ import torch
 from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.dispatch import Dispatcher
-from node.swarm.guard import Guard
+from node.swarm.peer_scores import PeerScores
 from node.swarm.receipts import BUSY_RETRY_S, Receipts, make_receipt, omits, parse_retry, read_receipt
 from node.swarm.wire import decode_record, encode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError
@@ -32,7 +32,7 @@ def receipts_of(identity, folder, replicas, syncs, settings=None, cls=Receipts, 
     give instead (``Receipts``'s arguments); the rest take anything and change nothing."""
     given = dict(
         spec={},
-        guard=Guard(),
+        peer_scores=PeerScores(),
         suspect={},
         counters={"receipts_held": 0},
         events=EventLog(),
@@ -203,8 +203,8 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
         [SyncState(fragment=0)],
         settings=judge.settings,
         spec=judge.spec,
-        guard=judge.guard,
-        ban_and_hand_on=lambda sr, why, source, op, body, **f: judge.guard.ban(sr.signer, 0.0, why),
+        peer_scores=judge.peer_scores,
+        ban_and_hand_on=lambda sr, why, source, op, body, **f: judge.peer_scores.ban(sr.signer, 0.0, why),
     )
     cid = f"{sender_tag(learner.peer_id)}:0:8:1000"
 
@@ -231,6 +231,6 @@ def test_a_proof_of_a_drop_bans_its_signer_and_a_proof_that_proves_nothing_is_re
     reply = asyncio.run(_dispatch(judge, receipts.on_omission, "omission", "relay", b"\x00\x01"))
     assert (reply.ok, reply.code) == (False, "malformed")
     assert judge.penalised == ["malformed", "bad_signature", "malformed"]
-    assert not judge.guard.banned(sync.peer_id, 1.0)
+    assert not judge.peer_scores.banned(sync.peer_id, 1.0)
     assert prove(record([(other.peer_id, "O:0:8:999")]), receipt) == (True, "ok")
-    assert judge.guard.banned(sync.peer_id, 1.0)
+    assert judge.peer_scores.banned(sync.peer_id, 1.0)

@@ -14,12 +14,12 @@ from dht.identity import Identity
 from dht.records import Member
 from node.swarm.audit import Audit
 from node.swarm.contributions import OwnCids
-from node.swarm.guard import WorkBook
 from node.swarm.replication import Replication
-from node.swarm.spool import Spool
+from node.swarm.signed_files import SignedFiles
 from node.swarm.transport import Reply
 from node.swarm.view import HEAD_SLACK, SwarmView
 from node.swarm.wire import decode_record, encode_record
+from node.swarm.work_book import WorkBook
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
@@ -299,10 +299,10 @@ class _Restarted(Replication, Audit):
         self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
         self.admission = None  # a public swarm
         self.settings = SimpleNamespace(audit_share=0.0, elect_workers=False)
-        self.spool = Spool(folder / "records")
+        self.signed_files = SignedFiles(folder / "records")
         self.pcfg, self.replicas, self.heads, self.merged_tokens = CFG, [rep], [None], [0]
         self.logs, self.suspect = [{}], {}
-        self.guard = SimpleNamespace(
+        self.peer_scores = SimpleNamespace(
             merged=lambda cids: None, banned=lambda peer, now: False, accused=lambda peer, now: False
         )
         self.work = WorkBook()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from node.swarm.guard import WorkBook
-from node.swarm.push import RECORD_FANOUT, RecordPush
+from node.swarm.record_push import RECORD_FANOUT, RecordPush
 from node.swarm.view import SwarmView
+from node.swarm.work_book import WorkBook
 
 
 class _Node:

@@ -22,7 +22,7 @@ from dht.identity import Identity
 from dht.records import Member
 from node.common.events import EventLog
 from node.swarm.contributions import Contributions
-from node.swarm.guard import Guard
+from node.swarm.peer_scores import PeerScores
 from node.swarm.receipts import Receipts
 from node.swarm.transport import Reply
 from node.swarm.view import SwarmView
@@ -142,7 +142,7 @@ class _Synchroniser(Contributions):
         self.settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False, ttl_s=3.0)
         self.pcfg = ProtocolConfig(distrust=False)
         self.syncs = [SyncState(fragment=0, global_round=rep.round)]
-        self.events, self.guard = EventLog(), Guard()
+        self.events, self.peer_scores = EventLog(), PeerScores()
         self.transport = SimpleNamespace(count_refusal=lambda code: None)
         self._init_contributions()
 
@@ -176,11 +176,13 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
     before = node.syncs[0]
     reply = send(h, 1e-3)
     assert not reply.ok and reply.code == "stale_base" and "no longer keeps round 4" in reply.message
-    assert node.syncs[0] is before and not node.guard.scores  # taken into nothing; no count against it
-    assert not node.guard.was_merged(h.cid)
+    assert node.syncs[0] is before and not node.peer_scores.scores  # taken into nothing; no count against it
+    assert not node.peer_scores.was_merged(h.cid)
     # a bad message is refused for what it is, stale or not (and counted against its sender)
     reply = send(replace(h, cid=f"{learner.peer_id[-10:]}:0:8:2"), 1e6)  # far past the bound
-    assert reply.code == "too_large" and node.guard.scores[learner.peer_id] < 0 and node.syncs[0] is before
+    assert (
+        reply.code == "too_large" and node.peer_scores.scores[learner.peer_id] < 0 and node.syncs[0] is before
+    )
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from node.common.events import EventLog
 from node.learner.learner import InnerConfig
 from node.local.run_config import LearnerPlan, RunConfig
 from node.local.runner import run_system
-from node.swarm.guard import Guard
+from node.swarm.peer_scores import PeerScores
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.norms import NormBook
@@ -47,7 +47,7 @@ def test_robust_merge_clips_one_outlier_and_refuses_absurd_sizes():
 
 
 def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
-    g = Guard(ban_after=3, ban_s=10)
+    g = PeerScores(ban_after=3, ban_s=10)
     for _ in range(5):
         assert not g.penalise("p", RejectCode.STALE_BASE, 0.0)  # honest peers meet these: free
     g.check("p", 0.0)
@@ -67,7 +67,7 @@ def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
 
 
 def test_a_ban_on_evidence_is_at_once_counted_once_and_ends_like_any_ban():
-    g = Guard(ban_after=3, ban_s=10)
+    g = PeerScores(ban_after=3, ban_s=10)
     assert g.ban("p", 0.0) and not g.ban("p", 1.0)  # a second piece of evidence changes nothing
     assert g.bans == 1
     with pytest.raises(ProtocolError):
@@ -77,7 +77,7 @@ def test_a_ban_on_evidence_is_at_once_counted_once_and_ends_like_any_ban():
 
 
 def test_the_first_copy_of_a_merged_contribution_is_a_resend_and_the_second_a_replay():
-    g = Guard()
+    g = PeerScores()
     assert not g.first_resend("a:0:1")  # never merged: an ordinary contribution
     g.merged(["a:0:1"])
     assert g.first_resend("a:0:1")  # its reply was lost: answered as landed, no strike
@@ -109,7 +109,7 @@ def test_a_learner_sending_1000x_updates_is_neutralised(tiny_task):
 
 
 def test_a_forged_or_oversized_record_costs_only_the_peer_that_signed_it():
-    g = Guard(ban_after=2)
+    g = PeerScores(ban_after=2)
     for code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
         assert not g.penalise("relay", code, 0.0)  # fetched from a holder: not its fault
     assert "relay" not in g.scores

@@ -19,7 +19,7 @@ from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.contributions import Contributions
 from node.swarm.deadlines import MergeDeadlines
-from node.swarm.guard import Guard
+from node.swarm.peer_scores import PeerScores
 from node.swarm.receipts import Receipts, make_receipt
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
@@ -76,7 +76,7 @@ class _Sender(Contributions):
         self.suspect: dict[str, float] = {}
         self.counters: Counter = Counter()
         self.events = EventLog()
-        self.guard = Guard()
+        self.peer_scores = PeerScores()
         self.accepted: list[str] = []
         self.clocks = SimpleNamespace(due=lambda p: None)  # no schedule yet (node.swarm.clocks)
         self._init_contributions()
@@ -88,7 +88,7 @@ class _Sender(Contributions):
             self.replicas,
             self.clocks,
             self.loop,
-            self.guard,
+            self.peer_scores,
             self.suspect,
             self.counters,
             self.events,
@@ -157,7 +157,7 @@ def test_a_contribution_merged_before_its_reply_came_back_is_not_sent_again(monk
 
     def setup(s: _Sender) -> None:
         def merged_then_broke(target: str) -> None:
-            s.guard.merged([CID])  # the merge record arrives while the call fails
+            s.peer_scores.merged([CID])  # the merge record arrives while the call fails
             raise TransportError("stream broke (IncompleteReadError)")
 
         s.transport.on_call = merged_then_broke
@@ -192,7 +192,7 @@ class _ReceiptSender(_Sender):
             self.replicas,
             [],
             settings=self.settings,
-            guard=self.guard,
+            peer_scores=self.peer_scores,
             suspect=self.suspect,
             counters=self.counters,
             events=self.events,
@@ -254,7 +254,7 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
         s.replicas[3].round = 4
         s.members = {"B": SimpleNamespace(head_round=lambda p: 5)}
         s.deadlines.check_merged("A", latest, open_round=5)  # B publishes the round: merged, we catch up
-        s.guard.merged(["me:3:2"])
+        s.peer_scores.merged(["me:3:2"])
         s.members = {"B": SimpleNamespace(head_round=lambda p: 4)}
         s.deadlines.check_merged("A", latest, open_round=5)  # a record named our contribution
         assert not s.suspect and s.outbox.empty() and not s.counters["stalls"]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dht.records import Member
-from node.swarm.guard import WorkBook
 from node.swarm.vetting import SnapshotVetting, UnwitnessedSnapshot
 from node.swarm.view import SwarmView
+from node.swarm.work_book import WorkBook
 from protocol.chain import snapshot_mismatch
 from protocol.codecs import RANGE, Decoded
 from protocol.config import ProtocolConfig
@@ -142,7 +142,7 @@ def _vetting(
     members: dict, worked: list[str], head=(5, "x5"), log=None, cls=SnapshotVetting
 ) -> SnapshotVetting:
     """A vetting handed fakes of what it reads: the view's ``members`` (``live_members``), our head and log
-    of fragment 0, the work we merged (``worked``), and a transport and event log that take anything."""
+    of fragment 0, the work we merged (``WorkBook.last_merged``), and a transport and event log that take anything."""
     work = WorkBook()
     for q in worked:
         work.merged(q, 0, 1.0)

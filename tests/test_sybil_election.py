@@ -105,8 +105,8 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
     from types import SimpleNamespace
 
     from node.swarm.catch_up import CatchUp
-    from node.swarm.guard import WorkBook
     from node.swarm.view import SwarmView
+    from node.swarm.work_book import WorkBook
 
     class _Node(CatchUp):
         _workers = SwarmView._workers

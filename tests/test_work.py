@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from node.swarm.guard import WorkBook
+from node.swarm.work_book import WorkBook
 from protocol.config import ConfigError, ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import contribution_id, sender_tag
@@ -111,7 +111,7 @@ def test_the_workers_a_public_swarm_elects_are_those_its_chain_credits_not_those
     assert book.workers(live, 140.0, 0.0) is None  # no schedule: no window
     small = WorkBook(remember=2)
     small.settle([a, b, c])
-    assert list(small.settled) == [sender_tag(b), sender_tag(c)]
+    assert list(small.credited_tags) == [sender_tag(b), sender_tag(c)]
 
 
 def test_credits_handed_by_a_snapshot_or_checkpoint_are_elected_by_at_once():
@@ -155,7 +155,9 @@ def test_a_snapshot_credits_what_its_donors_chain_credits_and_not_our_undone_rou
     view.logs = [{3: rec(d), 9: rec(e), 10: rec(c)}]  # round 10: ours, on the fork the snapshot resolves
     st = FragmentState(0, 10, "h", 1, 1.0, {}, {}, merged=(contribution_id(b, 0, 5, 1.0),))
     view.credit_snapshot(replace(st, credited=donor.credited([], 8)))
-    assert set(view.work.settled) == {sender_tag(q) for q in (a, b, d)}  # not e (round 9 > 10 - 4), not c
+    assert set(view.work.credited_tags) == {
+        sender_tag(q) for q in (a, b, d)
+    }  # not e (round 9 > 10 - 4), not c
 
 
 def test_a_negative_or_nan_work_factor_is_refused():

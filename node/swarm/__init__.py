@@ -6,7 +6,11 @@
   contributions  a learner's contribution routed to the synchroniser, and the synchroniser's checks
   replication    merge records: merging, applying, pushing, serving
   catch_up       joining by download, catching up from records or a snapshot, yielding to the majority
-  view, guard    the live membership view, heads it believes and elections; scores and bans of peers
+  view           the live membership view, heads it believes and elections
+  peer_scores    scores and bans of peers, accusations, the replay memory
+  work_book      each learner's work: its counters' window, when it last merged, whom the chain credits
+  signed_files   signed bytes (records, audited messages) kept in files of the state folder
+  record_push    whom a new merge record is pushed to, and the pushes
   limits         per-peer backoff and token buckets (catch-up retries, snapshot requests)
   checkpoint, persistence   safetensors checkpoints and exports, written off the event loop
   status         the status document; ``server`` serves it over HTTP (aiohttp) with ``/control`` (token),

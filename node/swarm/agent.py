@@ -52,22 +52,23 @@ from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import OPS, Dispatcher
-from node.swarm.guard import Guard, WorkBook
 from node.swarm.history import History
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
+from node.swarm.peer_scores import PeerScores
 from node.swarm.persistence import Persistence
-from node.swarm.push import RecordPush
 from node.swarm.receipts import Receipts
+from node.swarm.record_push import RecordPush
 from node.swarm.replication import Replication
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
-from node.swarm.spool import Spool
+from node.swarm.signed_files import SignedFiles
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Reply, Transport, max_frame_bytes
 from node.swarm.vetting import SnapshotVetting
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
+from node.swarm.work_book import WorkBook
 from protocol.agreement import AgreementBook
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -190,7 +191,7 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         self.heads: list[tuple[int, str, int, float]] = [(0, r.hash, 0, 0.0) for r in self.replicas]
         self.merged_tokens = [0] * P
         self.logs: list[OrderedDict[int, SignedRecord]] = [OrderedDict() for _ in range(P)]
-        self.spool = Spool(self.state_dir / "records")  # the logs' signed bytes, on disk
+        self.signed_files = SignedFiles(self.state_dir / "records")  # the logs' signed bytes, on disk
         self.syncs = [SyncState(fragment=p) for p in range(P)]
         # each fragment's round clock, and when its open round is due on this node's loop (node.swarm.clocks)
         self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, lambda: self.loop.time())
@@ -203,7 +204,7 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
         self.lagging_since: dict[int, float] = {}
-        self.guard = Guard(ban_after=s.ban_after, ban_s=s.ban_s)
+        self.peer_scores = PeerScores(ban_after=s.ban_after, ban_s=s.ban_s)
         self.work = WorkBook()  # since when each learner's counters must fit (protocol.work)
         self.agreement = (
             AgreementBook()
@@ -235,7 +236,7 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
             self.replicas,
             self.syncs,
             self.spec,
-            self.guard,
+            self.peer_scores,
             self.suspect,
             self.counters,
             self.events,
@@ -345,7 +346,7 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
             self.replicas,
             self.clocks,
             self.loop,
-            self.guard,
+            self.peer_scores,
             self.suspect,
             self.counters,
             self.events,
@@ -449,7 +450,7 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
             how=self.joined_by,
             rounds=[r.round for r in self.replicas],
             startup=self.startup,
-            credited=len(self.work.settled),  # learners credited by its checkpoint or snapshot (elect)
+            credited=len(self.work.credited_tags),  # learners credited by its checkpoint or snapshot (elect)
         )
 
     async def _until_stopped(self, work) -> bool:

@@ -54,10 +54,10 @@ class MessagesUnserved(ProtocolError):
 
 class Audit:
     def _init_audit(self) -> None:
-        """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``spool``)."""
+        """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``signed_files``)."""
         # the signed messages this node sent or merged (empty where it audits nothing): twice the model's
         # parameters in bytes, about 3.5 rounds of every fragment's int4 contributions
-        self._kept = AuditArchive(max(32 << 20, 2 * self.plan.total_numel), self.spool)
+        self._kept = AuditArchive(max(32 << 20, 2 * self.plan.total_numel), self.signed_files)
         self._undone: set[str] = set()
         self._cleared: OrderedDict[str, None] = OrderedDict()  # records an audit here found faithful
         # one recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
@@ -335,7 +335,7 @@ class Audit:
 
     def convict(self, sr: SignedRecord, lie: ProtocolError, source: str) -> bool:
         """Ban ``sr``'s signer for the lie it signed and pass the record on; True if the ban is new."""
-        if self.guard.banned(sr.signer, time.monotonic()):
+        if self.peer_scores.banned(sr.signer, time.monotonic()):
             return False
         return self.ban_and_hand_on(sr, lie.code.value, source, "evidence", bytes(sr.raw))
 
@@ -357,7 +357,7 @@ class Audit:
     ) -> bool:
         """Ban ``sr``'s signer for what it signed, say so (a ``ban`` event), and hand ``body``, what proves it,
         to up to ``FANOUT`` members over ``op`` (each checks it alone and passes it on once). True: a new ban."""
-        new = self.guard.ban(sr.signer, time.monotonic(), why)
+        new = self.peer_scores.ban(sr.signer, time.monotonic(), why)
         if new:
             self.counters["convictions"] += 1
             self._spawn(self._audit_held(sr.signer))
@@ -365,7 +365,7 @@ class Audit:
             "ban",
             t=time.time(),
             peer=sr.signer,
-            seconds=self.guard.ban_s,
+            seconds=self.peer_scores.ban_s,
             last=why,
             evidence=source,
             **fields,
@@ -434,7 +434,7 @@ class Audit:
             # suspicion this node cannot check ends by itself, as a stall's does)
             until = time.monotonic() + SUSPECT_S
             self.suspect[sr.signer] = max(self.suspect.get(sr.signer, 0.0), until)
-            self.guard.accuse(sr.signer, until)
+            self.peer_scores.accuse(sr.signer, until)
             waiting = self._waiting_proofs
             waiting[(sr.record.fragment, sr.record.round, sr.record.new_hash)] = (sr, msgs, caller)
             while len(waiting) > WAITING_PROOFS:

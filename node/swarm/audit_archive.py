@@ -8,7 +8,7 @@ import json
 import logging
 from collections import OrderedDict
 
-from node.swarm.spool import Spilled, Spool, in_memory
+from node.swarm.signed_files import SignedFile, SignedFiles, in_memory
 from protocol.errors import ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
@@ -17,19 +17,21 @@ FETCH_MAX = 64  # messages one ``kept`` request may ask for (an audit asks sever
 
 class AuditArchive:
     """Signed contribution messages (message, signature) by sha256 of the message, newest kept, at most
-    ``max_bytes`` of them. With a ``spool`` (``node.swarm.spool``) each message is written to the node's state
+    ``max_bytes`` of them. With ``signed_files`` (``node.swarm.signed_files``) each message is written to the node's state
     folder and read back when an audit asks for it: at 124M parameters the cap held 0.5x the fp32 weights in
     memory, most of it never read. ``bytes`` is what they weigh in all; ``resident``, what of it is in memory."""
 
-    def __init__(self, max_bytes: int, spool: Spool | None = None) -> None:
+    def __init__(self, max_bytes: int, signed_files: SignedFiles | None = None) -> None:
         self.max_bytes, self.bytes, self.resident = max_bytes, 0, 0
-        self.spool = spool
-        self.items: OrderedDict[str, tuple[bytes | Spilled, bytes]] = OrderedDict()
+        self.signed_files = signed_files
+        self.items: OrderedDict[str, tuple[bytes | SignedFile, bytes]] = OrderedDict()
 
     def put(self, raw: bytes, sig: bytes) -> str:
         digest = hashlib.sha256(raw).hexdigest()
         if digest not in self.items:
-            kept = self.spool.keep(bytes(raw), f"kept-{digest[:16]}") if self.spool else bytes(raw)
+            kept = (
+                self.signed_files.keep(bytes(raw), f"kept-{digest[:16]}") if self.signed_files else bytes(raw)
+            )
             self.items[digest] = (kept, bytes(sig))
             self.bytes += len(raw) + len(sig)
             self.resident += in_memory(kept) + len(sig)

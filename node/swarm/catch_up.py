@@ -268,7 +268,7 @@ class CatchUp:
         self.logs[p].clear()
         # The records of the rounds this state skips are never applied here: their contribution ids come
         # with it, so a copy of one is refused as a replay and a queued one is not merged a second time.
-        self.guard.merged(st.merged)
+        self.peer_scores.merged(st.merged)
         self._inherited_ids()[p] = st.merged
         self.counters["resyncs"] += 1
         self.events.emit("resync", t=time.time(), fragment=p, round=st.round, hash=st.hash, donor=pid)

@@ -2,7 +2,7 @@
 (``_send``), and the synchroniser's acceptance checks before the pure core sees it (``_accept``).
 
 A mixin of ``node.swarm.agent.Node`` (like ``Replication``): it uses the node's
-transport, views, guard, replicas and synchroniser states, and runs on the node's event loop except for
+transport, views, peer scores, replicas and synchroniser states, and runs on the node's event loop except for
 ``post_contribution`` and ``resend``, which the learner thread calls.
 """
 
@@ -147,7 +147,7 @@ class Contributions:
         hint: str | None = None
         last = ""
         while self.loop.time() < deadline:
-            if self.guard.was_merged(header.cid):
+            if self.peer_scores.was_merged(header.cid):
                 # A merge record we applied names it: an earlier attempt landed and only its reply was
                 # lost (the synchroniser merged, then its stream broke), or a re-send of the blocking
                 # baselines found it merged. Sending it again would only be refused as a replay.
@@ -274,10 +274,10 @@ class Contributions:
                 raise ProtocolError(
                     RejectCode.DISTRUSTED, f"{h.learner}'s outer gradients oppose the rest of the merges here"
                 )
-            if self.guard.first_resend(h.cid):
+            if self.peer_scores.first_resend(h.cid):
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
-            self.guard.check_replay(h.cid)
+            self.peer_scores.check_replay(h.cid)
             self._check_work(h)
             # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
             # took the loop for a second a contribution); on a view whose norm book is a copy read here
@@ -314,7 +314,7 @@ class Contributions:
             else:
                 self.penalise(caller, e.code)
             return Reply(False, e.code.value, str(e))
-        self.guard.reward(caller)
+        self.peer_scores.reward(caller)
         self.leases[p] = self.replicas[p].round + 1
         self.counters["contributions_accepted"] += 1
         self._decide(p, d)
@@ -398,8 +398,8 @@ class Contributions:
         check_counters(h.c_steps, h.c_tokens, rate, now - since, work, f, every, own)
 
     def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
-        if self.guard.penalise(peer, code, time.monotonic(), signed):
-            self.events.emit("ban", t=time.time(), peer=peer, seconds=self.guard.ban_s, last=code.value)
+        if self.peer_scores.penalise(peer, code, time.monotonic(), signed):
+            self.events.emit("ban", t=time.time(), peer=peer, seconds=self.peer_scores.ban_s, last=code.value)
 
     def _refuse_role(self, caller: str, p: int, who: str | None) -> Reply:
         """Not an error of the sender's: routing views differ for a moment. Not counted as a refusal."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dht.records import Member
     from node.common.events import EventLog
     from node.swarm.clocks import SwarmClocks
-    from node.swarm.guard import Guard
+    from node.swarm.peer_scores import PeerScores
     from node.swarm.settings import NodeSettings
     from node.swarm.wire import SignedRecord
     from protocol.config import ProtocolConfig
@@ -50,7 +50,7 @@ class MergeDeadlines:
     late each synchroniser merges them (``latency``: ``node.swarm.lateness``).
 
     Its collaborators: the node's settings, protocol configuration, replicas and clocks; the loop it runs on;
-    the guard (``was_merged``); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock),
+    the peer scores (``was_merged``); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock),
     ``counters`` and ``events``, which it writes to; ``live_members`` and ``rounds_behind`` of the node's
     membership view; ``watched_round`` and ``check_omission`` of its receipts (``node.swarm.receipts``); and
     ``send_again``, which puts our latest contribution to a fragment back in the outbox if it is still the
@@ -63,7 +63,7 @@ class MergeDeadlines:
         replicas: Sequence[FragmentReplica],
         clocks: SwarmClocks,
         loop: asyncio.AbstractEventLoop,
-        guard: Guard,
+        peer_scores: PeerScores,
         suspect: dict[str, float],
         counters: dict[str, int],
         events: EventLog,
@@ -78,7 +78,7 @@ class MergeDeadlines:
         self.replicas = replicas
         self.clocks = clocks
         self.loop = loop
-        self.guard = guard
+        self.peer_scores = peer_scores
         self.suspect = suspect
         self.counters = counters
         self.events = events
@@ -130,7 +130,7 @@ class MergeDeadlines:
         the next candidate, and named dead to it) and this contribution, if still our latest to the
         fragment, goes again."""
         p = header.fragment
-        if self.guard.was_merged(header.cid) or self.replicas[p].round >= open_round:
+        if self.peer_scores.was_merged(header.cid) or self.replicas[p].round >= open_round:
             return
         if any(m.head_round(p) >= open_round for q, m in self.live_members().items() if q != target):
             return  # merged elsewhere; our replica is catching up
@@ -181,7 +181,7 @@ class MergeDeadlines:
         if taken is None or rec.round < taken[2]:
             return
         header, target, _, receipt, taken_at = self.taken.pop(rec.fragment)
-        if self.guard.was_merged(header.cid):
+        if self.peer_scores.was_merged(header.cid):
             if sr.signer == target:
                 self.merged_after(target, rec.fragment, rec.round, self.loop.time() - taken_at)
             return

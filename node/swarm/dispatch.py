@@ -22,7 +22,7 @@ Handler = Callable[[str, bytes], Awaitable[Reply]]
 @dataclass(frozen=True)
 class OpRule:
     admit: bool  # the dispatcher checks that the caller is a live member
-    scored: bool  # a refused request is scored against its caller (``Guard``)
+    scored: bool  # a refused request is scored against its caller (``PeerScores``)
 
 
 OPS: dict[str, OpRule] = {

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from node.swarm.spool import in_memory
+from node.swarm.signed_files import in_memory
 
 PARTS = (
     "learner_params",
@@ -148,7 +148,7 @@ def breakdown(node: Any) -> dict:
     t = tally(node)
     rss, peak = resident_bytes()
     # the record log keeps signed bytes only (node.swarm.replication), not tensors, and those on disk where
-    # it can (node.swarm.spool)
+    # it can (node.swarm.signed_files)
     raw = sum(in_memory(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw

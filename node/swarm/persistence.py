@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from node.learner.learner import Learner
     from node.learner.loop import LearnerLoop
     from node.learner.unit import Unit
-    from node.swarm.guard import WorkBook
     from node.swarm.settings import NodeSettings
+    from node.swarm.work_book import WorkBook
     from protocol.fragments import FragmentPlan
     from protocol.replica import FragmentReplica
 

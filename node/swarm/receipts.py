@@ -48,7 +48,7 @@ from protocol.synchroniser import Phase, SyncState
 
 if TYPE_CHECKING:
     from node.common.events import EventLog
-    from node.swarm.guard import Guard
+    from node.swarm.peer_scores import PeerScores
     from node.swarm.settings import NodeSettings
     from protocol.messages import ContributionHeader
     from protocol.replica import FragmentReplica
@@ -186,7 +186,7 @@ class Receipts:
 
     Its collaborators: the node's settings (``trusted``, ``swarm``, ``ttl_s``), identity (which signs the
     receipts) and state folder (``receipts.log``); the node's ``replicas`` and ``syncs`` (one entry per
-    fragment, replaced in place); its ``spec``, to decode a record handed on; the guard (accused and banned
+    fragment, replaced in place); its ``spec``, to decode a record handed on; the peer scores (accused and banned
     synchronisers); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock), ``counters``
     and ``events``, which it writes to; ``last_contribution`` (fragment -> our latest (header, encoded)) and
     ``send_again``, which puts that one back in the outbox if it is still the given header
@@ -205,7 +205,7 @@ class Receipts:
         replicas: Sequence[FragmentReplica],
         syncs: Sequence[SyncState],
         spec: dict,
-        guard: Guard,
+        peer_scores: PeerScores,
         suspect: dict[str, float],
         counters: dict[str, int],
         events: EventLog,
@@ -221,7 +221,7 @@ class Receipts:
         self.replicas = replicas
         self.syncs = syncs
         self.spec = spec
-        self.guard = guard
+        self.peer_scores = peer_scores
         self.suspect = suspect
         self.counters = counters
         self.events = events
@@ -354,7 +354,7 @@ class Receipts:
             until = time.monotonic() + STALL_TTLS * self.settings.ttl_s
             self.suspect[target] = max(self.suspect.get(target, 0.0), until)
             # its records applied here do not lift it (``Audit.accused``): a censor merges rounds, without us
-            self.guard.accuse(target, until)
+            self.peer_scores.accuse(target, until)
             self.counters["no_receipt"] += 1
             self.events.emit(
                 "no_receipt", t=time.time(), peer=target, fragment=header.fragment, cid=header.cid, why=str(e)
@@ -380,7 +380,7 @@ class Receipts:
         return True
 
     def convict_omission(self, sr: SignedRecord, rc: Receipt, source: str) -> None:
-        if self.guard.banned(sr.signer, time.monotonic()):
+        if self.peer_scores.banned(sr.signer, time.monotonic()):
             return
         body = pack_list([bytes(sr.raw), rc.packed()])
         fields = {"fragment": rc.fragment, "round": rc.round, "cid": rc.cid}

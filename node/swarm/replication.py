@@ -1,7 +1,7 @@
 """Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
 as the synchroniser, and the server side of the record and records ops. A mixin of
 ``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``, the
-push of the records made here ``node.swarm.push``, the deadlines of the rounds that took our contributions
+push of the records made here ``node.swarm.record_push``, the deadlines of the rounds that took our contributions
 ``node.swarm.deadlines``."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if not made_here:
-            if self.guard.banned(sr.signer, time.monotonic()):  # relayed, or fetched by catch-up
+            if self.peer_scores.banned(sr.signer, time.monotonic()):  # relayed, or fetched by catch-up
                 raise ProtocolError(
                     RejectCode.BANNED, f"round {rec.round} signed by {sr.signer}, banned here"
                 )
@@ -69,7 +69,7 @@ class Replication:
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
             self._vouch(sr)
-        raw = self.spool.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
+        raw = self.signed_files.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.audit).
         # The momentum steps into new tensors for this record, so the parent's stays the parent's for as long
         # as the audit holds it: a contribution on an older base is rebuilt from it, and one rebuilt from a
@@ -84,12 +84,12 @@ class Replication:
             self.events.emit("hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer)
             raise
         self.heads[p] = tuple(sr.head)
-        if not self.guard.accused(
+        if not self.peer_scores.accused(
             sr.signer, time.monotonic()
         ):  # it merges (a late round, or it came back): electable again
             self.suspect.pop(sr.signer, None)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
-        self.guard.merged(c[1] for c in rec.contributors)
+        self.peer_scores.merged(c[1] for c in rec.contributors)
         now = time.monotonic()
         # each contributor's work spans its steps at its record's rate: the counters' bound (``WorkBook.merged``)
         for c in rec.contributors:

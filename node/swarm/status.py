@@ -166,7 +166,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "bytes_received": t.bytes_in if t else 0,
         "refused": dict(t.refused) if t else {},
         "transfers": t.transfers(now) if t else {"in_flight": [], "recent": []},
-        "guard": node.guard.status(),
+        "guard": node.peer_scores.status(),
         "distrusted": node.agreement.status()["distrusted"],  # left out of this node's merges
         "counters": dict(node.counters),
         "goodput": goodput,

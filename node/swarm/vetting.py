@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
     from dht.records import Member
     from node.common.events import EventLog
-    from node.swarm.guard import WorkBook
     from node.swarm.settings import NodeSettings
     from node.swarm.transport import Transport
     from node.swarm.wire import SignedRecord
+    from node.swarm.work_book import WorkBook
     from protocol.config import ProtocolConfig
     from protocol.replica import FragmentReplica
 
@@ -196,14 +196,14 @@ class SnapshotVetting:
     def unwitnessed(self, donor: str, p: int, round_: int, hash_: str) -> bool:
         """The donor's word against the swarm's: no witness publishes the donor's head of fragment p, while
         a member publishes a round of this node's own chain (its head, or a round its log holds). A witness
-        is a member whose work this node ever merged (``WorkBook.worked``, not only in the rounds its logs
+        is a member whose work this node ever merged (``WorkBook.last_merged``, not only in the rounds its logs
         keep: the other side of a split deeper than those is made of members it merged before the split; an
         identity that only publishes records vouches for nothing); for a node that has merged no one's work
         yet (a joiner, a restart), any member that holds state: two nodes that joined a running swarm fresh
         (round 0) counted each other as witnesses of their round 0 and, with no worker to witness the
         swarm's head, refused it for the whole run. Ours needs no work to be witnessed: a node that had just
         downloaded its state took a liar's head a round ahead, and its neighbours then took it from it."""
-        workers = set(self.work.worked) or None
+        workers = set(self.work.last_merged) or None
         if self._published(donor, p, lambda h: (int(h[0]), str(h[1])) == (round_, hash_), workers):
             return False
         if self._published(donor, p, lambda h: self.hash_at(p, int(h[0])) == str(h[1])):
@@ -264,7 +264,7 @@ class SnapshotVetting:
             k = int(h[0])
             ours_k = self.hash_at(p, k)
             behind = k < r and ours_k != str(h[1]) and (ours_k is not None or k == r - 1)
-            if (k == r or behind) and q in self.work.worked:
+            if (k == r or behind) and q in self.work.last_merged:
                 groups.setdefault(tuple(h), []).append(q)
         best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0][1]), default=(None, []))
         lone = self._lone_since

@@ -97,7 +97,7 @@ class SwarmView:
     def live_members(self) -> dict[str, Member]:
         now = get_dht_time()
         horizon = self._view_horizon(now)
-        banned = self.guard.banned_until
+        banned = self.peer_scores.banned_until
         ttl = self.settings.ttl_s
         view = {
             pid: m
@@ -382,7 +382,7 @@ class SwarmView:
 
     async def _known(self, caller: str) -> bool:
         """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
-        self.guard.check(caller, time.monotonic())
+        self.peer_scores.check(caller, time.monotonic())
         if caller in self.blocked:
             return False
         if caller in self.members or caller == self.peer_id:
