@@ -147,16 +147,22 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
     assert v.signer_electable(0, "b", v.members.keys())
 
 
-def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot():
+def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
+    monkeypatch,
+):
     """A swarm's first rounds (nobody credited yet): a pushed record whose signer is not first in this node's
     rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
     moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
     applied at once, and moots the held one; a held record that still follows the head then is applied (its
-    first candidate never delivered). Leases do not put a signer first here: a lease is its own word. Once
-    the fence decides (members credited), nothing is held."""
+    first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
+    the signer replaces the older. Leases do not put a signer first here: a lease is its own word. Once the
+    fence decides (members credited), nothing is held."""
+    from node.swarm import replication
+    from node.swarm.replication import TURN_HELD
     from node.swarm.replication import Replication as R
 
-    applied, later = [], []
+    applied, later, wire = [], [], {}
+    monkeypatch.setattr(replication, "decode_record", lambda raw, swarm, spec: wire[raw])
 
     class _Turn(_View):
         out_of_turn = R.out_of_turn
@@ -169,7 +175,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
             self.turn_held, self.counters = {}, {"out_of_turn_held": 0}
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
             self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((s, f, a)))
-            self.settings.failover_s = 6.0
+            self.settings.failover_s, self.settings.swarm, self.spec = 6.0, "s", None
             self.order = ["first", "forger"]
             self.leases_asked = []
 
@@ -184,10 +190,17 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
             applied.append(sr)
             self.replicas[0] = SimpleNamespace(round=sr.record.round, hash=sr.record.new_hash)
 
-    def pushed(signer: str) -> SignedRecord:
+    def pushed(signer: str, tag: str = "") -> SignedRecord:
         sr = _signed(signer, [signer])
-        sr.record.parent_hash = "h2"
+        sr.record.parent_hash, sr.record.new_hash = "h2", f"n-{signer}{tag}"
+        sr = SignedRecord(sr.record, signer, f"raw-{signer}{tag}".encode())
+        wire[sr.raw] = sr
         return sr
+
+    def run_retries():
+        while later:
+            _, f, a = later.pop(0)
+            f(*a)
 
     v = _Turn()
     v.members = {"first": None, "forger": None}
@@ -197,16 +210,23 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     v._on_record(forged, "forger")  # pushed again (a relay): held once
     assert len(later) == 1 and later[0][0] == 6.0
     assert v._on_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
-    s, f, a = later.pop()
-    f(*a)
+    run_retries()
     assert applied == [honest] and v.turn_held == {}  # moot: it no longer follows the head
-    # the first candidate never delivers: a failover later, the held record is applied
+    # the first candidate never delivers: a failover later, the held record is applied; of two records of
+    # one signer for the fragment, the newer is held (the older's retry finds it replaced)
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
-    late = pushed("forger")
-    v._on_record(late, "forger")
-    s, f, a = later.pop()
-    f(*a)
-    assert applied == [honest, late]
+    older, newer = pushed("forger", "-1"), pushed("forger", "-2")
+    v._on_record(older, "forger")
+    v._on_record(newer, "forger")
+    assert len(v.turn_held) == 1 and len(later) == 2
+    run_retries()
+    assert applied == [honest, newer] and v.turn_held == {}
+    # at most TURN_HELD signers' records held at once
+    v.replicas[0] = SimpleNamespace(round=2, hash="h2")
+    for i in range(TURN_HELD + 3):
+        v._on_record(pushed(f"m{i}"), f"m{i}")
+    assert len(v.turn_held) == TURN_HELD
+    later.clear()
     # members credited, watched for the window: the fence decides and holds nothing
     v = _Turn()
     v.chain(_signed("first", ["first", "forger"]), _signed("forger", ["forger", "first"]))

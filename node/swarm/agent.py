@@ -200,7 +200,8 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
         self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
-        self.turn_held: dict[tuple, tuple] = {}  # records held out of turn (``Replication.out_of_turn``)
+        # (fragment, signer) -> (round, new hash, signed bytes, caller): held out of turn (``Replication.out_of_turn``)
+        self.turn_held: dict[tuple, tuple] = {}
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
         self.lagging_since: dict[int, float] = {}

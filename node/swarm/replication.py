@@ -41,6 +41,9 @@ from protocol.synchroniser import (
 
 logger = logging.getLogger(__name__)
 UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
+TURN_HELD = (
+    16  # records held out of turn (``_hold_out_of_turn``), their signed bytes, one per signer and fragment
+)
 
 
 class Replication:
@@ -454,29 +457,35 @@ class Replication:
     def _hold_out_of_turn(self, sr: SignedRecord, caller: str) -> None:
         """A record ``out_of_turn``: tried again ``failover_s`` later (the time a sender takes to re-route past a
         synchroniser that died), where it still follows our head; by then the first candidate's record for
-        the round has usually landed, and this one is moot."""
-        key = (sr.record.fragment, sr.record.round, sr.record.new_hash)
-        if key in self.turn_held:
-            return
-        if len(self.turn_held) >= UNELECTED_HELD:
+        the round has usually landed, and this one is moot. Held as its signed bytes (a decoded gradient is a
+        whole fp32 fragment), one per signer and fragment (its newest), ``TURN_HELD`` in all."""
+        key = (sr.record.fragment, sr.signer)
+        if key not in self.turn_held and len(self.turn_held) >= TURN_HELD:
             return  # too many held: dropped (the sender's own heads and our catch-up still reach its chain)
+        held = self.turn_held.get(key)
+        if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
+            return  # the same record again (a relay): its retry decides
         self.counters["out_of_turn_held"] += 1
-        self.turn_held[key] = (sr, caller)
-        self.loop.call_later(self.settings.failover_s, self._retry_out_of_turn, key)
+        self.turn_held[key] = (sr.record.round, sr.record.new_hash, bytes(sr.raw), caller)
+        self.loop.call_later(self.settings.failover_s, self._retry_out_of_turn, key, sr.record.new_hash)
 
-    def _retry_out_of_turn(self, key: tuple) -> None:
-        held = self.turn_held.pop(key, None)
-        if held is None or self._stop_set():
-            return
-        sr, caller = held
+    def _retry_out_of_turn(self, key: tuple, new_hash: str) -> None:
+        held = self.turn_held.get(key)
+        if held is None or held[1] != new_hash or self._stop_set():
+            return  # replaced by a newer record of its signer, whose own retry decides
+        del self.turn_held[key]
+        round_, _, raw, caller = held
         rep = self.replicas[key[0]]
-        if sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+        if round_ != rep.round + 1:
             return  # the round landed from its first candidate (or the chain moved on): moot here
         try:
+            sr = decode_record(raw, self.settings.swarm, self.spec)
+            if sr.record.parent_hash != rep.hash:
+                return
             self._on_record(sr, caller, waited=True)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            logger.info("fragment %d round %d, held out of turn, refused: %s", *key[:2], e)
+            logger.info("fragment %d, a record of %s held out of turn, refused: %s", *key, e)
 
     def _hold_unelected(self, sr: SignedRecord) -> None:
         """A record the election fence refused: tried once more a heartbeat later, where it still follows our
