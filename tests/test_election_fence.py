@@ -24,6 +24,18 @@ from protocol.errors import ProtocolError, RejectCode, UnprovenRefusal
 from protocol.synchroniser import round_share
 from tests.test_audit import _contributions, _replica
 
+_WIRE: dict[
+    bytes, SignedRecord
+] = {}  # the "signed bytes" of the records below, as ``decode_record`` reads them
+
+
+@pytest.fixture
+def wire(monkeypatch):
+    from node.swarm import replication
+
+    monkeypatch.setattr(replication, "decode_record", lambda raw, swarm, spec: _WIRE[bytes(raw)])
+    return _WIRE
+
 
 def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRecord:
     cs = [(q, f"{q}:0:1:1", 1.0, 1, 1) for q in learners]
@@ -35,7 +47,9 @@ def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRec
         new_hash=f"n-{signer}",
         parent_hash="",
     )
-    return SignedRecord(rec, signer, b"")
+    sr = SignedRecord(rec, signer, f"raw-{len(_WIRE)}".encode())
+    _WIRE[sr.raw] = sr
+    return sr
 
 
 class _View:
@@ -91,7 +105,9 @@ def test_a_members_own_records_never_make_it_electable_and_others_records_do():
     v._vouch(_signed("b", ["b", "c"]))  # an elected signer's record passes
 
 
-def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_its_signer_is_credited_by_then():
+def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_its_signer_is_credited_by_then(
+    wire,
+):
     applied, later = [], []
 
     class _Held(_View):
@@ -101,6 +117,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
         def __init__(self):
             super().__init__()
             self.unelected_held = {}
+            self.settings.swarm, self.spec = "s", None
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
             self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((f, a)))
 
@@ -126,9 +143,20 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
     forged.record.parent_hash = "h2"
     v.members["forger"] = None  # a member, seen in the view
     v._hold_unelected(forged)
+    v._hold_unelected(forged)  # relayed again: held once
+    assert len(v.unelected_held) == 1 and len(later) == 1
     f, args = later.pop()
     f(*args)
     assert v.counters["unelected_refused"] == 1 and applied == [new]
+    # held as signed bytes, one per signer and fragment, UNELECTED_HELD in all: a full hold refuses at once
+    from node.swarm.replication import UNELECTED_HELD
+
+    for i in range(UNELECTED_HELD + 2):
+        sr = _signed(f"m{i}", [f"m{i}"])
+        sr.record.parent_hash = "h2"
+        v._hold_unelected(sr)
+    assert len(v.unelected_held) == UNELECTED_HELD and v.counters["unelected_refused"] == 3
+    assert all(isinstance(h[2], bytes) for h in v.unelected_held.values())
 
 
 def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet():
@@ -148,7 +176,7 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
 
 
 def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
-    monkeypatch,
+    wire,
 ):
     """A swarm's first rounds (nobody credited yet): a pushed record whose signer is not first in this node's
     rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
@@ -157,12 +185,10 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
     the signer replaces the older. Leases do not put a signer first here: a lease is its own word. Once the
     fence decides (members credited), nothing is held."""
-    from node.swarm import replication
     from node.swarm.replication import TURN_HELD
     from node.swarm.replication import Replication as R
 
-    applied, later, wire = [], [], {}
-    monkeypatch.setattr(replication, "decode_record", lambda raw, swarm, spec: wire[raw])
+    applied, later = [], []
 
     class _Turn(_View):
         out_of_turn = R.out_of_turn
@@ -193,8 +219,6 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     def pushed(signer: str, tag: str = "") -> SignedRecord:
         sr = _signed(signer, [signer])
         sr.record.parent_hash, sr.record.new_hash = "h2", f"n-{signer}{tag}"
-        sr = SignedRecord(sr.record, signer, f"raw-{signer}{tag}".encode())
-        wire[sr.raw] = sr
         return sr
 
     def run_retries():

@@ -199,7 +199,8 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
-        self.unelected_held: dict[tuple, SignedRecord] = {}  # records the election fence refused, tried again
+        # (fragment, signer) -> (round, new hash, signed bytes): refused by the election fence, tried again
+        self.unelected_held: dict[tuple, tuple] = {}
         # (fragment, signer) -> (round, new hash, signed bytes, caller): held out of turn (``Replication.out_of_turn``)
         self.turn_held: dict[tuple, tuple] = {}
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)

@@ -40,7 +40,9 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
-UNELECTED_HELD = 64  # records the election fence refused, held here to try once more (``_hold_unelected``)
+UNELECTED_HELD = (
+    16  # records the election fence refused, held to try once more (``_hold_unelected``): signed bytes
+)
 TURN_HELD = (
     16  # records held out of turn (``_hold_out_of_turn``), their signed bytes, one per signer and fragment
 )
@@ -491,27 +493,37 @@ class Replication:
         """A record the election fence refused: tried once more a heartbeat later, where it still follows our
         head. Each fragment's chain moves on its own, so the record that credits a newly elected member (in
         another fragment) can reach this node a moment after that member's first record; refused for good
-        (``unelected_refused``) only if its signer is still not credited then."""
-        key = (sr.record.fragment, sr.record.round, sr.record.new_hash)
-        if key in self.unelected_held:  # the same record again (another relay): its retry decides
-            return
-        if len(self.unelected_held) >= UNELECTED_HELD:
+        (``unelected_refused``) only if its signer is still not credited then. Held as its signed bytes, one
+        per signer and fragment (its newest), ``UNELECTED_HELD`` in all: a forger pushing a record a round
+        held 64 decoded ones, up to 64 fp32 fragments."""
+        key = (sr.record.fragment, sr.signer)
+        held = self.unelected_held.get(key)
+        if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
+            return  # the same record again (another relay): its retry decides
+        if held is None and len(self.unelected_held) >= UNELECTED_HELD:
             self.counters["unelected_refused"] += 1  # too many held: refused now
             return
-        self.unelected_held[key] = sr
-        self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key)
+        self.unelected_held[key] = (sr.record.round, sr.record.new_hash, bytes(sr.raw))
+        self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key, sr.record.new_hash)
 
-    def _retry_unelected(self, key: tuple) -> None:
-        sr = self.unelected_held.pop(key, None)
+    def _retry_unelected(self, key: tuple, new_hash: str) -> None:
+        held = self.unelected_held.get(key)
+        if held is None or held[1] != new_hash:
+            return  # replaced by a newer record of its signer, whose own retry decides
+        del self.unelected_held[key]
+        round_, _, raw = held
         rep = self.replicas[key[0]]
-        if sr is None or sr.record.round != rep.round + 1 or sr.record.parent_hash != rep.hash:
+        if round_ != rep.round + 1:
             return  # the chain moved on: the record is moot here
         try:
+            sr = decode_record(raw, self.settings.swarm, self.spec)
+            if sr.record.parent_hash != rep.hash:
+                return
             self._apply(sr)
         except ProtocolError as e:
             if e.code is RejectCode.UNELECTED:
                 self.counters["unelected_refused"] += 1
-            logger.info("fragment %d round %d, held by the election fence, refused: %s", *key[:2], e)
+            logger.info("fragment %d, a record of %s held by the election fence, refused: %s", *key, e)
 
     async def _h_records(self, caller: str, raw: bytes) -> Reply:
         p, start = parse_records_request(raw)
