@@ -52,7 +52,7 @@ class Replication:
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
-    def _apply(self, sr: SignedRecord, made_here: bool = False) -> None:
+    def _apply(self, sr: SignedRecord, made_here: bool = False, turn_waited: bool = False) -> None:
         """Apply a record that follows our head (raises ProtocolError otherwise); state and learner follow.
 
         ``made_here``: this node's synchroniser just made it, and its state machine moves on by itself. A
@@ -60,7 +60,11 @@ class Replication:
         after it merged the round, before it checkpointed): it is checked, and our synchroniser's state is
         reset to it, as for anyone else's. (It was taken as made here: the state stayed a round behind the
         replica, and the node refused every contribution to that fragment as ``future_base``, 800 of them
-        and an 88 s stall of two fragments in one chaos run.)"""
+        and an 88 s stall of two fragments in one chaos run.)
+
+        ``turn_waited``: it was held out of turn while the election fence stood aside (``_hold_out_of_turn``),
+        and is judged as the fence stood when it came: the fence may have closed meanwhile on a signer whose
+        rounds had all been its own (an honest one was refused so in a suite run)."""
         rec = sr.record
         p = rec.fragment
         rep = self.replicas[p]
@@ -73,7 +77,7 @@ class Replication:
                 self.undone().add(rec.new_hash)  # node.swarm.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
-            self._vouch(sr)
+            self._vouch(sr, fenced=not turn_waited)
         raw = self.signed_files.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.audit).
         # The momentum steps into new tensors for this record, so the parent's stays the parent's for as long
@@ -138,7 +142,7 @@ class Replication:
         older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
         return lambda: decode_record(bytes(raw), self.settings.swarm, self.spec).record.grad
 
-    def _vouch(self, sr: SignedRecord) -> None:
+    def _vouch(self, sr: SignedRecord, fenced: bool = True) -> None:
         """What this node can refute of another's record from its own knowledge: a signer it has never seen
         in the swarm, a contributor it has never seen, a contribution of its own it never sent; where the
         swarm audits, a record that names no signed message (nothing to recompute it from); and in a public
@@ -167,7 +171,7 @@ class Replication:
                 "this swarm audits every record",
             )
 
-        if not self.signer_electable(rec.fragment, sr.signer, known):
+        if fenced and not self.signer_electable(rec.fragment, sr.signer, known):
             raise UnprovenRefusal(  # views differ: not proof of a lie, and the sender may only relay it
                 RejectCode.UNELECTED,
                 f"round {rec.round} of fragment {rec.fragment} signed by {sr.signer}, whose work no record "
@@ -408,7 +412,7 @@ class Replication:
                 self._hold_out_of_turn(sr, caller)
                 return Reply(True, message="held: out of turn while nobody is credited yet")
             try:
-                self._apply(sr)
+                self._apply(sr, turn_waited=waited)
             except ProtocolError as e:
                 if e.code is RejectCode.UNELECTED:
                     self._hold_unelected(sr)
