@@ -178,8 +178,8 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
 def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
     wire,
 ):
-    """A swarm's first rounds (nobody credited yet): a pushed record whose signer is not first in this node's
-    rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
+    """A swarm's first rounds (nobody credited yet): a pushed record of its signer's work alone whose signer is
+    not first in this node's rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
     moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
     applied at once, and moots the held one; a held record that still follows the head then is applied (its
     first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
@@ -254,6 +254,10 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
         v._on_record(pushed(f"m{i}"), f"m{i}")
     assert len(v.turn_held) == TURN_HELD
     later.clear()
+    # a record that merges another member's work is not held, whoever signed it (views differ at start-up)
+    mixed = _signed("forger", ["forger", "first"])
+    mixed.record.parent_hash = "h2"
+    assert not v.out_of_turn(mixed)
     # members credited, watched for the window: the fence decides and holds nothing
     v = _Turn()
     v.chain(_signed("first", ["first", "forger"]), _signed("forger", ["forger", "first"]))
@@ -440,12 +444,9 @@ def test_a_forger_present_from_a_swarms_first_rounds_gets_none_of_its_records_ap
         wait_ready(list(swarm.children.values()), 120)
         fid = forger.peer_id
 
-        def refused() -> int:
+        def refused() -> int:  # unelected once the fence closes; banned, where its receipts convicted it
             return sum(
-                1
-                for i in range(3)
-                for e in swarm.events(i)
-                if e["kind"] == "reject" and e["peer"] == fid and e["code"] == "unelected"
+                1 for i in range(3) for e in swarm.events(i) if e["kind"] == "reject" and e["peer"] == fid
             )
 
         wait_until(
