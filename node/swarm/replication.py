@@ -205,10 +205,11 @@ class Replication:
         every round the moment the one before it lands (``forge-signed`` in ``bench/hostile_node.py``) would
         win every race. A record that merges another member's work is not held: holding every record out of
         turn parted the chains of a starting swarm (views differ there), and the fence then refused an honest
-        signer's record across them (a suite run of the partition test). First by the rendezvous order alone, not by leases: a
-        lease is a member's own word in its membership record, and a forger could claim every open round.
-        Such a record is held, not refused (``_hold_out_of_turn``): views differ for a moment at start-up, and
-        an honest record from another view's first candidate lands a ``failover_s`` late, or a fork decides."""
+        signer's record across them (a suite run of the partition test). First by the rendezvous order alone,
+        not by leases: a lease is a member's own word in its membership record, and a forger could claim every
+        open round. Such a record is held, not refused (``_hold_out_of_turn``): views differ for a moment at
+        start-up, and an honest record from another view's first candidate lands a ``failover_s`` late, or a
+        fork decides."""
         if sr.signer == self.peer_id or any(c[0] != sr.signer for c in sr.record.contributors):
             return False  # ours, or it merged another member's work: not a record of the signer's alone
         known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
