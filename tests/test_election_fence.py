@@ -179,8 +179,8 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     wire,
 ):
     """A swarm's first rounds (nobody credited yet): a pushed record of its signer's work alone whose signer is
-    not first in this node's rendezvous order is held ``failover_s``, not applied: a member signing a record for every round the
-    moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
+    not first in this node's rendezvous order is held ``failover_s``, not applied: a member signing a record
+    for every round the moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
     applied at once, and moots the held one; a held record that still follows the head then is applied (its
     first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
     the signer replaces the older. Leases do not put a signer first here: a lease is its own word. Once the

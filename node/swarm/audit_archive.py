@@ -17,8 +17,8 @@ FETCH_MAX = 64  # messages one ``kept`` request may ask for (an audit asks sever
 
 class AuditArchive:
     """Signed contribution messages (message, signature) by sha256 of the message, newest kept, at most
-    ``max_bytes`` of them. With ``signed_files`` (``node.swarm.signed_files``) each message is written to the node's state
-    folder and read back when an audit asks for it: at 124M parameters the cap held 0.5x the fp32 weights in
+    ``max_bytes`` of them. With ``signed_files`` (``node.swarm.signed_files``) each message is written to the
+    node's state folder and read back when an audit asks for it: at 124M parameters the cap held 0.5x the fp32 weights in
     memory, most of it never read. ``bytes`` is what they weigh in all; ``resident``, what of it is in memory."""
 
     def __init__(self, max_bytes: int, signed_files: SignedFiles | None = None) -> None:
