@@ -11,7 +11,7 @@ For one fp32 tensor of ``--numel`` values (normal, with every 7th value zero) th
 
 It prints each as GB/s of fp32 input (encode) or output (decode), i.e. 4 * numel bytes over the median time,
 and its ratio to the memcpy's median time (2.0 = twice as slow as copying the tensor); ``--json`` also gives
-each minimum. Issue 30 asks for at least 1 GB/s a core, or a ratio of at most 3.
+each minimum. The aim: at least 1 GB/s a core, or a ratio of at most 3.
 
     .venv/bin/python bench/codecs.py                      # 16M values, one thread
     .venv/bin/python bench/codecs.py --numel 1000000 --threads 2 --json

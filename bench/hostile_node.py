@@ -37,7 +37,7 @@ of 0.2x the fragment's weights (shrinking them towards zero: inside the record b
 member. ``forge-self`` names no digest of a signed message; ``forge-signed`` names the digest of a
 contribution message it signed itself (and serves it, as the ``kept`` op does); ``forge-unserved`` names a
 made-up digest that nobody can serve.
-Issue 31's stalled round as a member whose learner works honestly (so a public swarm credits and elects it):
+A stalled round, from a member whose learner works honestly (so a public swarm credits and elects it):
 ``sync-stall`` (when elected it answers every contribution ``ok`` and never merges: each round it takes is
 dropped and taken again, so it swallows every contribution sent to it); ``sync-late`` (it merges honestly,
 but only 0.8 of its senders' stall deadline after its quorum: never found stalled).
