@@ -1,4 +1,4 @@
-"""``ddiloco up`` with its memory measured: ``ddiloco up`` as a user runs it, each node process's
+"""``ddiloco up`` as a user runs it, with its memory measured: each node process's
 resident memory sampled beside it.
 
 Every ``--every-s`` (0.1 s) this script reads ``/proc/PID/status`` of each node (``up``'s node processes; their
