@@ -14,6 +14,7 @@ import pytest
 
 from node.swarm.audit import Audit
 from node.swarm.replication import Replication
+from node.swarm.signed_files import SignedFile, SignedFiles
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
 from node.swarm.work_book import WorkBook
@@ -106,7 +107,7 @@ def test_a_members_own_records_never_make_it_electable_and_others_records_do():
 
 
 def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_its_signer_is_credited_by_then(
-    wire,
+    wire, tmp_path
 ):
     applied, later = [], []
 
@@ -117,6 +118,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
         def __init__(self):
             super().__init__()
             self.unelected_held = {}
+            self.signed_files = SignedFiles(tmp_path / "records")
             self.settings.swarm, self.spec = "s", None
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
             self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((f, a)))
@@ -156,7 +158,8 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
         sr.record.parent_hash = "h2"
         v._hold_unelected(sr)
     assert len(v.unelected_held) == UNELECTED_HELD and v.counters["unelected_refused"] == 3
-    assert all(isinstance(h[2], bytes) for h in v.unelected_held.values())
+    # in files of the state folder, not in memory
+    assert all(isinstance(h[2], SignedFile) and h[2].path.exists() for h in v.unelected_held.values())
 
 
 def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet():
@@ -176,7 +179,7 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
 
 
 def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
-    wire,
+    wire, tmp_path
 ):
     """A swarm's first rounds (nobody credited yet): a pushed record of its signer's work alone whose signer is
     not first in this node's rendezvous order is held ``failover_s``, not applied: a member signing a record
@@ -199,6 +202,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
         def __init__(self):
             super().__init__()
             self.turn_held, self.counters = {}, {"out_of_turn_held": 0}
+            self.signed_files = SignedFiles(tmp_path / "records")
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
             self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((s, f, a)))
             self.settings.failover_s, self.settings.swarm, self.spec = 6.0, "s", None
@@ -232,6 +236,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     forged, honest = pushed("forger"), pushed("first")
     assert "held" in v._on_record(forged, "forger").message
     assert applied == [] and v.counters["out_of_turn_held"] == 1 and v.leases_asked == [False]
+    assert isinstance(v.turn_held[(0, "forger")][2], SignedFile)  # in a file of the state folder
     v._on_record(forged, "forger")  # pushed again (a relay): held once
     assert len(later) == 1 and later[0][0] == 6.0
     assert v._on_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
