@@ -467,8 +467,8 @@ class Replication:
     def _hold_out_of_turn(self, sr: SignedRecord, caller: str) -> None:
         """A record ``out_of_turn``: tried again ``failover_s`` later (the time a sender takes to re-route past a
         synchroniser that died), where it still follows our head; by then the first candidate's record for
-        the round has usually landed, and this one is moot. Held as its signed bytes in a file of the state folder
-        (``SignedFiles``; a decoded gradient is a whole fp32 fragment), one per signer and fragment (its
+        the round has usually landed, and this one is moot. Held as its signed bytes in a file of the state
+        folder (``SignedFiles``; a decoded gradient is a whole fp32 fragment), one per signer and fragment (its
         newest), ``TURN_HELD`` in all."""
         key = (sr.record.fragment, sr.signer)
         if key not in self.turn_held and len(self.turn_held) >= TURN_HELD:
@@ -477,9 +477,8 @@ class Replication:
         if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
             return  # the same record again (a relay): its retry decides
         self.counters["out_of_turn_held"] += 1
-        raw = self.signed_files.keep(
-            bytes(sr.raw), f"held-{key[0]}-{sr.record.round}"
-        )  # on disk, where it can
+        # on disk, where it can be (a disk that refuses the write leaves the bytes in memory)
+        raw = self.signed_files.keep(bytes(sr.raw), f"held-{key[0]}-{sr.record.round}")
         self.turn_held[key] = (sr.record.round, sr.record.new_hash, raw, caller)
         self.loop.call_later(self.settings.failover_s, self._retry_out_of_turn, key, sr.record.new_hash)
 
@@ -506,8 +505,8 @@ class Replication:
         head. Each fragment's chain moves on its own, so the record that credits a newly elected member (in
         another fragment) can reach this node a moment after that member's first record; refused for good
         (``unelected_refused``) only if its signer is still not credited then. Held as its signed bytes in a
-        file (``SignedFiles``), one per signer and fragment (its newest), ``UNELECTED_HELD`` in all: a forger pushing a record a round
-        held 64 decoded ones, up to 64 fp32 fragments."""
+        file (``SignedFiles``), one per signer and fragment (its newest), ``UNELECTED_HELD`` in all: a forger
+        pushing a record a round held 64 decoded ones, up to 64 fp32 fragments."""
         key = (sr.record.fragment, sr.signer)
         held = self.unelected_held.get(key)
         if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
@@ -515,9 +514,8 @@ class Replication:
         if held is None and len(self.unelected_held) >= UNELECTED_HELD:
             self.counters["unelected_refused"] += 1  # too many held: refused now
             return
-        raw = self.signed_files.keep(
-            bytes(sr.raw), f"held-{key[0]}-{sr.record.round}"
-        )  # on disk, where it can
+        # on disk, where it can be (a disk that refuses the write leaves the bytes in memory)
+        raw = self.signed_files.keep(bytes(sr.raw), f"held-{key[0]}-{sr.record.round}")
         self.unelected_held[key] = (sr.record.round, sr.record.new_hash, raw)
         self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key, sr.record.new_hash)
 
