@@ -172,7 +172,7 @@ def tamper_alie(z: float) -> None:
 
     async def learn(node, sr) -> None:
         try:
-            msgs = await asyncio.wait_for(node._fetch_messages(sr), 10.0)
+            msgs = await asyncio.wait_for(node.auditor.fetch_messages(sr), 10.0)
             cs, _ = node._contributions(sr, msgs)
         except Exception:  # noqa: BLE001 - an attacker that cannot see a round waits for the next
             return
@@ -267,7 +267,7 @@ def tamper_forge(attack: str) -> None:
                 node.peer_id, p, rep.round, h, 64 * h, 0.1, "fp32", node.pcfg.codec_block, cid
             )
             raw = encode_contribution(header, enc)
-            digest = node.kept().put(raw, sign_contribution(node.settings.swarm, node.identity, raw))
+            digest = node.auditor.archive.put(raw, sign_contribution(node.settings.swarm, node.identity, raw))
         elif attack == "forge-unserved":
             digest = secrets.token_hex(32)
         c = Contribution(node.peer_id, p, rep.round, h, 64 * h, 0.1, delta, cid, None, digest)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dht.identity import Identity
-from node.swarm.audit import Audit
+from node.swarm.audit import Auditor
 from node.swarm.contributions import OwnCids
 from node.swarm.dispatch import Dispatcher
 from node.swarm.metrics import NODE_COUNTERS
@@ -277,7 +277,7 @@ def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undon
         swarm.stop()
 
 
-class _Member(Audit, Replication):
+class _Member(Replication):
     """The audit and record paths of a node over one fragment, with no network: proofs come in by ``_h_proof``."""
 
     def __init__(self, folder) -> None:
@@ -301,7 +301,34 @@ class _Member(Audit, Replication):
         self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
         # the audit paths alone (node.swarm.receipts: tests/test_receipts.py)
         self.receipts = SimpleNamespace(receipts_on=lambda: False)
-        self._init_audit()
+        self.auditor = Auditor(
+            self.settings,
+            self.pcfg,
+            self.peer_id,
+            self.spec,
+            self.plan.total_numel,
+            self.replicas,
+            self.logs,
+            self.heads,
+            self.signed_files,
+            self.peer_scores,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.learner_loop,
+            call=self._call,
+            live_members=self.live_members,
+            learner_only=self.learner_only,
+            agreed=lambda rec, cosines: None,
+            reset_sync=self._reset_sync,
+            spawn=lambda coro: self._spawn(coro),  # a test may swap ``_spawn``
+        )
+
+    async def _call(self, peer, op, body):
+        raise AssertionError(f"no network here: {op} to {peer}")
+
+    async def _h_proof(self, caller, body):
+        return await self.auditor.on_proof(caller, body)
 
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)
@@ -394,7 +421,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
         )
     # a proof whose messages are not the ones the record names proves nothing
     other = pack_list([bad.raw, *(x for m in msgs for x in m)])
-    node.undone().discard(bad.record.new_hash)
+    node.auditor.undone.discard(bad.record.new_hash)
     reply = asyncio.run(_dispatch(node, "proof", "accuser", other))
     assert not reply.ok and reply.code == "malformed"
 
@@ -426,18 +453,18 @@ def test_a_new_ban_audits_the_records_of_the_signer_held_here_and_walks_back_wha
             raise TransportError("its learners are gone")
         return msgs
 
-    node._fetch_messages = fetch
+    node.auditor.fetch_messages = fetch
     # convicted for another record: the ban is new, and the audit of what this node holds of it is spawned
     elsewhere = decode_record(encode_record("s", replace(rec, round=7), liar), "s", SPEC)
-    assert node.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
-    assert "_audit_held" in [c.__name__ for c in node.tasks]
-    assert not node.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
-    asyncio.run(node._audit_held(liar.peer_id))
+    assert node.auditor.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
+    assert "audit_held" in [c.__name__ for c in node.tasks]
+    assert not node.auditor.ban_and_hand_on(elsewhere, "unfaithful_merge", other.peer_id, "proof", b"")
+    asyncio.run(node.auditor.audit_held(liar.peer_id))
     assert fetched == [1]
     if held == "honest":
         assert node.replicas[0].round == 1 and node.counters["rounds_undone"] == 0
         assert node.counters["audits"] == 1
-        asyncio.run(node._audit_held(liar.peer_id))  # cleared here: not fetched again
+        asyncio.run(node.auditor.audit_held(liar.peer_id))  # cleared here: not fetched again
         assert fetched == [1] and node.replicas[0].round == 1
     else:
         assert node.replicas[0].round == 0 and 1 not in node.logs[0] and node.counters["rounds_undone"] == 1
@@ -471,7 +498,7 @@ def test_recomputes_run_one_at_a_time(tmp_path, monkeypatch):
     async def fetch(s):
         return msgs
 
-    node._fetch_messages = fetch
+    node.auditor.fetch_messages = fetch
     inside, most, lock, real = [0], [0], threading.Lock(), audit_mod.audit_gap
 
     def counted(*a, **kw):
@@ -488,7 +515,7 @@ def test_recomputes_run_one_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(audit_mod, "audit_gap", counted)
 
     async def three():
-        return await asyncio.gather(*(node._audit(sr) for _ in range(3)))
+        return await asyncio.gather(*(node.auditor.audit(sr) for _ in range(3)))
 
     gaps = asyncio.run(three())
     assert all(g is not None and g < AUDIT_TOLERANCE for g in gaps) and node.counters["audits"] == 3
@@ -513,7 +540,7 @@ def test_an_audit_recomputes_on_the_state_before_the_record_without_walking_back
     kept = []
     node._spawn = kept.append
     node._apply(sr)
-    (spawned,) = [c for c in kept if c.__name__ == "_audit"]  # drawn: the audit was spawned ...
+    (spawned,) = [c for c in kept if c.__name__ == "audit"]  # drawn: the audit was spawned ...
     parent = spawned.cr_frame.f_locals["parent"]  # ... with the state before the record
     assert parent.round == 0 and node.replicas[0].round == 1
     _, cs2 = _signed_messages(learners, 1, seed=2)
@@ -526,9 +553,11 @@ def test_an_audit_recomputes_on_the_state_before_the_record_without_walking_back
     )
     walked = []
     monkeypatch.setattr(FragmentReplica, "rewind", lambda self, *a, **k: walked.append(a))
-    gap = asyncio.run(node._recompute(sr, msgs, parent))
+    gap = asyncio.run(node.auditor.recompute(sr, msgs, parent))
     assert walked == [] and (gap > AUDIT_TOLERANCE if lie else gap < AUDIT_TOLERANCE / 50)
     monkeypatch.undo()
-    assert abs(asyncio.run(node._recompute(sr, msgs)) - gap) < 1e-3  # the same as walked back from round 2
+    assert (
+        abs(asyncio.run(node.auditor.recompute(sr, msgs)) - gap) < 1e-3
+    )  # the same as walked back from round 2
     for c in kept:
         c.close()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.swarm.audit import Audit
+from node.swarm.audit import Auditor
 from node.swarm.replication import Replication
 from node.swarm.signed_files import SignedFile, SignedFiles
 from node.swarm.view import SwarmView
@@ -287,7 +287,7 @@ def test_a_record_naming_no_signed_message_is_refused_where_the_swarm_audits():
 
 
 class _Auditor:
-    _share_lie = Audit._share_lie
+    share_lie = Auditor.share_lie  # what it reads of an auditor: its settings and the view's live members
 
     def __init__(self, live: int) -> None:
         self.pcfg = ProtocolConfig(sync_every=30, carry=True)
@@ -301,15 +301,15 @@ def test_a_share_below_what_the_rounds_contributions_justify_is_a_lie():
     cs = [replace(c, c_steps=30) for c in _contributions(0, seed=1, n=3)]  # three learners' full rounds
     auditor = _Auditor(live=3)
     rec = SimpleNamespace(fragment=0, round=1, share=0.02)
-    assert auditor._share_lie(rec, cs)  # claims 150 live learners
+    assert auditor.share_lie(rec, cs)  # claims 150 live learners
     # an honest synchroniser that saw up to 8 learners live (2x our 3, plus 2) signs 3/8: no lie
     honest = round_share(cs, auditor.pcfg, 8)
     assert honest == pytest.approx(3 / 8)
-    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=honest), cs)
-    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
+    assert not auditor.share_lie(SimpleNamespace(fragment=0, round=1, share=honest), cs)
+    assert not auditor.share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
     auditor.pcfg = replace(auditor.pcfg, carry=False)  # no carry: every round is whole, share 1
-    assert auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=0.9), cs)
-    assert not auditor._share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
+    assert auditor.share_lie(SimpleNamespace(fragment=0, round=1, share=0.9), cs)
+    assert not auditor.share_lie(SimpleNamespace(fragment=0, round=1, share=1.0), cs)
 
 
 def test_a_merge_biased_by_a_thousandth_lands_over_the_tolerance_and_honest_ones_far_under():
@@ -342,8 +342,8 @@ def test_a_record_whose_signer_does_not_serve_its_messages_is_unproven_and_its_s
     async def unserved(sr):
         raise MessagesUnserved(RejectCode.UNKNOWN_PEER, "1 of 1 messages not found")
 
-    node._fetch_messages = unserved
-    assert asyncio.run(node._audit(sr)) is None
+    node.auditor.fetch_messages = unserved
+    assert asyncio.run(node.auditor.audit(sr)) is None
     assert node.counters["audits_unproven"] == 1 and node.counters["audits_unfetched"] == 1
     assert time.monotonic() < node.suspect["liar"] <= time.monotonic() + SUSPECT_S
     # a learner's link that failed is no word on the signer: unfetched, not unproven
@@ -351,8 +351,9 @@ def test_a_record_whose_signer_does_not_serve_its_messages_is_unproven_and_its_s
     async def broken(sr):
         raise TransportError("connection reset")
 
-    node._fetch_messages, node.suspect = broken, {}
-    assert asyncio.run(node._audit(sr)) is None
+    node.auditor.fetch_messages = broken
+    node.suspect.clear()
+    assert asyncio.run(node.auditor.audit(sr)) is None
     assert node.counters["audits_unproven"] == 1 and node.suspect == {}
 
 

@@ -218,17 +218,17 @@ def omission() -> bytes:
 
 
 def proof() -> bytes:
-    """The ``proof`` op's body (node.swarm.audit.convict_merge): [record, message, signature, ...]."""
+    """The ``proof`` op's body (node.swarm.audit.Auditor.convict_merge): [record, message, signature, ...]."""
     return pack_list([record(), contribution(), contribution_sig()])
 
 
 def kept_request() -> bytes:
-    """The ``kept`` request (node.swarm.audit._fetch_messages): the sha256 of the messages asked for."""
+    """The ``kept`` request (node.swarm.audit.Auditor.fetch_messages): the sha256 of the messages asked for."""
     return json.dumps({"digests": [hashlib.sha256(contribution()).hexdigest()]}).encode()
 
 
 def kept_reply() -> bytes:
-    """The ``kept`` reply (node.swarm.audit._h_kept): [message, signature, ...]."""
+    """The ``kept`` reply (node.swarm.audit.Auditor.on_kept): [message, signature, ...]."""
     return pack_list([contribution(), contribution_sig()])
 
 

@@ -218,7 +218,9 @@ def test_the_account_counts_a_shared_tensor_once():
         FragmentReplica(f.index, lrn.base[f.index], f.is_embedding, copy=False) for f in lrn.plan.fragments
     ]
     kept = AuditArchive(1 << 20, None)
-    node = SimpleNamespace(learner=lrn, replicas=reps, plan=lrn.plan, logs=[], kept=lambda: kept)
+    node = SimpleNamespace(
+        learner=lrn, replicas=reps, plan=lrn.plan, logs=[], auditor=SimpleNamespace(archive=kept)
+    )
     mem = breakdown(node)
     w = mem["weights_bytes"]
     assert w == 4 * sum(p.numel() for p in lrn.params.values())

@@ -112,12 +112,12 @@ def test_the_check_leaves_the_replica_as_it_was():
 
 
 def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rms():
-    """``Audit.proven_lie``: a record over twice ``max_rms`` or with a weight its counters do not give is
+    """``Auditor.proven_lie``: a record over twice ``max_rms`` or with a weight its counters do not give is
     proof; one a little over ``max_rms`` (the record codec's rounding of an honest merge at the bound) is not,
     nor is one over the local ``refuse_factor`` bound, which depends on what each node has seen."""
     from types import SimpleNamespace
 
-    from node.swarm.audit import Audit
+    from node.swarm.audit import Auditor
     from node.swarm.evidence import proof_config
 
     cfg = replace(CFG, max_rms=1.0)
@@ -125,7 +125,7 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     for learner in ("a", "b", "c"):  # a learners' typical norm that makes the refuse_factor bound local
         rep.norms.add(learner, 1e-6)
     node = SimpleNamespace(peer_id="me", pcfg=cfg, replicas=[rep], _proof_cfg=proof_config(cfg))
-    lie = lambda rec: Audit.proven_lie(node, SimpleNamespace(signer="x", record=rec))  # noqa: E731
+    lie = lambda rec: Auditor.proven_lie(node, SimpleNamespace(signer="x", record=rec))  # noqa: E731
     honest = _merge(copy.deepcopy(rep), 7, scale=1e-3)
     assert lie(honest) is None  # over refuse_factor x this node's reference, but that is not proof
     ones = {k: torch.ones_like(v) for k, v in rep.theta.items()}
@@ -135,7 +135,7 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     learner, cid, w, steps, tokens = honest.contributors[0]
     inflated = replace(honest, contributors=((learner, cid, w * 9, steps, tokens),))
     assert lie(inflated).code.value == "forged_record"
-    assert Audit.proven_lie(node, SimpleNamespace(signer="me", record=inflated)) is None  # never ourselves
+    assert Auditor.proven_lie(node, SimpleNamespace(signer="me", record=inflated)) is None  # never ourselves
 
 
 def _vetting(

@@ -46,7 +46,7 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
-from node.swarm.audit import Audit
+from node.swarm.audit import Auditor
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.contributions import Contributions, OwnCids
@@ -103,7 +103,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
+class Node(SwarmView, Replication, CatchUp, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -230,6 +230,30 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         # each part's own state, declared where the part is written
         self._init_catch_up()
         self._init_contributions()
+        self.learner_loop = LearnerLoop(self, self.learner)
+        # the audits this node makes, and the convictions it hands on (node.swarm.audit)
+        self.auditor = Auditor(
+            s,
+            self.pcfg,
+            self.peer_id,
+            self.spec,
+            self.plan.total_numel,
+            self.replicas,
+            self.logs,
+            self.heads,
+            self.signed_files,
+            self.peer_scores,
+            self.suspect,
+            self.counters,
+            self.events,
+            self.learner_loop,
+            call=lambda peer, op, body: self.transport.call(peer, op, body),
+            live_members=self.live_members,
+            learner_only=self.learner_only,
+            agreed=self._agreed,
+            reset_sync=self._reset_sync,
+            spawn=self._spawn,
+        )
         # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.receipts)
         self.receipts = Receipts(
             s,
@@ -245,9 +269,8 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
             self.last_contribution,
             self._send_again,
             self._reset_sync,
-            self.ban_and_hand_on,
+            self.auditor.ban_and_hand_on,
         )
-        self._init_audit()
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {
@@ -268,7 +291,6 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
         self.vetting: SnapshotVetting | None = None  # whether a donor's head and snapshot are to be believed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self.learner_loop = LearnerLoop(self, self.learner)
         # its checkpoints, the state it resumes from, and the files other tools read (node.swarm.persistence)
         self.persistence = Persistence(
             s,
@@ -314,6 +336,15 @@ class Node(SwarmView, Replication, CatchUp, Audit, Contributions):
     # ---------------------------------------------------------------- ops a part of the node answers
     async def _h_omission(self, caller: str, body: bytes) -> Reply:
         return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
+
+    async def _h_kept(self, caller: str, body: bytes) -> Reply:
+        return await self.auditor.on_kept(caller, body)  # node.swarm.audit
+
+    async def _h_evidence(self, caller: str, body: bytes) -> Reply:
+        return await self.auditor.on_evidence(caller, body)
+
+    async def _h_proof(self, caller: str, body: bytes) -> Reply:
+        return await self.auditor.on_proof(caller, body)
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:

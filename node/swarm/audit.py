@@ -14,7 +14,9 @@ same and hands it on once. A record on an undone chain is refused (``undone``) f
 A record that breaks a rule every node checks the same way needs no recompute: it bans its signer at once and
 goes on as evidence (``proven_lie``, ``convict``, ``evidence`` op; the rules are ``node.swarm.evidence``).
 
-A mixin of ``node.swarm.agent.Node``."""
+``Auditor`` owns the archive, the undone set and the proofs waiting; the node hands it its state and its
+collaborators (the view's live members, the replication's reset of a fragment's synchroniser, the transport's
+call) when it builds it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from node.swarm.audit_archive import FETCH_MAX, AuditArchive, parse_kept_request
 from node.swarm.evidence import proof_config
@@ -52,32 +55,58 @@ class MessagesUnserved(ProtocolError):
     unproven (``Audit._audit``)."""
 
 
-class Audit:
-    def _init_audit(self) -> None:
-        """This part's own state (the node's constructor calls it, after ``pcfg``, ``plan`` and ``signed_files``)."""
+class Auditor:
+    """The audits this node makes and the convictions it hands on. ``call(peer, op, body)`` is the transport's
+    call (the transport is made when the node runs); ``live_members()`` and ``learner_only()`` are the view's;
+    ``agreed(record, cosines)`` takes a recomputed merge's cosines (``protocol.agreement``); ``reset_sync(p)``
+    starts fragment p's synchroniser over on an undo; ``spawn(coro)`` runs a task of the node's."""
+
+    def __init__(
+        self,
+        settings,
+        pcfg,
+        peer_id: str,
+        spec: dict,
+        total_numel: int,
+        replicas: list[FragmentReplica],
+        logs: list,
+        heads: list,
+        signed_files,
+        peer_scores,
+        suspect: dict[str, float],
+        counters: dict[str, int],
+        events,
+        learner_loop,
+        *,
+        call: Callable[[str, str, bytes], Awaitable[Reply]],
+        live_members: Callable[[], dict],
+        learner_only: Callable[[], bool],
+        agreed: Callable[[object, list], None],
+        reset_sync: Callable[[int], None],
+        spawn: Callable,
+    ) -> None:
+        self.settings, self.pcfg, self.peer_id, self.spec = settings, pcfg, peer_id, spec
+        self.replicas, self.logs, self.heads = replicas, logs, heads
+        self.peer_scores, self.suspect, self.counters, self.events = peer_scores, suspect, counters, events
+        self.learner_loop = learner_loop
+        self.call, self.live_members, self.learner_only = call, live_members, learner_only
+        self.agreed, self.reset_sync, self.spawn = agreed, reset_sync, spawn
         # the signed messages this node sent or merged (empty where it audits nothing): twice the model's
         # parameters in bytes, about 3.5 rounds of every fragment's int4 contributions
-        self._kept = AuditArchive(max(32 << 20, 2 * self.plan.total_numel), self.signed_files)
-        self._undone: set[str] = set()
+        self.archive = AuditArchive(max(32 << 20, 2 * total_numel), signed_files)
+        # hashes of records this node undid (convicted, or on top of one): a chain it no longer follows
+        self.undone: set[str] = set()
         self._cleared: OrderedDict[str, None] = OrderedDict()  # records an audit here found faithful
         # one recompute at a time: each holds its fragment's state walked back and a merge of it (at 124M,
         # three audits and a merge at once took a node 1x its weights above its steady state)
         self._recomputing = asyncio.Semaphore(1)
         # (fragment, round, new hash) -> (record, messages, caller) of proofs this node cannot check yet
         self._waiting_proofs: OrderedDict[tuple[int, int, str], tuple] = OrderedDict()
-        self._proof_cfg = proof_config(self.pcfg)  # the bounds a record is a proven lie against
-
-    def kept(self) -> AuditArchive:
-        """The signed messages this node sent or merged, kept for audits (``node.swarm.audit_archive``)."""
-        return self._kept
+        self._proof_cfg = proof_config(pcfg)  # the bounds a record is a proven lie against
 
     def keep_message(self, raw: bytes, sig: bytes) -> str | None:
         """Keep a signed contribution message for audits, where this swarm audits: its digest, else None."""
-        return self.kept().put(raw, sig) if self.settings.audit_share > 0 else None
-
-    def undone(self) -> set[str]:
-        """Hashes of records this node undid (convicted, or on top of one): a chain it no longer follows."""
-        return self._undone
+        return self.archive.put(raw, sig) if self.settings.audit_share > 0 else None
 
     # ---------------------------------------------------------------- who audits
     def audits(self, sr: SignedRecord) -> bool:
@@ -102,13 +131,13 @@ class Audit:
         return self.peer_id in sorted(pool, key=rank)[:AUDITORS]
 
     # ---------------------------------------------------------------- the audit
-    async def _audit(self, sr: SignedRecord, parent: FragmentReplica | None = None) -> float | None:
+    async def audit(self, sr: SignedRecord, parent: FragmentReplica | None = None) -> float | None:
         """Recompute ``sr`` and convict its signer where it lied; the gap, or None where this node cannot tell.
-        ``parent``: a frozen view of the replica taken just before ``sr`` was applied (``_recompute``)."""
+        ``parent``: a frozen view of the replica taken just before ``sr`` was applied (``recompute``)."""
         rec = sr.record
         t0 = time.monotonic()
         try:
-            msgs = await self._fetch_messages(sr)
+            msgs = await self.fetch_messages(sr)
         except (TransportError, ProtocolError) as e:
             self.counters["audits_unfetched"] += 1
             self.events.emit(
@@ -129,7 +158,7 @@ class Audit:
             return None
         cosines: list[float] = []
         try:
-            gap = await self._recompute(sr, msgs, parent, cosines)
+            gap = await self.recompute(sr, msgs, parent, cosines)
         except ProtocolError as e:  # a message that is not what the record names, or not its learner's
             logger.info("audit of fragment %d round %d: %s", rec.fragment, rec.round, e)
             gap = None
@@ -155,10 +184,10 @@ class Audit:
             if self.pcfg.distrust and cosines:
                 # the merge recomputed here measured each learner as this node's own merges do: evidence for
                 # its judgement (protocol.agreement), with each merge an auditor sees beside those it makes
-                self._agreed(rec, cosines)
+                self.agreed(rec, cosines)
         return gap
 
-    async def _audit_held(self, peer: str) -> None:
+    async def audit_held(self, peer: str) -> None:
         """On a new ban of ``peer`` for a signed lie: each record of it this node's logs hold that no audit here
         cleared is audited now, and walked back where no audit can tell (its messages gone, a swarm that
         audits nothing): the members that banned the signer first refuse it, so no chain of theirs passes
@@ -169,7 +198,7 @@ class Audit:
         for p, log in enumerate(self.logs):
             for r in sorted(r for r, x in log.items() if x.signer == peer):
                 held = log.get(r)
-                if held is None or held.signer != peer or held.record.new_hash in self.undone():
+                if held is None or held.signer != peer or held.record.new_hash in self.undone:
                     break  # walked back meanwhile (from this round or one below)
                 if held.record.new_hash in self._cleared:
                     continue
@@ -177,21 +206,21 @@ class Audit:
                 auditable = (
                     self.settings.audit_share > 0 and sr.record.digests and "" not in sr.record.digests
                 )
-                gap = await self._audit(sr) if auditable else None
-                if gap is None and sr.record.new_hash not in self.undone():
+                gap = await self.audit(sr) if auditable else None
+                if gap is None and sr.record.new_hash not in self.undone:
                     logger.warning(
                         "fragment %d round %d, signed by %s (banned): not audited here, walked back",
                         p,
                         r,
                         peer,
                     )
-                    self._undo(sr)
+                    self.undo(sr)
 
-    async def _fetch_messages(self, sr: SignedRecord) -> list[tuple[bytes, bytes]]:
+    async def fetch_messages(self, sr: SignedRecord) -> list[tuple[bytes, bytes]]:
         """The signed messages ``sr`` names, in its order: ours, then each learner's own from it, then what is
         still missing from its signer (``FETCH_MAX`` to a request)."""
         rec = sr.record
-        got = {d: self.kept().get(d) for d in rec.digests}
+        got = {d: self.archive.get(d) for d in rec.digests}
         own: dict[str, list[str]] = {}
         for c, d in zip(rec.contributors, rec.digests):
             own.setdefault(c[0], []).append(d)
@@ -201,7 +230,7 @@ class Audit:
             for i in range(0, len(want), FETCH_MAX):
                 try:
                     body = json.dumps({"digests": want[i : i + FETCH_MAX]}).encode()
-                    reply = await self.transport.call(q, "kept", body)
+                    reply = await self.call(q, "kept", body)
                 except TransportError:
                     break
                 if not reply.ok:
@@ -213,7 +242,7 @@ class Audit:
                         got[d] = (raw, sig)
         missing = [d for d, m in got.items() if m is None]
         if missing:
-            # asked last, the signer did not serve them either (``_audit``)
+            # asked last, the signer did not serve them either (``audit``)
             raise MessagesUnserved(
                 RejectCode.UNKNOWN_PEER, f"{len(missing)} of {len(got)} messages not found"
             )
@@ -243,7 +272,7 @@ class Audit:
             out.append(c)
         return out, lie
 
-    async def _recompute(
+    async def recompute(
         self,
         sr: SignedRecord,
         msgs: list[tuple[bytes, bytes]],
@@ -261,7 +290,7 @@ class Audit:
         rec = sr.record
         rep = self.replicas[rec.fragment]
         cs, lie = self._contributions(sr, msgs)
-        if lie or self._share_lie(rec, cs):
+        if lie or self.share_lie(rec, cs):
             return float("inf")
         async with self._recomputing:
             oldest = min([c.base_round for c in cs] + [rec.round - 1])
@@ -276,7 +305,7 @@ class Audit:
                     logger.info("audit of fragment %d round %d not possible: %s", rec.fragment, rec.round, e)
                     return None
 
-    def _share_lie(self, rec, cs: list[Contribution]) -> bool:
+    def share_lie(self, rec, cs: list[Contribution]) -> bool:
         """Whether the round's signed ``share`` is below what its own contributions justify. Without ``carry``
         every round is whole: share 1. With it the synchroniser scales a round by its steps over a full round
         of its live learners (``protocol.synchroniser.round_share``), so a share claims how many learners were
@@ -308,9 +337,7 @@ class Audit:
         rec = sr.record
         got = self._waiting_proofs.pop((rec.fragment, rec.round, rec.new_hash), None)
         if got is not None:
-            self._spawn(
-                self._h_proof(got[2], pack_list([bytes(got[0].raw), *(x for m in got[1] for x in m)]))
-            )
+            self.spawn(self.on_proof(got[2], pack_list([bytes(got[0].raw), *(x for m in got[1] for x in m)])))
 
     def _holds_parent(self, rec) -> bool:
         """Whether this node's chain of the fragment passes through the record's parent."""
@@ -344,12 +371,12 @@ class Audit:
         self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]], source: str, gap: float
     ) -> None:
         rec = sr.record
-        if rec.new_hash in self.undone():
+        if rec.new_hash in self.undone:
             return
-        self.undone().add(rec.new_hash)
+        self.undone.add(rec.new_hash)
         body = pack_list([bytes(sr.raw), *(x for m in msgs for x in m)])
         fields = {"fragment": rec.fragment, "round": rec.round, "gap": gap}
-        self._undo(sr)
+        self.undo(sr)
         self.ban_and_hand_on(sr, "unfaithful_merge", source, "proof", body, **fields)
 
     def ban_and_hand_on(
@@ -360,7 +387,7 @@ class Audit:
         new = self.peer_scores.ban(sr.signer, time.monotonic(), why)
         if new:
             self.counters["convictions"] += 1
-            self._spawn(self._audit_held(sr.signer))
+            self.spawn(self.audit_held(sr.signer))
         self.events.emit(
             "ban",
             t=time.time(),
@@ -374,17 +401,17 @@ class Audit:
         targets = [
             q for q, m in members.items() if q not in (self.peer_id, sr.signer, source) and not m.client_mode
         ]
-        self._spawn(self._hand_on(op, body, random.sample(targets, min(len(targets), FANOUT))))
+        self.spawn(self._hand_on(op, body, random.sample(targets, min(len(targets), FANOUT))))
         return new
 
-    def _undo(self, sr: SignedRecord) -> None:
+    def undo(self, sr: SignedRecord) -> None:
         """Walk fragment p back to the convicted record's parent round, if this node applied the record."""
         rec, p = sr.record, sr.record.fragment
         rep, log = self.replicas[p], self.logs[p]
         mine = log.get(rec.round)
         if mine is None or mine.record.new_hash != rec.new_hash or not rep.keeps(rec.round - 1):
             return
-        self.undone().update(log[r].record.new_hash for r in log if r >= rec.round)
+        self.undone.update(log[r].record.new_hash for r in log if r >= rec.round)
         rep.rewind(rec.round - 1)
         for r in [r for r in log if r >= rec.round]:
             del log[r]
@@ -393,26 +420,26 @@ class Audit:
         self.heads[p] = (rep.round, rep.hash, n, w)
         self.counters["rounds_undone"] += 1
         self.events.emit("undo", t=time.time(), fragment=p, round=rec.round, signer=sr.signer, hash=rep.hash)
-        self._reset_sync(p)
+        self.reset_sync(p)
         if self.learner_loop.is_alive():
             self.learner_loop.deliver(p, rep.round, rep.theta, True)
 
     async def _hand_on(self, op: str, body: bytes, targets: list[str]) -> None:
         async def one(q: str) -> None:
             try:
-                await self.transport.call(q, op, body)
+                await self.call(q, op, body)
             except TransportError:
                 pass  # it learns of the lie from another member, or when the liar sends it something
 
         await asyncio.gather(*(one(q) for q in targets))
 
     # ---------------------------------------------------------------- ops (server side)
-    async def _h_kept(self, caller: str, raw: bytes) -> Reply:
+    async def on_kept(self, caller: str, raw: bytes) -> Reply:
         digests = parse_kept_request(raw)
-        found = [m for m in (self.kept().get(d) for d in digests) if m is not None]
+        found = [m for m in (self.archive.get(d) for d in digests) if m is not None]
         return Reply(True, body=pack_list([x for m in found for x in m]))
 
-    async def _h_evidence(self, caller: str, raw: bytes) -> Reply:
+    async def on_evidence(self, caller: str, raw: bytes) -> Reply:
         sr = decode_record(raw, self.settings.swarm, self.spec)
         lie = self.proven_lie(sr)
         if lie is None:
@@ -420,15 +447,15 @@ class Audit:
         self.convict(sr, lie, caller)
         return Reply(True)
 
-    async def _h_proof(self, caller: str, body: bytes) -> Reply:
+    async def on_proof(self, caller: str, body: bytes) -> Reply:
         items = unpack_list(body, max_items=1 + 2 * PROOF_MESSAGES)
         if not items or len(items) % 2 != 1:
             raise ProtocolError(RejectCode.MALFORMED, "a proof is [record, message, signature, ...]")
         sr = decode_record(items[0], self.settings.swarm, self.spec)
-        if sr.record.new_hash in self.undone() or sr.signer == self.peer_id:
+        if sr.record.new_hash in self.undone or sr.signer == self.peer_id:
             return Reply(True, message="known")
         msgs = list(zip(items[1::2], items[2::2]))
-        gap = await self._recompute(sr, msgs)
+        gap = await self.recompute(sr, msgs)
         if gap is None:  # checked again if we apply that record later (``recheck``)
             # meanwhile its signer, accused with a well-formed proof, is not elected here (not banned: a
             # suspicion this node cannot check ends by itself, as a stall's does)

@@ -341,9 +341,11 @@ class CatchUp:
                             raise
                         if e.code is RejectCode.UNELECTED:
                             self.counters["unelected_refused"] += 1
-                        lie = self.proven_lie(sr)  # a lie any node can check: its signer is banned everywhere
+                        lie = self.auditor.proven_lie(
+                            sr
+                        )  # a lie any node can check: its signer is banned everywhere
                         if lie is not None:
-                            self.convict(sr, lie, self.peer_id)
+                            self.auditor.convict(sr, lie, self.peer_id)
                         # A record this node's own checks doubt: a snapshot of a head the swarm's majority
                         # holds (hash-checked) wins over the local heuristic; of any other, nothing is taken.
                         logger.warning("fragment %d: a record from %s failed our checks (%s)", p, pid, e)

@@ -138,7 +138,7 @@ class Contributions:
             return
         raw = encode_contribution(header, enc)
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
-        self.keep_message(raw, sig)  # for the audit of the record that merges it
+        self.auditor.keep_message(raw, sig)  # for the audit of the record that merges it
         deadline = self.loop.time() + self.settings.failover_s
         grace = self.settings.failover_s  # for a synchroniser merging its round (node.swarm.receipts)
         mono = time.monotonic()
@@ -295,7 +295,7 @@ class Contributions:
             if (busy := self.receipts.merging_here(caller, p)) is not None:
                 return busy
             # the record names its digest; audits fetch it (node.swarm.audit)
-            digest = self.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
+            digest = self.auditor.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )

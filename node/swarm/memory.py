@@ -153,7 +153,7 @@ def breakdown(node: Any) -> dict:
     host = dict(t.host)
     host["history"] += raw
     # signed contribution messages kept for audits (node.swarm.audit_archive): in memory; the rest on disk
-    host["audit_kept"] = node.kept().resident
+    host["audit_kept"] = node.auditor.archive.resident
     weights = 4 * node.plan.total_numel
     counted = sum(host.values())
     doc = {

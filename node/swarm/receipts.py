@@ -192,7 +192,7 @@ class Receipts:
     ``send_again``, which puts that one back in the outbox if it is still the given header
     (``Contributions._send_again``); ``reset_sync``, which starts a fragment's open round over without the
     given contributions (``Replication._reset_sync``); and ``ban_and_hand_on``, which bans a record's
-    signer and hands the proof on (``Audit.ban_and_hand_on``).
+    signer and hands the proof on (``Auditor.ban_and_hand_on``).
 
     Its own state: the receipts given, read back from the state folder; the round each fragment renounced
     here last, with its parent (``renounced``)."""
@@ -353,7 +353,7 @@ class Receipts:
         except ProtocolError as e:
             until = time.monotonic() + STALL_TTLS * self.settings.ttl_s
             self.suspect[target] = max(self.suspect.get(target, 0.0), until)
-            # its records applied here do not lift it (``Audit.accused``): a censor merges rounds, without us
+            # its records applied here do not lift it (``PeerScores.accused``): a censor merges rounds, without us
             self.peer_scores.accuse(target, until)
             self.counters["no_receipt"] += 1
             self.events.emit(

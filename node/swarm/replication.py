@@ -73,8 +73,8 @@ class Replication:
                 raise ProtocolError(
                     RejectCode.BANNED, f"round {rec.round} signed by {sr.signer}, banned here"
                 )
-            if rec.parent_hash in self.undone() or rec.new_hash in self.undone():
-                self.undone().add(rec.new_hash)  # node.swarm.audit
+            if rec.parent_hash in self.auditor.undone or rec.new_hash in self.auditor.undone:
+                self.auditor.undone.add(rec.new_hash)  # node.swarm.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
             self._vouch(sr, fenced=not turn_waited)
@@ -84,7 +84,7 @@ class Replication:
         # as the audit holds it: a contribution on an older base is rebuilt from it, and one rebuilt from a
         # replica walked back from later rounds differs by ulps, which the record codec's rounding now and then
         # turns into a whole step (honest records of the test swarm audited at gaps of 1e-3 to 7e-3).
-        parent = frozen_view(rep) if not made_here and self.audits(sr) else None
+        parent = frozen_view(rep) if not made_here and self.auditor.audits(sr) else None
         try:
             with momentum_lent([rep] if parent is not None else []):
                 rep.apply_record(rec, self.pcfg, source=self._grad_source(raw))
@@ -130,8 +130,8 @@ class Replication:
         if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
             if parent is not None:
-                self._spawn(self._audit(sr, parent))
-            self.recheck(sr)
+                self._spawn(self.auditor.audit(sr, parent))
+            self.auditor.recheck(sr)
         self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
@@ -390,9 +390,9 @@ class Replication:
             # is checked once, as it is applied (``_on_record``); one that does not is checked here
             rep = self.replicas[sr.record.fragment]
             follows = sr.record.round == rep.round + 1 and sr.record.parent_hash == rep.hash
-            lie = None if follows else self.proven_lie(sr)
+            lie = None if follows else self.auditor.proven_lie(sr)
             if lie is not None:
-                self.convict(sr, lie, caller)
+                self.auditor.convict(sr, lie, caller)
                 raise lie
             # A contributor we have never seen may have joined since our last read of the view (start-up:
             # the first rounds hold every node): look before ``_vouch`` calls the record forged.
@@ -423,9 +423,9 @@ class Replication:
                     raise
                 if e.code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
                     if (
-                        lie := self.proven_lie(sr)
+                        lie := self.auditor.proven_lie(sr)
                     ) is not None:  # only on a refusal: no second pass otherwise
-                        self.convict(sr, lie, caller)
+                        self.auditor.convict(sr, lie, caller)
                 elif e.code not in (RejectCode.UNDONE, RejectCode.BANNED):  # a chain or signer we refuse
                     self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
                 raise
