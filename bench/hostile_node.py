@@ -146,7 +146,7 @@ def tamper_heads() -> None:
         return Reply(True, body=encode_snapshot(states))
 
     Node.self_member = self_member
-    CatchUp._h_snapshot = snapshot
+    CatchUp.on_snapshot = snapshot
 
 
 def tamper_alie(z: float) -> None:

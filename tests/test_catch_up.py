@@ -10,6 +10,58 @@ from node.swarm.limits import Backoff
 from protocol.config import ProtocolConfig
 
 
+def fake_catch_up(**given) -> CatchUp:
+    """A ``CatchUp`` over fakes of its collaborators: ``given`` replaces any of them (by its argument's name)."""
+    settings = SimpleNamespace(
+        heartbeat_s=0.5, rpc_timeout_s=5.0, elect_workers=False, snapshot_burst=0, snapshots_per_min=0
+    )
+
+    async def nothing():
+        return None
+
+    args = dict(
+        settings=settings,
+        pcfg=ProtocolConfig(),
+        peer_id="me",
+        spec={0: {}},
+        replicas=[object()],
+        heads=[(0, "", 0, 0.0)],
+        logs=[{}],
+        merged_tokens=[0],
+        syncing=set(),
+        lagging_since={},
+        counters={},
+        events=SimpleNamespace(emit=lambda *a, **k: None),
+        peer_scores=None,
+        work=None,
+        clocks=None,
+        learner=None,
+        learner_loop=SimpleNamespace(deliver=lambda *a: None, is_alive=lambda: False),
+        transport=None,
+        vetting=SimpleNamespace(refused_heads=lambda p: set()),
+        auditor=None,
+        members=dict,
+        live_members=dict,
+        winning_heads=lambda p, members, refused=(): (None, []),
+        outvoted=lambda p, members: (None, []),
+        credible=lambda p, pid, round_, members: True,
+        within_records=lambda p, round_: True,
+        head_key=lambda h: h,
+        workers=lambda p, holders: holders,
+        logged_learners=set,
+        credit_snapshot=lambda st: None,
+        heartbeat=nothing,
+        apply=lambda sr: None,
+        reset_sync=lambda p, merged=frozenset(): None,
+        spawn=lambda coro: coro.close(),
+        clock=time.monotonic,
+    )
+    unknown = set(given) - set(args)
+    assert not unknown, unknown
+    args.update(given)
+    return CatchUp(**args)
+
+
 def test_records_while_they_weigh_less_than_a_snapshot():
     cfg = replace(ProtocolConfig(), history=16)  # int4 records, blocks of 64: 0.5625 bytes a parameter
     per = record_bytes_per_param(cfg.record_codec, cfg.codec_block)
@@ -39,29 +91,22 @@ def test_a_lagging_fragment_is_pulled_from_any_holder_not_backing_off():
     """The pulls spread over the peers holding the winning head, and skip one backing off: always the first
     holder by peer id spent that donor's snapshot allowance, and a node fell behind for good."""
     picked = []
-    node = SimpleNamespace(
-        replicas=[object()],
+    node = fake_catch_up(
         lagging_since={0: time.monotonic() - 60},
-        settings=SimpleNamespace(heartbeat_s=0.5, elect_workers=False),
-        _syncing=set(),
-        live_members=lambda: {},
         winning_heads=lambda p, ms, refused: ([9, "h", 1, 1.0], ["a", "b", "c"]),
-        vetting=SimpleNamespace(refused_heads=lambda p: set()),
-        _spawn=lambda coro: coro.close(),
     )
-    backoff = Backoff(base_s=60, cap_s=60)
+    backoff = node.backoff = Backoff(base_s=60, cap_s=60)
     backoff.failed("a", time.monotonic())
     backoff.failed("b", time.monotonic())
-    node._catch_up_backoff = lambda: backoff
-    node._catch_up = lambda p, pid, head, yielding: picked.append(pid) or _noop()
+    node.catch_up = lambda p, pid, head, yielding: picked.append(pid) or _noop()
     for _ in range(20):
-        CatchUp._reconcile(node)
+        node.reconcile()
     assert set(picked) == {"c"}  # a and b back off
     backoff.succeeded("a")
     backoff.succeeded("b")
     picked.clear()
     for _ in range(60):
-        CatchUp._reconcile(node)
+        node.reconcile()
     assert set(picked) == {"a", "b", "c"}
 
 
@@ -90,20 +135,18 @@ def test_a_restarted_node_keeps_asking_a_donor_that_refuses_it_until_a_heartbeat
         async def nothing():
             return None
 
-        node = SimpleNamespace(
+        node = fake_catch_up(
             replicas=replicas,
-            loop=loop,
-            settings=SimpleNamespace(heartbeat_s=0.5, rpc_timeout_s=5.0),
-            _await_members=nothing,
-            _spawn=lambda coro: asyncio.ensure_future(coro),
-            _publish_while_joining=nothing,
+            clock=loop.time,
+            spawn=lambda coro: asyncio.ensure_future(coro),
             live_members=lambda: {"a": 1},
             winning_heads=lambda p, ms: ([7, "h", 1, 1.0], ["a"]) if replicas[p].round < 7 else (None, []),
-            _catch_up=catch_up,
             learner_loop=SimpleNamespace(deliver=lambda p, r, theta, now: delivered.append((p, r))),
             events=SimpleNamespace(emit=lambda kind, **kw: events.append((kind, kw))),
         )
-        await CatchUp._catch_up_restored(node)
+        node.await_members = node.publish_while_joining = nothing
+        node.catch_up = catch_up
+        await node.catch_up_restored()
         return delivered, events, tries
 
     delivered, events, tries = asyncio.run(main())

@@ -152,7 +152,7 @@ def test_a_beat_that_fails_does_not_end_the_heartbeats():
             settings=SimpleNamespace(exit_with_parent=False, heartbeat_s=0.01),
             loop=asyncio.get_running_loop(),
             _heartbeat_once=beat,
-            _reconcile=lambda: reconciled.append(True),
+            catch_up=SimpleNamespace(reconcile=lambda: reconciled.append(True)),
             _relinking=asyncio.get_running_loop().create_future(),
             _spawn=lambda coro: coro.close(),
         )

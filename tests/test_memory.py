@@ -406,9 +406,9 @@ def test_a_checkpoint_and_a_snapshot_hold_the_momentum_lent_while_other_threads_
     import json
 
     from node.swarm import catch_up
-    from node.swarm.catch_up import CatchUp
     from node.swarm.limits import TokenBucket
     from node.swarm.persistence import Persistence
+    from tests.test_catch_up import fake_catch_up
 
     reps = [FragmentReplica(p, {"w": torch.randn(4)}, is_embedding=False) for p in range(2)]
     seen = []
@@ -426,17 +426,15 @@ def test_a_checkpoint_and_a_snapshot_hold_the_momentum_lent_while_other_threads_
         return True
 
     monkeypatch.setattr(catch_up, "encode_snapshot", encode)
-    node = SimpleNamespace(
-        _known=known,
+    node = fake_catch_up(
         spec={0: {"w": (4,)}, 1: {"w": (4,)}},
-        _snapshot_bucket=lambda: TokenBucket(8, 1),
         replicas=reps,
         heads=[(0, r.hash, 1, 1.0) for r in reps],
+        logs=[{}, {}],
         merged_tokens=[0, 0],
-        _merged_ids=lambda p: (),
         work=WorkBook(),
-        logged_learners=set,
     )
-    reply = asyncio.run(CatchUp._h_snapshot(node, "peer", json.dumps({"fragments": [1]}).encode()))
+    node.snapshots = TokenBucket(8, 1)
+    reply = asyncio.run(node.on_snapshot("peer", json.dumps({"fragments": [1]}).encode()))
     assert reply.ok and seen == [("checkpoint", [1, 1]), ("snapshot", [0, 1])]
     assert [r.lent for r in reps] == [0, 0]

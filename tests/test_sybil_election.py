@@ -99,52 +99,49 @@ def test_members_whose_work_is_never_merged_are_not_elected_in_a_public_swarm(tm
 
 
 def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
-    """``CatchUp._reconcile`` in a public swarm: where the best head is held by a worker and by 32 copies of
+    """``CatchUp.reconcile`` in a public swarm: where the best head is held by a worker and by 32 copies of
     its record, the pull goes to the worker (nearly every pull went to a copy, with no process behind it);
     where this node cannot tell workers yet, any holder."""
     from types import SimpleNamespace
 
-    from node.swarm.catch_up import CatchUp
     from node.swarm.view import SwarmView
     from node.swarm.work_book import WorkBook
+    from tests.test_catch_up import fake_catch_up
 
-    class _Node(CatchUp):
+    class _View:  # what the view reads to tell workers (``SwarmView._workers``)
         _workers = SwarmView._workers
         logged_learners = SwarmView.logged_learners
 
         def __init__(self, watched_s: float) -> None:
-            self.replicas = [None]
-            self.settings = SimpleNamespace(
-                elect_workers=True, heartbeat_s=0.5, snapshot_burst=0, snapshots_per_min=0
-            )
-            self.spec = {0: {}}
-            self._init_catch_up()
+            self.settings = SimpleNamespace(elect_workers=True)
             self.syncs = [SimpleNamespace(due_every=1.0)]
             self.work, self.logs = WorkBook(), []
             self.work.merged("worker", 0, time.monotonic() - watched_s)
             self.work.settle(["worker"])
-            self.lagging_since = {0: time.monotonic() - 60}
-            self._syncing: set = set()
-            self.pulled: list[str] = []
-            self.vetting = SimpleNamespace(refused_heads=lambda p: set())  # no head refused
 
-        def live_members(self) -> dict:
-            return {}
+    def catch_up(watched_s: float):
+        view = _View(watched_s)
+        node = fake_catch_up(
+            settings=SimpleNamespace(
+                elect_workers=True, heartbeat_s=0.5, snapshot_burst=0, snapshots_per_min=0
+            ),
+            lagging_since={0: time.monotonic() - 60},
+            winning_heads=lambda p, ms, refused=(): (
+                [9, "h9", 2, 1.0],
+                ["worker", *(f"sybil{i:02d}" for i in range(32))],
+            ),
+            workers=view._workers,
+            spawn=lambda coro: None,
+        )
+        node.pulled = []
+        node.catch_up = lambda p, pid, head, yielding=False: node.pulled.append(pid)
+        return node
 
-        def winning_heads(self, p, members, strict=False, refused=()):
-            return [9, "h9", 2, 1.0], ["worker", *(f"sybil{i:02d}" for i in range(32))]
-
-        def _catch_up(self, p, pid, head, yielding=False):
-            self.pulled.append(pid)
-
-        def _spawn(self, coro) -> None:
-            pass
-
-    node = _Node(watched_s=100.0)
+    node = catch_up(watched_s=100.0)
     for _ in range(20):
-        node._reconcile()
+        node.reconcile()
     assert node.pulled == ["worker"] * 20
-    fresh = _Node(watched_s=0.0)  # has not watched the swarm merge for 3 periods: cannot tell
+    fresh = catch_up(watched_s=0.0)  # has not watched the swarm merge for 3 periods: cannot tell
     for _ in range(20):
-        fresh._reconcile()
+        fresh.reconcile()
     assert set(fresh.pulled) - {"worker"}

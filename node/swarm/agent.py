@@ -103,7 +103,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, CatchUp, Contributions):
+class Node(SwarmView, Replication, Contributions):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -228,7 +228,7 @@ class Node(SwarmView, Replication, CatchUp, Contributions):
         )
         self._relinking: asyncio.Task | None = None
         # each part's own state, declared where the part is written
-        self._init_catch_up()
+        self.joining = False  # no heads published until this node has a state (``_enter``)
         self._init_contributions()
         self.learner_loop = LearnerLoop(self, self.learner)
         # the audits this node makes, and the convictions it hands on (node.swarm.audit)
@@ -289,6 +289,7 @@ class Node(SwarmView, Replication, CatchUp, Contributions):
         self.record_push: RecordPush | None = None  # new records to the members that need them first
         self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
         self.vetting: SnapshotVetting | None = None  # whether a donor's head and snapshot are to be believed
+        self.catch_up: CatchUp | None = None  # joining, and following heads that beat ours
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         # its checkpoints, the state it resumes from, and the files other tools read (node.swarm.persistence)
@@ -336,6 +337,9 @@ class Node(SwarmView, Replication, CatchUp, Contributions):
     # ---------------------------------------------------------------- ops a part of the node answers
     async def _h_omission(self, caller: str, body: bytes) -> Reply:
         return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
+
+    async def _h_snapshot(self, caller: str, body: bytes) -> Reply:
+        return await self.catch_up.on_snapshot(caller, body)  # node.swarm.catch_up
 
     async def _h_kept(self, caller: str, body: bytes) -> Reply:
         return await self.auditor.on_kept(caller, body)  # node.swarm.audit
@@ -427,6 +431,43 @@ class Node(SwarmView, Replication, CatchUp, Contributions):
             self.winning_heads,
             self.penalise,
         )
+        self.catch_up = CatchUp(
+            s,
+            self.pcfg,
+            self.peer_id,
+            self.spec,
+            self.replicas,
+            self.heads,
+            self.logs,
+            self.merged_tokens,
+            self._syncing,
+            self.lagging_since,
+            self.counters,
+            self.events,
+            self.peer_scores,
+            self.work,
+            self.clocks,
+            self.learner,
+            self.learner_loop,
+            self.transport,
+            self.vetting,
+            self.auditor,
+            members=lambda: self.members,
+            live_members=self.live_members,
+            winning_heads=self.winning_heads,
+            outvoted=self.outvoted,
+            credible=self.credible,
+            within_records=self.within_records,
+            head_key=self._head_key,
+            workers=self._workers,
+            logged_learners=self.logged_learners,
+            credit_snapshot=self.credit_snapshot,
+            heartbeat=self._heartbeat_once,
+            apply=self._apply,
+            reset_sync=self._reset_sync,
+            spawn=self._spawn,
+            clock=self.loop.time,
+        )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
         Dispatcher(self._known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
@@ -468,13 +509,18 @@ class Node(SwarmView, Replication, CatchUp, Contributions):
     async def _enter(self) -> None:
         """Into the swarm: its record published, then the state it trains from (downloaded, or caught up
         from its checkpoint's rounds)."""
-        self.joining = not self._restored  # no heads published until it has a state (_join_if_behind)
+        # A node with no state publishes no heads until it has one (``SwarmView.self_member``): set before
+        # its first heartbeat.
+        self.joining = not self._restored
         await self._heartbeat_once()
         self._phase("membership")
         if not self._restored:
-            await self._join_if_behind()
+            try:
+                self.joined_by = await self.catch_up.join() or self.joined_by
+            finally:
+                self.joining = False
         else:
-            await self._catch_up_restored()
+            await self.catch_up.catch_up_restored()
         self._phase("state")
         self.events.emit(
             "join",

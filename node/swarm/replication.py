@@ -427,7 +427,9 @@ class Replication:
                     ) is not None:  # only on a refusal: no second pass otherwise
                         self.auditor.convict(sr, lie, caller)
                 elif e.code not in (RejectCode.UNDONE, RejectCode.BANNED):  # a chain or signer we refuse
-                    self._spawn(self._catch_up(p, caller, sr.head))  # our state may be the odd one out
+                    self._spawn(
+                        self.catch_up.catch_up(p, caller, sr.head)
+                    )  # our state may be the odd one out
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)
@@ -436,11 +438,11 @@ class Replication:
         theirs = sr.head
         if rec.round > rep.round + 1:  # a gap: we missed records (just joined, paused, cut off)
             if p not in self._syncing:
-                self._spawn(self._catch_up(p, caller, theirs))
+                self._spawn(self.catch_up.catch_up(p, caller, theirs))
             # Not the sender's fault: no refusal, no penalty.
             return Reply(True, message=f"behind: we are at round {rep.round}; catching up")
         if rec.round > rep.round:  # the next round on a chain that left ours: fetch from the sender
-            self._spawn(self._catch_up(p, caller, theirs))
+            self._spawn(self.catch_up.catch_up(p, caller, theirs))
             raise ProtocolError(
                 RejectCode.WRONG_PARENT,
                 f"record round {rec.round} (parent {rec.parent_hash[:8]}) "
@@ -460,7 +462,7 @@ class Replication:
                 peer=caller,
             )
             if not ours_wins:
-                self._spawn(self._catch_up(p, caller, theirs))
+                self._spawn(self.catch_up.catch_up(p, caller, theirs))
             return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
         return Reply(True, message=f"ignored: we are at round {rep.round}")
 

@@ -68,7 +68,7 @@ class UnwitnessedSnapshot(TransportError):
 
 class SnapshotVetting:
     """The checks a head passes before its snapshot is fetched, and a snapshot before
-    ``CatchUp._install_snapshot`` lets it in; the heads refused lately, and where each fragment's last
+    ``CatchUp.install_snapshot`` lets it in; the heads refused lately, and where each fragment's last
     snapshot came from.
 
     Its collaborators: the node's settings (``swarm``, ``heartbeat_s``), protocol configuration and
@@ -235,7 +235,7 @@ class SnapshotVetting:
         return {k for k, until in self._refused_heads.get(p, {}).items() if until > now}
 
     def took_from(self, p: int, donor: str, round_: int) -> None:
-        """Fragment p's state came from ``donor`` at ``round_`` by snapshot (``CatchUp._install_snapshot``)."""
+        """Fragment p's state came from ``donor`` at ``round_`` by snapshot (``CatchUp.install_snapshot``)."""
         self._took_from[p] = (donor, round_)
 
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:

@@ -350,7 +350,7 @@ class SwarmView:
             t0 = self.loop.time()
             try:
                 await self._heartbeat_once()
-                self._reconcile()
+                self.catch_up.reconcile()
             except Exception:  # noqa: BLE001 - one bad beat must not end them: a node whose heartbeats stop
                 # leaves every view and never reconciles again (a race in one beat, ``deque mutated during
                 # iteration``, kept a node on its own forks for the rest of a test run)
