@@ -153,7 +153,7 @@ def tamper_alie(z: float) -> None:
     """``alie``: the last round's honest statistics, fetched after each record, shape what it sends."""
     import asyncio
 
-    from node.swarm.contributions import Contributions
+    from node.swarm.agent import Node
     from node.swarm.replication import Replication
     from protocol.codecs import decode_tensors, encode_tensors
 
@@ -173,7 +173,7 @@ def tamper_alie(z: float) -> None:
     async def learn(node, sr) -> None:
         try:
             msgs = await asyncio.wait_for(node.auditor.fetch_messages(sr), 10.0)
-            cs, _ = node._contributions(sr, msgs)
+            cs, _ = node.auditor.contributions_of(sr, msgs)
         except Exception:  # noqa: BLE001 - an attacker that cannot see a round waits for the next
             return
         skip = friends(node)
@@ -195,7 +195,7 @@ def tamper_alie(z: float) -> None:
         if sr.record.digests and "" not in sr.record.digests:
             self._spawn(learn(self, sr))
 
-    honest_post = Contributions.post_contribution
+    honest_post = Node.post_contribution
 
     def post_contribution(self, header, enc):
         others = stats.get(header.fragment)
@@ -209,7 +209,7 @@ def tamper_alie(z: float) -> None:
         honest_post(self, header, enc)
 
     Replication._apply = _apply
-    Contributions.post_contribution = post_contribution
+    Node.post_contribution = post_contribution
 
 
 def tamper_sybils(n: int, noise: bool = False) -> None:
@@ -244,7 +244,7 @@ def tamper_forge(attack: str) -> None:
     import time
     from dataclasses import replace as dc_replace
 
-    from node.swarm.contributions import Contributions
+    from node.swarm.agent import Node
     from node.swarm.replication import Replication
     from node.swarm.wire import SignedRecord, encode_record, sign_contribution
     from protocol.audit import frozen_view
@@ -252,7 +252,7 @@ def tamper_forge(attack: str) -> None:
     from protocol.messages import ContributionHeader, contribution_id, encode_contribution
     from protocol.synchroniser import Contribution
 
-    Contributions.post_contribution = lambda self, header, enc: None  # its work credits it nowhere
+    Node.post_contribution = lambda self, header, enc: None  # its work credits it nowhere
     forged = {"n": 0}
 
     def forge(node, p: int):
@@ -323,11 +323,11 @@ def tamper_stall() -> None:
 
 
 def tamper(attack: str) -> None:
-    from node.swarm.contributions import Contributions
+    from node.swarm.agent import Node
     from protocol.codecs import decode_tensors, encode_tensors
 
     scale, inflate, rand = ATTACKS[attack]
-    honest_post = Contributions.post_contribution
+    honest_post = Node.post_contribution
 
     def post_contribution(self, header, enc):
         delta = decode_tensors(enc)
@@ -343,7 +343,7 @@ def tamper(attack: str) -> None:
             encode_tensors(out, header.codec, header.block),
         )
 
-    Contributions.post_contribution = post_contribution
+    Node.post_contribution = post_contribution
 
 
 def main() -> int:

@@ -17,11 +17,11 @@ import torch
 
 from dht.identity import Identity
 from node.swarm.audit import Auditor
-from node.swarm.contributions import OwnCids
 from node.swarm.dispatch import Dispatcher
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.peer_scores import PeerScores
 from node.swarm.replication import Replication
+from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
 from node.swarm.wire import decode_record, encode_record, pack_list, sign_contribution
 from node.swarm.work_book import WorkBook

@@ -139,7 +139,7 @@ def contribution_sig() -> bytes:
 
 
 def contribute() -> bytes:
-    """The ``contribute`` request as node.swarm.contributions sends it: [routing header, message, signature]."""
+    """The ``contribute`` request as node.swarm.sender sends it: [routing header, message, signature]."""
     return pack_list([json.dumps({"dead": sorted(DEAD)}).encode(), contribution(), contribution_sig()])
 
 
@@ -250,7 +250,7 @@ def snapshot_request() -> bytes:
 
 
 def redirect() -> bytes:
-    """The body of a ``not_synchroniser`` refusal (node.swarm.contributions): the peer to try instead."""
+    """The body of a ``not_synchroniser`` refusal (node.swarm.intake): the peer to try instead."""
     return json.dumps({"try": SYNC.peer_id}).encode()
 
 

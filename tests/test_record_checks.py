@@ -13,8 +13,8 @@ from hivemind.utils import get_dht_time
 from dht.identity import Identity
 from dht.records import Member
 from node.swarm.audit import Auditor
-from node.swarm.contributions import OwnCids
 from node.swarm.replication import Replication
+from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
 from node.swarm.transport import Reply
 from node.swarm.view import HEAD_SLACK, SwarmView

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ import torch
 from dht.identity import Identity
 from dht.records import Member
 from node.common.events import EventLog
-from node.swarm.contributions import Contributions
+from node.swarm.intake import Intake
 from node.swarm.peer_scores import PeerScores
 from node.swarm.receipts import Receipts
 from node.swarm.transport import Reply
@@ -55,7 +56,7 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
         mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
         last = {0: (mine, "enc")}
 
-        def send_again(header) -> None:  # as ``Contributions._send_again``
+        def send_again(header) -> None:  # as ``Node._send_again``
             if last[header.fragment][0] is header:
                 outbox.put_nowait(last[header.fragment])
 
@@ -134,26 +135,46 @@ def test_every_view_elects_past_a_member_that_renounced_the_open_round_and_never
     assert view.candidates(0) == order  # everyone renounced: the round waits for them, as before
 
 
-class _Synchroniser(Contributions):
-    """``_accept`` up to its checks of a contribution's base: this node elects itself for every round."""
+def _synchroniser(ident: Identity, rep: FragmentReplica, spec: dict) -> Intake:
+    """``Intake.accept`` up to its checks of a contribution's base, over fakes: this node elects itself for
+    every round, and the counters pass their own check (tests/test_work.py)."""
+    settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False, ttl_s=3.0)
 
-    def __init__(self, ident: Identity, rep: FragmentReplica, spec: dict) -> None:
-        self.peer_id, self.replicas, self.spec = ident.peer_id, [rep], {0: spec}
-        self.settings = SimpleNamespace(swarm=SWARM, client_mode=False, trusted=False, ttl_s=3.0)
-        self.pcfg = ProtocolConfig(distrust=False)
-        self.syncs = [SyncState(fragment=0, global_round=rep.round)]
-        self.events, self.peer_scores = EventLog(), PeerScores()
-        self.transport = SimpleNamespace(count_refusal=lambda code: None)
-        self._init_contributions()
-
-    async def _known(self, caller: str) -> bool:
+    async def known(caller: str) -> bool:
         return True
 
-    def synchroniser_of(self, p, dead=()):
-        return self.peer_id
-
-    def _check_work(self, h) -> None:  # the counters' own check (tests/test_work.py)
-        pass
+    scores = PeerScores()
+    intake = Intake(
+        settings,
+        ProtocolConfig(distrust=False),
+        ident.peer_id,
+        {0: spec},
+        [rep],
+        [SyncState(fragment=0, global_round=rep.round)],
+        {},
+        None,
+        {},
+        scores,
+        None,
+        None,
+        {},
+        EventLog(),
+        None,
+        None,
+        SimpleNamespace(count_refusal=lambda code: None),
+        known=known,
+        members=dict,
+        live_members=dict,
+        candidates=lambda p, dead=(): [ident.peer_id],
+        synchroniser_of=lambda p, dead=(): ident.peer_id,
+        lease_seen=dict,
+        swarm_steps=lambda: 0,
+        decide=None,
+        penalise=lambda peer, code, signed=False: scores.penalise(peer, code, time.monotonic(), signed),
+        clock=time.monotonic,
+    )
+    intake.check_work = lambda h: None
+    return intake
 
 
 def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_stale_and_nothing_changes():
@@ -161,7 +182,7 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
     rep = FragmentReplica(0, theta, is_embedding=False)
     rep.load_state(5, theta, {k: torch.zeros_like(v) for k, v in theta.items()})  # joined by snapshot at 5
     sync, learner = Identity.generate(), Identity.generate()
-    node = _Synchroniser(sync, rep, {k: tuple(v.shape) for k, v in theta.items()})
+    node = _synchroniser(sync, rep, {k: tuple(v.shape) for k, v in theta.items()})
     h = ContributionHeader(
         learner=learner.peer_id, fragment=0, base_round=4, c_steps=8, c_tokens=2048, step_time_s=0.1,
         codec="int4", block=64, cid=f"{learner.peer_id[-10:]}:0:8:1",
@@ -171,7 +192,7 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
         delta = {k: scale * torch.randn(v.shape) for k, v in theta.items()}
         raw = encode_contribution(header, encode_tensors(delta, "int4", 64))
         payload = pack_list([json.dumps({"dead": []}).encode(), raw, sign_contribution(SWARM, learner, raw)])
-        return asyncio.run(node._accept(learner.peer_id, payload))
+        return asyncio.run(node.accept(learner.peer_id, payload))
 
     before = node.syncs[0]
     reply = send(h, 1e-3)

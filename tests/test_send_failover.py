@@ -1,4 +1,4 @@
-"""Routing a contribution past a synchroniser that hangs (``Contributions._send``).
+"""Routing a contribution past a synchroniser that hangs (``Sender.send``).
 
 A stopped node (SIGSTOP, a frozen VM, a link that drops packets without a reset) keeps its membership record
 until it expires and answers nothing: the first request to it used up the whole failover budget, and every
@@ -14,13 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import node.swarm.contributions as contributions
+import node.swarm.sender as sender_mod
 from dht.identity import Identity
 from node.common.events import EventLog
-from node.swarm.contributions import Contributions
+from node.swarm.agent import Node
 from node.swarm.deadlines import MergeDeadlines
+from node.swarm.intake import Intake
 from node.swarm.peer_scores import PeerScores
 from node.swarm.receipts import Receipts, make_receipt
+from node.swarm.sender import Sender
 from node.swarm.transport import Reply, TransportError
 from protocol.config import ProtocolConfig
 from tests.test_receipts import receipts_of
@@ -57,7 +59,13 @@ class _Transport:
         return self.replies.get(target, Reply(True))
 
 
-class _Sender(Contributions):
+class _Sender:
+    """A node's sending side (``Sender``) and the intake it asks about dead peers (``Intake``), built from
+    fakes of the rest: the view's order is ``order``, the transport a stand-in, this node's own intake a
+    list of the callers it took from."""
+
+    _send_again = Node._send_again  # the outbox the deadlines put a contribution back in
+
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         self.pcfg = ProtocolConfig()
         self.settings = SimpleNamespace(
@@ -79,7 +87,6 @@ class _Sender(Contributions):
         self.peer_scores = PeerScores()
         self.accepted: list[str] = []
         self.clocks = SimpleNamespace(due=lambda p: None)  # no schedule yet (node.swarm.clocks)
-        self._init_contributions()
         self.receipts = self._receipts()
         # the deadlines of the rounds that take our contributions, as the node wires them
         self.deadlines = MergeDeadlines(
@@ -98,11 +105,57 @@ class _Sender(Contributions):
             self.receipts.check_omission,
             self._send_again,
         )
+        auditor = SimpleNamespace(keep_message=lambda raw, sig: "")  # node.swarm.audit: nothing kept here
+        self.sender = Sender(
+            self.settings,
+            self.pcfg,
+            self.peer_id,
+            self.identity,
+            self.suspect,
+            self.peer_scores,
+            self.counters,
+            self.events,
+            auditor,
+            self.transport,
+            self.receipts,
+            candidates=self.candidates,
+            rounds_behind=self.rounds_behind,
+            accept=self._accept,
+            watch=self.deadlines.watch,
+            clock=self.loop.time,
+        )
+        self.intake = Intake(
+            self.settings,
+            self.pcfg,
+            self.peer_id,
+            {},
+            self.replicas,
+            [],
+            {},
+            self.clocks,
+            self.suspect,
+            self.peer_scores,
+            None,
+            None,
+            self.counters,
+            self.events,
+            auditor,
+            self.receipts,
+            self.transport,
+            known=None,  # nothing is taken here: only the dead-list checks are asked
+            members=lambda: self.members,
+            live_members=self.live_members,
+            candidates=self.candidates,
+            synchroniser_of=None,
+            lease_seen=lambda: self.lease_seen,
+            swarm_steps=lambda: self.swarm_steps,
+            decide=None,
+            penalise=None,
+            clock=self.loop.time,
+        )
 
     def _receipts(self):
         return _NoReceipts()
-
-    auditor = SimpleNamespace(keep_message=lambda raw, sig: "")  # node.swarm.audit: nothing kept here
 
     async def _accept(self, caller: str, payload: bytes) -> Reply:  # this node as the synchroniser
         self.accepted.append(caller)
@@ -119,14 +172,14 @@ class _Sender(Contributions):
 
 
 def _send(monkeypatch, order: list[str], hung: set[str], failover_s: float = 1.0, setup=None) -> _Sender:
-    monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
-    monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    monkeypatch.setattr(sender_mod, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(sender_mod, "sign_contribution", lambda swarm, identity, raw: b"sig")
 
     async def go() -> _Sender:
         s = _Sender(order, hung, failover_s)
         if setup is not None:
             setup(s)
-        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05), None)
+        await s.sender.send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05), None)
         return s
 
     return asyncio.run(go())
@@ -205,8 +258,8 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
     or for another contribution) is passed over and suspected as a stalled one; the first that gives a good
     one gets the contribution, and its receipt is what the record of that round is checked against (one on a
     parent we do not hold too: honest synchronisers on the other side of a fork give them)."""
-    monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
-    monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    monkeypatch.setattr(sender_mod, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(sender_mod, "sign_contribution", lambda swarm, identity, raw: b"sig")
     ids = {x: Identity.generate() for x in "ABCDE"}
     order = [ids[x].peer_id for x in "ABCDE"]
 
@@ -225,7 +278,7 @@ def test_an_ok_without_a_receipt_in_a_public_swarm_is_a_failover_and_a_receipt_i
         replies[order[2]] = receipt("C", cid="me:3:10:999")  # another contribution's
         replies[order[3]] = receipt("D", fragment=2)  # another fragment's
         replies[order[4]] = receipt("E", parent="h4-fork")  # E on another side of a fork: kept
-        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
+        await s.sender.send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
         return s
 
     s = asyncio.run(go())
@@ -270,7 +323,7 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
 
 
 def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_lease_means_stalled():
-    """The dead-list check (``_checked_dead``): a peer that answers a ping, even ``unknown_peer`` (it has not
+    """The dead-list check (``Intake.checked_dead``): a peer that answers a ping, even ``unknown_peer`` (it has not
     seen us yet), is up; ``unknown_op`` (takes no contribution, or too old to ping) or no answer is down and
     suspected. A peer that publishes the lease of fragment p's open round two repeats after its first slot
     stalled it, in this node's own view, with no ping asked, if the swarm's learners worked two rounds'
@@ -280,29 +333,31 @@ def test_a_ping_answered_in_any_way_but_unknown_op_means_up_and_a_held_overdue_l
         s = _Sender(["A", "B"], {"C"}, 1.0)
         s.settings.rpc_timeout_s = 0.2
         s.transport.replies = {"A": Reply(False, "unknown_peer", ""), "B": Reply(False, "unknown_op", "")}
-        assert await s._answers("A") and "A" not in s.suspect
-        assert not await s._answers("B") and "B" in s.suspect
-        assert not await s._answers("C") and "C" in s.suspect  # no answer in time
+        assert await s.intake.answers("A") and "A" not in s.suspect
+        assert not await s.intake.answers("B") and "B" in s.suspect
+        assert not await s.intake.answers("C") and "C" in s.suspect  # no answer in time
         s.members = {"A": SimpleNamespace(leases={"3": 1}), "B": SimpleNamespace(leases={"3": 7})}
         now = s.loop.time()
         s.clocks.due = lambda p: (now - 2.5, 1.0)  # the open round's first slot, 2.5 repeats ago
-        assert not s._stalled_here(3, "A")  # a lease never seen in a view read: no evidence
+        assert not s.intake.stalled_here(3, "A")  # a lease never seen in a view read: no evidence
         two = 2 * s.pcfg.sync_every  # the learners' summed steps over two rounds
         s.swarm_steps = 1000 + two
         s.lease_seen = {("A", "3", 1): (now - 30.0, 1000), ("B", "3", 7): (now - 30.0, 1000)}  # held 30 s
-        assert s._stalled_here(3, "A") and not s._stalled_here(3, "B")  # B's lease is of another round
+        assert s.intake.stalled_here(3, "A") and not s.intake.stalled_here(
+            3, "B"
+        )  # B's lease is of another round
         s.clocks.due = lambda p: (now - 1.5, 1.0)
-        assert not s._stalled_here(3, "A")
+        assert not s.intake.stalled_here(3, "A")
         # a swarm at rest: the open round's slot long past, A's lease first seen a moment ago (it just took
         # the first contribution in a while): not stalled until two repeats after that
         s.clocks.due = lambda p: (now - 100.0, 1.0)
         s.lease_seen = {("A", "3", 1): (now - 0.5, 1000)}
-        assert not s._stalled_here(3, "A")
+        assert not s.intake.stalled_here(3, "A")
         s.lease_seen = {("A", "3", 1): (now - 2.5, 1000)}
-        assert s._stalled_here(3, "A")
+        assert s.intake.stalled_here(3, "A")
         # held open for a minute, but no learner stepped since (paused): starved below its quorum, not stalled
         s.lease_seen = {("A", "3", 1): (now - 60.0, 1000 + two - 1)}
-        assert not s._stalled_here(3, "A")
+        assert not s.intake.stalled_here(3, "A")
 
     asyncio.run(go())
 
@@ -329,8 +384,8 @@ def test_a_synchroniser_merging_its_round_is_tried_again_after_its_merge_time_on
     """``peer_busy`` with a wait (a public swarm's synchroniser merging the round it holds) sends the
     contribution to the same synchroniser again once that wait is over: no failover, and the wait is added
     to the sender's failover budget rather than taken from its tries."""
-    monkeypatch.setattr(contributions, "encode_contribution", lambda header, enc: b"raw")
-    monkeypatch.setattr(contributions, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    monkeypatch.setattr(sender_mod, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(sender_mod, "sign_contribution", lambda swarm, identity, raw: b"sig")
     a, b = Identity.generate(), Identity.generate()
 
     async def go() -> _ReceiptSender:
@@ -345,7 +400,7 @@ def test_a_synchroniser_merging_its_round_is_tried_again_after_its_merge_time_on
                 s.transport.replies[a.peer_id] = good
 
         s.transport.on_call = second
-        await s._send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
+        await s.sender.send(SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05, base_round=4), None)
         return s
 
     s = asyncio.run(go())

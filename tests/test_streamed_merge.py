@@ -199,7 +199,7 @@ PEAK_CHILD = textwrap.dedent(
         fh.write("5")  # the peak starts again from what is resident now
     before = hwm()
     cs = []
-    while raws:  # received, checked and held as the synchroniser does (node.swarm.contributions)
+    while raws:  # received, checked and held as the synchroniser does (node.swarm.intake)
         h, delta = decode_contribution(raws.pop(), {"w": (N,)}, decode=decode)
         n = rep.check_delta(delta, cfg)
         cs.append(Contribution(h.learner, 0, 0, 4, 400, 1.0, delta, h.cid, n))

@@ -49,10 +49,10 @@ from node.learner.unit import Unit
 from node.swarm.audit import Auditor
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
-from node.swarm.contributions import Contributions, OwnCids
 from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import OPS, Dispatcher
 from node.swarm.history import History
+from node.swarm.intake import Intake
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.peer_scores import PeerScores
@@ -60,6 +60,7 @@ from node.swarm.persistence import Persistence
 from node.swarm.receipts import Receipts
 from node.swarm.record_push import RecordPush
 from node.swarm.replication import Replication
+from node.swarm.sender import OwnCids, Sender
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.signed_files import SignedFiles
@@ -70,7 +71,9 @@ from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
 from node.swarm.work_book import WorkBook
 from protocol.agreement import AgreementBook
+from protocol.errors import RejectCode
 from protocol.hashing import model_hash
+from protocol.messages import ContributionHeader
 from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import SyncState
@@ -103,7 +106,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication, Contributions):
+class Node(SwarmView, Replication):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -229,7 +232,6 @@ class Node(SwarmView, Replication, Contributions):
         self._relinking: asyncio.Task | None = None
         # each part's own state, declared where the part is written
         self.joining = False  # no heads published until this node has a state (``_enter``)
-        self._init_contributions()
         self.learner_loop = LearnerLoop(self, self.learner)
         # the audits this node makes, and the convictions it hands on (node.swarm.audit)
         self.auditor = Auditor(
@@ -290,6 +292,8 @@ class Node(SwarmView, Replication, Contributions):
         self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
         self.vetting: SnapshotVetting | None = None  # whether a donor's head and snapshot are to be believed
         self.catch_up: CatchUp | None = None  # joining, and following heads that beat ours
+        self.intake: Intake | None = None  # contributions taken as a synchroniser
+        self.sender: Sender | None = None  # our contributions routed to their synchronisers
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         # its checkpoints, the state it resumes from, and the files other tools read (node.swarm.persistence)
@@ -338,6 +342,14 @@ class Node(SwarmView, Replication, Contributions):
     async def _h_omission(self, caller: str, body: bytes) -> Reply:
         return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
 
+    async def _h_contribute(self, caller: str, body: bytes) -> Reply:
+        return await self.intake.accept(caller, body)  # node.swarm.intake
+
+    async def _h_ping(self, caller: str, body: bytes) -> Reply:
+        """Whether this node is up and takes contributions, asked by a member that was told it is dead (the
+        dispatcher has admitted the caller)."""
+        return Reply(True)
+
     async def _h_snapshot(self, caller: str, body: bytes) -> Reply:
         return await self.catch_up.on_snapshot(caller, body)  # node.swarm.catch_up
 
@@ -349,6 +361,40 @@ class Node(SwarmView, Replication, Contributions):
 
     async def _h_proof(self, caller: str, body: bytes) -> Reply:
         return await self.auditor.on_proof(caller, body)
+
+    def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
+        """Score a refused request against ``peer`` (``PeerScores``); a ban it brings is an event."""
+        if self.peer_scores.penalise(peer, code, time.monotonic(), signed):
+            self.events.emit("ban", t=time.time(), peer=peer, seconds=self.peer_scores.ban_s, last=code.value)
+
+    # ---------------------------------------------------------------- the learner's contributions
+    def post_contribution(self, header: ContributionHeader, enc) -> None:
+        """Called from the learner thread; never blocks."""
+        self.own_cids.add(header.cid)
+        self.last_contribution[header.fragment] = (header, enc)
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
+
+    def resend(self, p: int) -> None:
+        """Send fragment p's last contribution again, to whoever holds the open round now (learner thread).
+
+        For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
+        own learner's contribution, and with every live learner as the quorum neither would merge. The one
+        the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
+        on a chain; the replay guard refuses it once a merge record names it)."""
+        if p in self.last_contribution:
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, self.last_contribution[p])
+
+    def _send_again(self, header: ContributionHeader) -> None:
+        """Put our latest contribution to ``header``'s fragment back in the outbox, if ``header`` is still it
+        (``MergeDeadlines``: its round stalled, or its record left it out)."""
+        latest = self.last_contribution.get(header.fragment)
+        if latest is not None and latest[0] is header:
+            self.outbox.put_nowait(latest)
+
+    async def _sender_loop(self) -> None:
+        while True:
+            header, enc = await self.outbox.get()
+            self._spawn(self.sender.send(header, enc))
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
@@ -466,6 +512,53 @@ class Node(SwarmView, Replication, Contributions):
             apply=self._apply,
             reset_sync=self._reset_sync,
             spawn=self._spawn,
+            clock=self.loop.time,
+        )
+        self.intake = Intake(
+            s,
+            self.pcfg,
+            self.peer_id,
+            self.spec,
+            self.replicas,
+            self.syncs,
+            self.leases,
+            self.clocks,
+            self.suspect,
+            self.peer_scores,
+            self.agreement,
+            self.work,
+            self.counters,
+            self.events,
+            self.auditor,
+            self.receipts,
+            self.transport,
+            known=self._known,
+            members=lambda: self.members,
+            live_members=self.live_members,
+            candidates=self.candidates,
+            synchroniser_of=self.synchroniser_of,
+            lease_seen=lambda: self.lease_seen,
+            swarm_steps=lambda: self.swarm_steps,
+            decide=self._decide,
+            penalise=self.penalise,
+            clock=self.loop.time,
+        )
+        self.sender = Sender(
+            s,
+            self.pcfg,
+            self.peer_id,
+            self.identity,
+            self.suspect,
+            self.peer_scores,
+            self.counters,
+            self.events,
+            self.auditor,
+            self.transport,
+            self.receipts,
+            candidates=self.candidates,
+            rounds_behind=self.rounds_behind,
+            accept=self.intake.accept,
+            watch=self.deadlines.watch,
             clock=self.loop.time,
         )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...

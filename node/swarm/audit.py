@@ -248,7 +248,7 @@ class Auditor:
             )
         return [got[d] for d in rec.digests]
 
-    def _contributions(
+    def contributions_of(
         self, sr: SignedRecord, msgs: list[tuple[bytes, bytes]]
     ) -> tuple[list[Contribution], str]:
         """The messages as the record's contributions, each checked against the record's digest and its
@@ -289,7 +289,7 @@ class Auditor:
         then."""
         rec = sr.record
         rep = self.replicas[rec.fragment]
-        cs, lie = self._contributions(sr, msgs)
+        cs, lie = self.contributions_of(sr, msgs)
         if lie or self.share_lie(rec, cs):
             return float("inf")
         async with self._recomputing:

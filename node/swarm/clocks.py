@@ -1,7 +1,7 @@
 """The swarm's schedule as this node reads it (``protocol.schedule``): each fragment's round clock, and when
 its open round is due on this node's event loop. ``SwarmClocks`` is a part the node owns (``Node.clocks``):
 the record logic (``node.swarm.replication``, ``node.swarm.catch_up``), the contribution checks
-(``node.swarm.contributions``), the merge deadlines and the learner's loop read it."""
+(``node.swarm.sender``), the merge deadlines and the learner's loop read it."""
 
 from __future__ import annotations
 

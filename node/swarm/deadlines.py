@@ -10,7 +10,7 @@ contributions are keyed by learner and base round), and the replay guard keeps a
 chain that merged the first.
 
 ``MergeDeadlines`` is a part the node owns (``Node.deadlines``, made on its event loop when the node runs):
-the sender (``node.swarm.contributions``) hands it each contribution another member took, and the record
+the sender (``node.swarm.sender``) hands it each contribution another member took, and the record
 logic (``node.swarm.replication``) each record it applies."""
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ evidence (``node.swarm.evidence``). The record itself is a faithful merge of wha
 
 A synchroniser that gives no receipt is as good as one that took nothing: its sender fails over to the next
 candidate and suspects it for ``STALL_TTLS`` x ``ttl_s``. The next candidate takes the round only if it
-suspects that synchroniser too (``Contributions._checked_dead`` believes a dead list naming a peer it suspects
+suspects that synchroniser too (``Intake.checked_dead`` believes a dead list naming a peer it suspects
 itself, else pings it): a censor that withholds receipts from every learner is passed over by all of them
 once each has been refused one, while one that censors a single learner, and takes the next candidate's
 contributions with receipts, costs that learner its rounds there (with ``carry`` its work goes out again with
 its next contribution; without, it is lost). Neither can sign a record that drops what it promised without the proof of it.
 
 ``Receipts`` is a part the node owns (``Node.receipts``), on the node's event loop: the synchroniser's side
-(``node.swarm.contributions``) asks it for a receipt with every ``ok``, the sender's side checks the one it
+(``node.swarm.sender``) asks it for a receipt with every ``ok``, the sender's side checks the one it
 gets back, and the record logic (``node.swarm.replication``, ``node.swarm.deadlines``) asks it whether a
 record keeps the receipts given here and names the contributions receipted to us.
 """
@@ -190,7 +190,7 @@ class Receipts:
     synchronisers); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock), ``counters``
     and ``events``, which it writes to; ``last_contribution`` (fragment -> our latest (header, encoded)) and
     ``send_again``, which puts that one back in the outbox if it is still the given header
-    (``Contributions._send_again``); ``reset_sync``, which starts a fragment's open round over without the
+    (``Node._send_again``); ``reset_sync``, which starts a fragment's open round over without the
     given contributions (``Replication._reset_sync``); and ``ban_and_hand_on``, which bans a record's
     signer and hands the proof on (``Auditor.ban_and_hand_on``).
 

@@ -163,7 +163,7 @@ class Replication:
                 f"round {rec.round} signed by {sr.signer}, admitted as a learner only",
             )
         if self.settings.audit_share > 0 and (not rec.digests or "" in rec.digests):
-            # every honest merge names the digest of each message it took (node.swarm.contributions), so
+            # every honest merge names the digest of each message it took (node.swarm.intake), so
             # this is the signer's own doing: scored against it where it pushed the record itself
             raise ProtocolError(
                 RejectCode.FORGED_RECORD,

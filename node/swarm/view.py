@@ -319,7 +319,7 @@ class SwarmView:
         seen = self.loop.time()
         for pid in self.members:
             self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
-        # when each lease a member publishes was first seen here (``Contributions._stalled_here``): the
+        # when each lease a member publishes was first seen here (``Intake.stalled_here``): the
         # evidence that a member took a round and did not merge it runs from then, not from the round's slot
         # (and the swarm's summed published learner steps then: a round held open while no learner worked,
         # a swarm at rest, is starved, not stalled)
