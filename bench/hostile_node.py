@@ -118,16 +118,16 @@ def tamper_merges(attack: str) -> None:
 def tamper_heads() -> None:
     from dataclasses import replace as dc_replace
 
-    from node.swarm.agent import Node
     from node.swarm.catch_up import CatchUp
     from node.swarm.transport import Reply
+    from node.swarm.view import SwarmView
     from node.swarm.wire import FragmentState, encode_snapshot, parse_snapshot_request
     from protocol.hashing import tensors_hash
 
     def zeros(node, p: int) -> dict:
         return {n: torch.zeros(t.shape) for n, t in node.replicas[p].theta.items()}
 
-    honest_member = Node.self_member
+    honest_member = SwarmView.self_member
 
     def self_member(self, now):
         m = honest_member(self, now)
@@ -145,7 +145,7 @@ def tamper_heads() -> None:
         ]
         return Reply(True, body=encode_snapshot(states))
 
-    Node.self_member = self_member
+    SwarmView.self_member = self_member
     CatchUp.on_snapshot = snapshot
 
 
@@ -282,7 +282,7 @@ def tamper_forge(attack: str) -> None:
         except Exception as e:  # noqa: BLE001 - the replica moved under it: the next record starts another
             print(f"{attack}: fragment {p}: {e}", file=sys.stderr)
             return
-        targets = [q for q in node.live_members() if q != node.peer_id]
+        targets = [q for q in node.view.live_members() if q != node.peer_id]
         await asyncio.gather(*(node.record_push.push(q, sr.raw) for q in targets))
         forged["n"] += 1
         if forged["n"] % 20 == 1:

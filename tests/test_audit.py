@@ -39,7 +39,7 @@ SPEC = {0: {"w": (64, 32), "b": (32,)}}
 def _dispatch(node, op: str, caller: str, body: bytes):
     """A request as the node's transport hands it on: through its dispatcher (admission, refusal, score)."""
     handler = getattr(node, f"_h_{op}")
-    return Dispatcher(node._known, getattr(node, "penalise", lambda *a: None), {op: handler})(
+    return Dispatcher(node.view.known, getattr(node, "penalise", lambda *a: None), {op: handler})(
         op, caller, body
     )
 
@@ -281,7 +281,7 @@ class _Member(Replication):
     """The audit and record paths of a node over one fragment, with no network: proofs come in by ``_h_proof``."""
 
     def __init__(self, folder) -> None:
-        self.peer_id, self.members, self._peer_book = "me", {}, {}
+        self.peer_id, self.members, self.peer_book = "me", {}, {}
         self.admission, self.suspect = None, {}
         self.settings = SimpleNamespace(swarm="s", audit_share=1.0, client_mode=False, elect_workers=False)
         self.spec = SPEC
@@ -333,7 +333,9 @@ class _Member(Replication):
     def penalise(self, peer, code, signed=False) -> None:
         self.penalised.append(code.value)
 
-    async def _known(self, caller: str) -> bool:
+    view = property(lambda self: self)  # the replication's view: this fake's own members
+
+    async def known(self, caller: str) -> bool:
         return True
 
     def live_members(self) -> dict:

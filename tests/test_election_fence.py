@@ -56,8 +56,9 @@ def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRec
 class _View:
     """``SwarmView``'s credit methods and ``Replication``'s fence over a hand-held chain of fragment 0."""
 
-    _workers = SwarmView._workers
+    workers = SwarmView.workers
     logged_learners = SwarmView.logged_learners
+    view = property(lambda self: self)  # the replication's view: this fake's own members and chain
     signer_electable = Replication.signer_electable
     fence_stands_aside = Replication.fence_stands_aside
     _stands_aside = Replication._stands_aside
@@ -65,7 +66,7 @@ class _View:
 
     def __init__(self, elect: bool = True, audit_share: float = 1.0) -> None:
         self.peer_id = "me"
-        self.members, self._peer_book, self.admission = {}, {}, None
+        self.members, self.peer_book, self.admission = {}, {}, None
         self.settings = SimpleNamespace(elect_workers=elect, audit_share=audit_share)
         self.syncs = [SimpleNamespace(due_every=1.0)]
         self.work = WorkBook()

@@ -122,10 +122,10 @@ def test_a_heartbeat_whose_write_fails_still_reads_the_view():
         reads.append(True)
 
     node = SimpleNamespace(
-        membership=SimpleNamespace(publish=publish), self_member=lambda now: None, _refresh_view=refresh
+        membership=SimpleNamespace(publish=publish), self_member=lambda now: None, refresh=refresh
     )
     for _ in range(3):
-        asyncio.run(SwarmView._heartbeat_once(node))
+        asyncio.run(SwarmView.heartbeat(node))
     assert len(reads) == 3
 
 
@@ -150,16 +150,16 @@ def test_a_beat_that_fails_does_not_end_the_heartbeats():
     async def go():
         node = SimpleNamespace(
             settings=SimpleNamespace(exit_with_parent=False, heartbeat_s=0.01),
-            loop=asyncio.get_running_loop(),
-            _heartbeat_once=beat,
-            catch_up=SimpleNamespace(reconcile=lambda: reconciled.append(True)),
+            clock=asyncio.get_running_loop().time,
+            heartbeat=beat,
+            reconcile=lambda: reconciled.append(True),
             _relinking=asyncio.get_running_loop().create_future(),
-            _spawn=lambda coro: coro.close(),
+            spawn=lambda coro: coro.close(),
         )
         node._relinking.set_result(None)
-        node._relink = lambda: asyncio.sleep(0)
+        node.relink = lambda: asyncio.sleep(0)
         try:
-            await SwarmView._heartbeat_loop(node)
+            await SwarmView.heartbeat_loop(node)
         except asyncio.CancelledError:
             pass
 

@@ -154,7 +154,7 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
             node.agreement.add(["l0", "l1", "l2"], [0.5, -0.6, 0.4])
         node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
         node._stop = None
-        node.live_members = lambda: {}
+        node.view = SimpleNamespace(live_members=dict)
         node._spawn = lambda coro: coro.close()
         merged = []
 

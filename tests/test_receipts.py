@@ -48,7 +48,7 @@ def receipts_of(identity, folder, replicas, syncs, settings=None, cls=Receipts, 
 def _dispatch(node, handler, op: str, caller: str, body: bytes):
     """A request as the node's transport hands it on to ``handler``: through its dispatcher (admission,
     refusal, score)."""
-    return Dispatcher(node._known, getattr(node, "penalise", lambda *a: None), {op: handler})(
+    return Dispatcher(node.view.known, getattr(node, "penalise", lambda *a: None), {op: handler})(
         op, caller, body
     )
 

@@ -148,7 +148,7 @@ def test_a_lone_node_on_another_chain_yields_to_the_majority_but_not_to_a_liar()
         replicas=[SimpleNamespace(round=20)],
         heads=[(20, "mine20", 1, 1.0)],
         logs=[{14: rec("mine14"), 15: rec("mine15")}],
-        _head_key=lambda h: (-int(h[0]), str(h[1])),
+        head_key=lambda h: (-int(h[0]), str(h[1])),
         voters=lambda p, ms: ms,
     )
     node.backed = lambda p, pid, r, ms, vs=None: SwarmView.backed(node, p, pid, r, ms, vs)
@@ -187,14 +187,14 @@ def _public_view(round_: int, head: str, credited: list[str], processes: set[str
         replicas=[SimpleNamespace(round=round_)],
         heads=[(round_, head, 1, 1.0)],
         logs=[{}],
-        _head_key=lambda h: (-int(h[0]), str(h[1])),
+        head_key=lambda h: (-int(h[0]), str(h[1])),
         settings=SimpleNamespace(elect_workers=True),
         syncs=[SimpleNamespace(due_every=1.0)],
         work=work,
         logged_learners=set,
         membership=SimpleNamespace(processes=frozenset(processes)),
     )
-    node._workers = lambda p, ms: SwarmView._workers(node, p, ms)
+    node.workers = lambda p, ms: SwarmView.workers(node, p, ms)
     node.voters = lambda p, ms: SwarmView.voters(node, p, ms)
     node.backed = lambda p, pid, r, ms, vs=None: SwarmView.backed(node, p, pid, r, ms, vs)
     return node
@@ -242,7 +242,7 @@ class _Receiver(Replication):
     node has not read it yet (it joined after the node's last read of the view)."""
 
     def __init__(self, signer: str, joiner: str) -> None:
-        self.peer_id, self.members, self._peer_book = "me", {signer: object()}, {}
+        self.peer_id, self.members, self.peer_book = "me", {signer: object()}, {}
         self.admission = None  # a public swarm
         self.joiner, self.reads, self.applied = joiner, 0, []
         self.settings = SimpleNamespace(swarm="s", audit_share=0.0, elect_workers=False)
@@ -250,10 +250,12 @@ class _Receiver(Replication):
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.penalise = lambda *a, **kw: None
 
-    async def _known(self, caller: str) -> bool:
+    view = property(lambda self: self)  # the replication's view: this fake's own members
+
+    async def known(self, caller: str) -> bool:
         return caller in self.members
 
-    async def _look_up(self, peer: str) -> bool:  # the view's re-read: the DHT has the joiner by now
+    async def look_up(self, peer: str) -> bool:  # the view's re-read: the DHT has the joiner by now
         self.reads += 1
         self.members[self.joiner] = object()
         return peer in self.members
@@ -296,7 +298,8 @@ class _Restarted(Replication):
     in its previous life: the record comes back from a peer during the catch-up."""
 
     def __init__(self, me: str, rep: FragmentReplica, folder) -> None:
-        self.peer_id, self.members, self._peer_book = me, {"a": object()}, {}
+        self.peer_id, self.members, self.peer_book = me, {"a": object()}, {}
+        self.view = self  # the replication's view: this fake's own members
         self.admission = None  # a public swarm
         self.settings = SimpleNamespace(audit_share=0.0, elect_workers=False)
         self.signed_files = SignedFiles(folder / "records")

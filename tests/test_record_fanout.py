@@ -15,7 +15,7 @@ class _Node:
     """What a record push reads of its node's membership view: the live members (some in client mode), the
     next candidates, the suspicions."""
 
-    _workers = SwarmView._workers  # read only in a public swarm (``_Public``)
+    workers = SwarmView.workers  # read only in a public swarm (``_Public``)
 
     def __init__(self, n: int, client: set[str] = frozenset()) -> None:
         self.peer_id = "me"
@@ -37,7 +37,7 @@ class _Node:
             self.peer_id,
             self.suspect,
             self.live_members,
-            self._workers,
+            self.workers,
             self.candidates,
             time.monotonic,
         )
@@ -98,7 +98,7 @@ def test_a_public_swarm_pushes_to_members_whose_work_was_merged_not_to_identitie
 
 
 def test_a_public_swarm_relinks_members_whose_work_was_merged_not_identities_that_never_worked():
-    """``SwarmView._relink`` pings the known peers the DHT lost; an identity with no process behind it is never
+    """``SwarmView.relink`` pings the known peers the DHT lost; an identity with no process behind it is never
     in the routing table, so it was pinged (dialled) every heartbeat for as long as its record lived."""
     import asyncio
 
@@ -110,13 +110,13 @@ def test_a_public_swarm_relinks_members_whose_work_was_merged_not_identities_tha
             return []
 
     class _View(_Public):
-        _relink = SwarmView._relink
+        relink = SwarmView.relink
 
     async def go(view: _View) -> list[str]:
-        view.loop = asyncio.get_running_loop()
+        view.clock = asyncio.get_running_loop().time
         view.membership, view.events = _Membership(), None
-        view._peer_book = {pid: view.loop.time() for pid in view.members}
-        await view._relink()
+        view.peer_book = {pid: view.clock() for pid in view.members}
+        await view.relink()
         return asked.pop()
 
     workers = [f"p{i:04d}" for i in range(6)]

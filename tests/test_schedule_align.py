@@ -39,7 +39,7 @@ def _loop(steps: int, first_step: int, swarm_step):
     learner = SimpleNamespace(plan=plan, steps=steps, book=SimpleNamespace(step=steps))
     node = SimpleNamespace(
         blocking=False,
-        swarm_step=lambda: swarm_step,
+        view=SimpleNamespace(swarm_step=lambda: swarm_step),
         clocks=SimpleNamespace(current=lambda: [None] * len(plan.fragments)),
     )
     loop = SimpleNamespace(learner=learner, node=node, _first_step=first_step, slots=SlotBook(), step_s=0.1)

@@ -108,8 +108,8 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
     from node.swarm.work_book import WorkBook
     from tests.test_catch_up import fake_catch_up
 
-    class _View:  # what the view reads to tell workers (``SwarmView._workers``)
-        _workers = SwarmView._workers
+    class _View:  # what the view reads to tell workers (``SwarmView.workers``)
+        workers = SwarmView.workers
         logged_learners = SwarmView.logged_learners
 
         def __init__(self, watched_s: float) -> None:
@@ -130,7 +130,7 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
                 [9, "h9", 2, 1.0],
                 ["worker", *(f"sybil{i:02d}" for i in range(32))],
             ),
-            workers=view._workers,
+            workers=view.workers,
             spawn=lambda coro: None,
         )
         node.pulled = []

@@ -149,7 +149,7 @@ class LearnerLoop(threading.Thread):
         one merge record per fragment per H steps rather than one per learner. The phase is matched to a
         fraction of a step: the learner takes the step number the peers start next and waits (less than one
         step, once) until they start it."""
-        aligned = aligned_step(self.node.swarm_step(), self.step_s)
+        aligned = aligned_step(self.node.view.swarm_step(), self.step_s)
         lrn = self.learner
         if aligned is None:
             return
@@ -174,7 +174,7 @@ class LearnerLoop(threading.Thread):
         it (see docs/chaos.md). Jumping the schedule only changes which fragments come due next; the
         counters still count every step a contribution holds."""
         lrn = self.learner
-        after = in_phase_step(self.node.swarm_step(), lrn.book.step)
+        after = in_phase_step(self.node.view.swarm_step(), lrn.book.step)
         if after is None:
             return
         before, lrn.book.step = lrn.book.step, after
@@ -199,7 +199,7 @@ class LearnerLoop(threading.Thread):
         anywhere yet, by the learner's own steps."""
         lrn = self.learner
         by_steps = lrn.plan.due(lrn.book.step + 1)
-        if lrn.steps == self._first_step and self.node.swarm_step() is not None:
+        if lrn.steps == self._first_step and self.node.view.swarm_step() is not None:
             # A life's first step among peers: its schedule is put in phase with theirs after this step
             # (``_align_schedule``); what its own count makes due now is out of phase, and a round of one
             # learner's single step, merged alone, would overwrite what the others trained on it.

@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from dht.identity import Identity
-from dht.launch import peer_ids_of
-from dht.records import Member
 from node.common.events import EventLog
 from node.common.lifetime import cancel_until_done
 from node.common.priority import lower_network_priority, lower_own_thread_priority, paced_wait
@@ -106,7 +104,7 @@ ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
 
 
 # ------------------------------------------------------------------------------------------- the node
-class Node(SwarmView, Replication):
+class Node(Replication):
     def __init__(self, cfg: NodeConfig, unit: Unit | None = None) -> None:
         self.cfg = cfg
         self.unit = unit  # this node's learner spans a torch.distributed unit; this process is its rank 0
@@ -200,13 +198,11 @@ class Node(SwarmView, Replication):
         self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, lambda: self.loop.time())
         self.leases: dict[int, int] = {}
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
-        self.members: dict[str, Member] = {}
         self.suspect: dict[str, float] = {}
         # (fragment, signer) -> (round, new hash, signed bytes): refused by the election fence, tried again
         self.unelected_held: dict[tuple, tuple] = {}
         # (fragment, signer) -> (round, new hash, signed bytes, caller): held out of turn (``Replication.out_of_turn``)
         self.turn_held: dict[tuple, tuple] = {}
-        self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
         self.lagging_since: dict[int, float] = {}
         self.peer_scores = PeerScores(ban_after=s.ban_after, ban_s=s.ban_s)
@@ -219,20 +215,32 @@ class Node(SwarmView, Replication):
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
         self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
-        self.published_self: Member | None = None  # this node's membership record as peers read it
-        self._addrs: list[str] = []
-        self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
-        # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
-        # node.swarm.view: (member, fragment, round) -> (when first seen, the swarm's summed steps then)
-        self.lease_seen: dict[tuple[str, str, int], tuple[float, int]] = {}
-        self.swarm_steps = 0
-        self._peer_book: dict[str, float] = dict.fromkeys(
-            peer_ids_of(NodeSettings.split(s.initial_peers)), float("inf")
-        )
-        self._relinking: asyncio.Task | None = None
-        # each part's own state, declared where the part is written
         self.joining = False  # no heads published until this node has a state (``_enter``)
         self.learner_loop = LearnerLoop(self, self.learner)
+        # its view of the swarm: members, heads, election (node.swarm.view)
+        self.view = SwarmView(
+            s,
+            self.pcfg,
+            self.peer_id,
+            self.admission,
+            self.replicas,
+            self.heads,
+            self.logs,
+            self.leases,
+            self.syncs,
+            self.suspect,
+            self.peer_scores,
+            self.work,
+            self.agreement,
+            self.learner,
+            self.learner_loop,
+            self.events,
+            joining=lambda: self.joining,
+            renounced=lambda: self.receipts.renounced_now(),
+            decide=self._decide,
+            spawn=self._spawn,
+            request_stop=self.request_stop,
+        )
         # the audits this node makes, and the convictions it hands on (node.swarm.audit)
         self.auditor = Auditor(
             s,
@@ -250,8 +258,8 @@ class Node(SwarmView, Replication):
             self.events,
             self.learner_loop,
             call=lambda peer, op, body: self.transport.call(peer, op, body),
-            live_members=self.live_members,
-            learner_only=self.learner_only,
+            live_members=self.view.live_members,
+            learner_only=self.view.learner_only,
             agreed=self._agreed,
             reset_sync=self._reset_sync,
             spawn=self._spawn,
@@ -313,7 +321,7 @@ class Node(SwarmView, Replication):
             self.work,
             self.counters,
             self.events,
-            self.logged_learners,
+            self.view.logged_learners,
             self.global_hash,
             self.rounds_merged,
             self.tokens_merged,
@@ -433,20 +441,20 @@ class Node(SwarmView, Replication):
             self.suspect,
             self.counters,
             self.events,
-            self.live_members,
-            self.rounds_behind,
+            self.view.live_members,
+            self.view.rounds_behind,
             self.receipts.watched_round,
             self.receipts.check_omission,
             self._send_again,
         )
-        self._addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
+        addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
         self.membership = Membership(
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
         )
         p2p = await self.dht.replicate_p2p()
         budget, most = int(s.peer_inflight_mib * (1 << 20)), max_frame_bytes(self.plan)
         self.transport = Transport(
-            p2p, most, timeout_s=s.rpc_timeout_s, admit=self._admit, peer_budget=budget
+            p2p, most, timeout_s=s.rpc_timeout_s, admit=self.view.admit, peer_budget=budget
         )
         if self.admission is not None and self.admission.sealed:
             from node.swarm.sealed import SealedTransport
@@ -457,9 +465,9 @@ class Node(SwarmView, Replication):
             s,
             self.peer_id,
             self.suspect,
-            self.live_members,
-            self._workers,
-            self.candidates,
+            self.view.live_members,
+            self.view.workers,
+            self.view.candidates,
             self.loop.time,
         )
         self.vetting = SnapshotVetting(
@@ -473,8 +481,8 @@ class Node(SwarmView, Replication):
             self.work,
             self.transport,
             self.events,
-            self.live_members,
-            self.winning_heads,
+            self.view.live_members,
+            self.view.winning_heads,
             self.penalise,
         )
         self.catch_up = CatchUp(
@@ -498,22 +506,23 @@ class Node(SwarmView, Replication):
             self.transport,
             self.vetting,
             self.auditor,
-            members=lambda: self.members,
-            live_members=self.live_members,
-            winning_heads=self.winning_heads,
-            outvoted=self.outvoted,
-            credible=self.credible,
-            within_records=self.within_records,
-            head_key=self._head_key,
-            workers=self._workers,
-            logged_learners=self.logged_learners,
-            credit_snapshot=self.credit_snapshot,
-            heartbeat=self._heartbeat_once,
+            members=lambda: self.view.members,
+            live_members=self.view.live_members,
+            winning_heads=self.view.winning_heads,
+            outvoted=self.view.outvoted,
+            credible=self.view.credible,
+            within_records=self.view.within_records,
+            head_key=self.view.head_key,
+            workers=self.view.workers,
+            logged_learners=self.view.logged_learners,
+            credit_snapshot=self.view.credit_snapshot,
+            heartbeat=self.view.heartbeat,
             apply=self._apply,
             reset_sync=self._reset_sync,
             spawn=self._spawn,
             clock=self.loop.time,
         )
+        self.view.start(self.membership, self.loop.time, addrs, self.catch_up.reconcile)
         self.intake = Intake(
             s,
             self.pcfg,
@@ -532,13 +541,13 @@ class Node(SwarmView, Replication):
             self.auditor,
             self.receipts,
             self.transport,
-            known=self._known,
-            members=lambda: self.members,
-            live_members=self.live_members,
-            candidates=self.candidates,
-            synchroniser_of=self.synchroniser_of,
-            lease_seen=lambda: self.lease_seen,
-            swarm_steps=lambda: self.swarm_steps,
+            known=self.view.known,
+            members=lambda: self.view.members,
+            live_members=self.view.live_members,
+            candidates=self.view.candidates,
+            synchroniser_of=self.view.synchroniser_of,
+            lease_seen=lambda: self.view.lease_seen,
+            swarm_steps=lambda: self.view.swarm_steps,
             decide=self._decide,
             penalise=self.penalise,
             clock=self.loop.time,
@@ -555,14 +564,14 @@ class Node(SwarmView, Replication):
             self.auditor,
             self.transport,
             self.receipts,
-            candidates=self.candidates,
-            rounds_behind=self.rounds_behind,
+            candidates=self.view.candidates,
+            rounds_behind=self.view.rounds_behind,
             accept=self.intake.accept,
             watch=self.deadlines.watch,
             clock=self.loop.time,
         )
         handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
-        Dispatcher(self._known, self.penalise, handlers).register(self.transport)
+        Dispatcher(self.view.known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
         await self.status_p2p.start()
@@ -573,7 +582,7 @@ class Node(SwarmView, Replication):
         self.events.subscribe(self.status_server.on_event)  # metrics, and the cached document marked stale
         await self.status_server.start(s.status_host, s.status_port)
         # where ddiloco doctor finds a node that is still joining
-        self.persistence.write_ready(self._addrs, self.status_server.url, "starting.json")
+        self.persistence.write_ready(addrs, self.status_server.url, "starting.json")
         self.outbox = asyncio.Queue()
         try:
             if not await self._until_stopped(self._enter()):
@@ -585,8 +594,8 @@ class Node(SwarmView, Replication):
                 logger.info(
                     "network side niced by %d (%d threads); the learner keeps its priority", s.agent_nice, n
                 )
-            self.persistence.write_ready(self._addrs, self.status_server.url)
-            self._spawn(self._heartbeat_loop())
+            self.persistence.write_ready(addrs, self.status_server.url)
+            self._spawn(self.view.heartbeat_loop())
             self._spawn(self._sender_loop())
             self._spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
@@ -605,7 +614,7 @@ class Node(SwarmView, Replication):
         # A node with no state publishes no heads until it has one (``SwarmView.self_member``): set before
         # its first heartbeat.
         self.joining = not self._restored
-        await self._heartbeat_once()
+        await self.view.heartbeat()
         self._phase("membership")
         if not self._restored:
             try:

@@ -102,7 +102,7 @@ class Replication:
         now = time.monotonic()
         # each contributor's work spans its steps at its record's rate: the counters' bound (``WorkBook.merged``)
         for c in rec.contributors:
-            rate = getattr(self.members.get(c[0]), "steps_per_s", 0.0)
+            rate = getattr(self.view.members.get(c[0]), "steps_per_s", 0.0)
             self.work.merged(c[0], p, now, c[3] / rate if rate > 0 else 0.0)
         log = self.logs[p]
         # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
@@ -147,7 +147,7 @@ class Replication:
         in the swarm, a contributor it has never seen, a contribution of its own it never sent; where the
         swarm audits, a record that names no signed message (nothing to recompute it from); and in a public
         swarm, a signer no view on this chain could have elected (``signer_electable``)."""
-        known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
+        known = self.view.members.keys() | self.view.peer_book.keys() | {self.peer_id}
         rec = sr.record
 
         def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
@@ -155,7 +155,7 @@ class Replication:
 
         if sr.signer not in known:
             raise unseen(f"round {rec.round} signed by {sr.signer}, never a member")
-        signer = self.members.get(sr.signer)
+        signer = self.view.members.get(sr.signer)
         if self.admission is not None and signer is not None and signer.client_mode:
             # a learner-role member (an open learner: dht.admission) is never elected; what it signs is a lie
             raise ProtocolError(
@@ -192,7 +192,7 @@ class Replication:
         ``ELECT_CREDITED`` members. False where the swarm elects anyone (no fence at all)."""
         if not self.settings.elect_workers:
             return False
-        return self._stands_aside(p, self.work.credited_of(set(known), self.logged_learners()))
+        return self._stands_aside(p, self.work.credited_of(set(known), self.view.logged_learners()))
 
     def _stands_aside(self, p: int, credited: frozenset[str]) -> bool:
         watched = self.work.watched_for(time.monotonic(), ELECT_WATCH_ROUNDS * self.syncs[p].due_every)
@@ -212,10 +212,10 @@ class Replication:
         fork decides."""
         if sr.signer == self.peer_id or any(c[0] != sr.signer for c in sr.record.contributors):
             return False  # ours, or it merged another member's work: not a record of the signer's alone
-        known = self.members.keys() | self._peer_book.keys() | {self.peer_id}
+        known = self.view.members.keys() | self.view.peer_book.keys() | {self.peer_id}
         if not self.fence_stands_aside(sr.record.fragment, known):
             return False
-        first = self.candidates(sr.record.fragment, leases=False)[:1]
+        first = self.view.candidates(sr.record.fragment, leases=False)[:1]
         return bool(first) and first[0] != sr.signer
 
     def signer_electable(self, p: int, signer: str, known) -> bool:
@@ -229,7 +229,7 @@ class Replication:
         for the election's window itself, and while its chain credits fewer than ``ELECT_CREDITED`` members."""
         if signer == self.peer_id or not self.settings.elect_workers:
             return True
-        logged = self.logged_learners()
+        logged = self.view.logged_learners()
         credited = self.work.credited_of(set(known) | {signer}, logged)
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
         # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
@@ -305,7 +305,7 @@ class Replication:
         # The wall clock is the swarm's; the state machine runs on the loop's. The members' measured step
         # rates (each over its last steps, the warm-up left out); none measured yet: no schedule in this
         # record, and the learners go by their steps until a later one has one.
-        rates = [1.0 / m.steps_per_s for m in self.live_members().values() if m.steps_per_s > 0]
+        rates = [1.0 / m.steps_per_s for m in self.view.live_members().values() if m.steps_per_s > 0]
         reported = [c.step_time_s for c in a.contributions]
         at = time.time() - (t0 - taken_at(st, t0))
         due, period = record_timing(
@@ -381,10 +381,10 @@ class Replication:
     async def _h_record(self, caller: str, raw: bytes) -> Reply:
         sr = None
         try:
-            if not await self._known(caller):
+            if not await self.view.known(caller):
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
             sr = decode_record(raw, self.settings.swarm, self.spec)
-            if sr.signer != self.peer_id and sr.signer not in self.members:
+            if sr.signer != self.peer_id and sr.signer not in self.view.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
             # node.swarm.evidence: a lie every node can check bans its signer. A record that follows our head
             # is checked once, as it is applied (``_on_record``); one that does not is checked here
@@ -396,9 +396,11 @@ class Replication:
                 raise lie
             # A contributor we have never seen may have joined since our last read of the view (start-up:
             # the first rounds hold every node): look before ``_vouch`` calls the record forged.
-            unseen = {c[0] for c in sr.record.contributors} - (self.members.keys() | self._peer_book.keys())
+            unseen = {c[0] for c in sr.record.contributors} - (
+                self.view.members.keys() | self.view.peer_book.keys()
+            )
             if unseen - {self.peer_id}:
-                await self._look_up(min(unseen - {self.peer_id}))  # one read of the view covers them all
+                await self.view.look_up(min(unseen - {self.peer_id}))  # one read of the view covers them all
             return self._on_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
@@ -450,7 +452,7 @@ class Replication:
             )
         if rec.round == rep.round:  # a split brain: same round, other record
             self.counters["forks"] += 1
-            ours_wins = self._head_key(self.heads[p]) < self._head_key(theirs)
+            ours_wins = self.view.head_key(self.heads[p]) < self.view.head_key(theirs)
             self.events.emit(
                 "fork",
                 t=time.time(),

@@ -71,11 +71,11 @@ def held_goodput(
 
 def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (which imports this module)
     ll = node.learner_loop
-    members = node.live_members()
+    members = node.view.live_members()
     frags = []
     synchronises: dict[str, list[int]] = {}
     for p, rep in enumerate(node.replicas):
-        cands = node.candidates(p)
+        cands = node.view.candidates(p)
         if cands:
             synchronises.setdefault(cands[0], []).append(p)
         frags.append(
@@ -89,14 +89,14 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
                 # learners its open round waits for, counted from those whose work was merged lately where
                 # members are not trusted (``protocol.synchroniser.quorum_basis``)
                 "quorum": effective_quorum(node.pcfg, node.syncs[p]),
-                "behind": node.rounds_behind(p),  # rounds the newest credible head is ahead of ours
+                "behind": node.view.rounds_behind(p),  # rounds the newest credible head is ahead of ours
             }
         )
     now = time.time()
     mono = time.monotonic()
 
     def reachable(pid: str) -> bool:
-        return pid not in node.blocked and node.suspect.get(pid, 0.0) <= mono
+        return pid not in node.view.blocked and node.suspect.get(pid, 0.0) <= mono
 
     first = sorted(members, key=lambda pid: (pid != node.peer_id, pid not in synchronises, pid))
     listed = [(pid, members[pid]) for pid in sorted(first[:PEERS_LISTED])]
@@ -112,7 +112,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "elect": "workers" if node.settings.elect_workers else "anyone",  # who may synchronise (``elect``)
         "uptime_s": now - node.started_at,
         "joined_by": node.joined_by,
-        "maddrs": node._addrs,
+        "maddrs": node.view.addrs,
         "model_hash": node.global_hash(),
         "rounds_merged": node.rounds_merged(),
         "tokens_merged": node.tokens_merged(),
@@ -171,7 +171,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "counters": dict(node.counters),
         "goodput": goodput,
         "goodput_since": since,  # the node's start, or its oldest record still in memory
-        "blocked": sorted(node.blocked),
+        "blocked": sorted(node.view.blocked),
     }
 
 
@@ -203,6 +203,6 @@ def apply_control(node: Any, action: str, peers: list[str]) -> tuple[int, dict]:
     elif action == "forget":  # the open rounds' contributions lost here, the receipts given for them kept
         node.loop.call_soon_threadsafe(_forget, node)
     elif action == "block":
-        node.blocked = set(peers)
+        node.view.blocked = set(peers)
         node.events.emit("partition", t=time.time(), blocked=sorted(peers))
     return 200, {"ok": True, "action": action}

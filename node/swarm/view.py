@@ -1,14 +1,15 @@
 """A node's view of its swarm (docs/design.md, section 4, "Membership"): its own signed membership
 record, the live members it reads every heartbeat, the heads they publish and the synchroniser each
-fragment's open round has in that view, the DHT links it keeps (``Membership.relink``). A mixin of
-``node.swarm.agent.Node``."""
+fragment's open round has in that view, the DHT links it keeps (``Membership.relink``). ``SwarmView`` is a
+component the node builds from its state; the parts made when the node runs (its ``Membership``, its loop's
+clock, its addresses, the catch-up's reconcile) are handed over by ``start``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from dht.launch import peer_ids_of
 from dht.records import Member, eligible
@@ -33,7 +34,7 @@ LIFETIME_TTLS = 2.0  # a record counts at most this many ttl_s after it was issu
 # nodes on a loaded machine counted only 2 of themselves at times, and took a lone learner's round as quorum)
 WORKING_ROUNDS = 8.0
 # a public swarm elects only members whose work was merged once a node has watched it merge this many of a
-# fragment's round periods (``_workers``): every learner on time is credited in a record by then. Until then
+# fragment's round periods (``workers``): every learner on time is credited in a record by then. Until then
 # every member is electable, and 64 identities with no process behind them won most rounds: at 8 periods the
 # first 10 s of a bench run failed over past them 73-135 times a node
 ELECT_WATCH_ROUNDS = 3.0
@@ -55,10 +56,68 @@ def credits(signer: str, learner: str, me: str) -> bool:
 
 
 class SwarmView:
-    """Membership, heads and election for ``node.swarm.agent.Node``."""
+    """Membership, heads and election. ``joining()``: whether this node is still without a state (it then
+    publishes no heads); ``renounced()``: the rounds it renounces (``Receipts.renounced_now``);
+    ``decide(p, decision)``: a synchroniser's decision carried out (``node.swarm.replication``);
+    ``spawn(coro)``: a task of the node's; ``request_stop(why)``: stop the node."""
 
-    _last_good_read = float("-inf")  # DHT time of the last membership read that succeeded
-    _read_failing = False  # the last membership read failed
+    def __init__(
+        self,
+        settings,
+        pcfg,
+        peer_id: str,
+        admission,
+        replicas: list,
+        heads: list,
+        logs: list,
+        leases: dict[int, int],
+        syncs: list,
+        suspect: dict[str, float],
+        peer_scores,
+        work,
+        agreement,
+        learner,
+        learner_loop,
+        events,
+        *,
+        joining: Callable[[], bool],
+        renounced: Callable[[], dict],
+        decide: Callable,
+        spawn: Callable,
+        request_stop: Callable[[str], None],
+    ) -> None:
+        self.settings, self.pcfg, self.peer_id, self.admission = settings, pcfg, peer_id, admission
+        self.replicas, self.heads, self.logs, self.leases, self.syncs = replicas, heads, logs, leases, syncs
+        self.suspect, self.peer_scores, self.work, self.agreement = suspect, peer_scores, work, agreement
+        self.learner, self.learner_loop, self.events = learner, learner_loop, events
+        self.joining, self.renounced, self.decide = joining, renounced, decide
+        self.spawn, self.request_stop = spawn, request_stop
+        self.members: dict[str, Member] = {}  # the last view read, without this node; replaced whole
+        self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
+        self.published_self: Member | None = None  # this node's membership record as peers read it
+        self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
+        # (member, fragment, round) -> (when first seen, the swarm's summed steps then) of the leases published
+        self.lease_seen: dict[tuple[str, str, int], tuple[float, int]] = {}
+        self.swarm_steps = 0
+        # Peers to keep in the DHT's routing table: the initial peers, and members seen in the last views.
+        self.peer_book: dict[str, float] = dict.fromkeys(
+            peer_ids_of(NodeSettings.split(settings.initial_peers)), float("inf")
+        )
+        self._relinking: asyncio.Task | None = None
+        self._last_good_read = float("-inf")  # DHT time of the last membership read that succeeded
+        self._read_failing = False  # the last membership read failed
+        # made when the node runs (``start``)
+        self.membership = None
+        self.clock: Callable[[], float] | None = None
+        self.addrs: list[str] = []
+        self.reconcile: Callable[[], None] | None = None
+
+    def start(
+        self, membership, clock: Callable[[], float], addrs: list[str], reconcile: Callable[[], None]
+    ) -> None:
+        """The parts made when the node runs: its membership on the DHT, its loop's clock, the addresses it
+        publishes and the catch-up's reconcile (each heartbeat)."""
+        self.membership, self.clock, self.addrs, self.reconcile = membership, clock, addrs, reconcile
 
     def _view_horizon(self, now: float) -> float:
         """The time a member's record must outlive to be in the view: now; but while membership reads fail,
@@ -78,7 +137,7 @@ class SwarmView:
     def self_member(self, now: float) -> Member:
         return Member(
             peer_id=self.peer_id,
-            addrs=tuple(self._addrs),
+            addrs=tuple(self.addrs),
             version=VERSION,
             issued_at=now,
             expires_at=now + self.settings.ttl_s,
@@ -86,12 +145,12 @@ class SwarmView:
             client_mode=self.settings.client_mode or self.learner_only(),
             # none while joining: a joiner's round 0 is no state to vouch with, and three nodes that joined
             # at once counted each other's round 0 against a swarm 15 rounds on and all started fresh
-            heads={} if self.joining else {str(p): list(h) for p, h in enumerate(self.heads)},
+            heads={} if self.joining() else {str(p): list(h) for p, h in enumerate(self.heads)},
             step=self.learner.book.step,
             steps_per_s=self.learner_loop.steps_per_s(),
             cert=self.admission.certificate.to_json() if getattr(self.admission, "certificate", None) else "",
             leases={str(p): r for p, r in self.leases.items() if r == self.replicas[p].round + 1},
-            renounced=self.receipts.renounced_now(),
+            renounced=self.renounced(),
         )
 
     def live_members(self) -> dict[str, Member]:
@@ -112,14 +171,14 @@ class SwarmView:
         view[self.peer_id] = self.self_member(now)
         return view
 
-    def _head_key(self, h) -> tuple:
+    def head_key(self, h) -> tuple:
         return head_key(int(h[0]), int(h[2]), float(h[3]), str(h[1]))
 
     def voters(self, p: int, members: dict[str, Member]) -> dict[str, Member]:
         """Whose head counts in a majority of heads (``backed``, ``outvoted``): in a public swarm whose workers
         this node knows, workers and members with a process behind them (in its DHT routing table), not 32
         free signed records echoing one head; else everyone."""
-        workers = self._workers(p, members) if self.settings.elect_workers else members
+        workers = self.workers(p, members) if self.settings.elect_workers else members
         if workers is members:  # everyone: a private swarm, or this node cannot tell workers yet
             return members
         alive = self.membership.processes
@@ -158,7 +217,7 @@ class SwarmView:
         """The best head of fragment p among reachable ``members`` and the peers holding it, if it beats
         ours; else (None, []). A head must be ``credible``, or (unless ``strict``: a snapshot will be
         fetched) close enough to follow by records; not one of ``refused`` (round, hash)."""
-        best_key, best_head, holders = self._head_key(self.heads[p]), None, []
+        best_key, best_head, holders = self.head_key(self.heads[p]), None, []
         for pid, m in sorted(members.items()):
             h = m.heads.get(str(p))
             if (
@@ -172,7 +231,7 @@ class SwarmView:
             r = int(h[0])
             if not self.credible(p, pid, r, members) and (strict or not self.within_records(p, r)):
                 continue
-            k = self._head_key(h)
+            k = self.head_key(h)
             if k < best_key:
                 best_key, best_head, holders = k, h, [pid]
             elif k == best_key and holders:
@@ -206,7 +265,7 @@ class SwarmView:
             if (int(h[0]), str(h[1])) == (r, ours[1]) or (mine is not None and mine.record.new_hash == h[1]):
                 continue  # our own chain
             groups.setdefault(tuple(h), []).append(q)
-        held = [(self._head_key(h), list(h), qs) for h, qs in groups.items() if len(qs) >= 2]
+        held = [(self.head_key(h), list(h), qs) for h, qs in groups.items() if len(qs) >= 2]
         return min(held)[1:] if held else (None, [])
 
     def candidates(self, p: int, dead: Collection[str] = (), leases: bool = True) -> list[str]:
@@ -236,7 +295,7 @@ class SwarmView:
             )
         }
         if self.settings.elect_workers:
-            seen = self._workers(p, seen)
+            seen = self.workers(p, seen)
         # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
         out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
         out |= {self.peer_id} if members[self.peer_id].renounced.get(str(p)) == open_round else set()
@@ -250,7 +309,7 @@ class SwarmView:
             order = [holders[0]] + [x for x in order if x != holders[0]]
         return order
 
-    def _workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
+    def workers(self, p: int, seen: dict[str, Member]) -> dict[str, Member]:
         """The members of ``seen`` whose learner is credited on the chain this node follows (``elect`` workers,
         ``WorkBook.workers``; against Sybils: 32 free copies of one record won rounds, and senders failed
         over past each 600-1,900 times a run). Nodes on one chain hold the same credits; the set is not
@@ -296,7 +355,7 @@ class SwarmView:
         order = [x for x in self.candidates(p, dead) if x not in dead]
         return order[0] if order else None
 
-    async def _heartbeat_once(self) -> None:
+    async def heartbeat(self) -> None:
         """Publish our record, then re-read the view whether or not the write went through: a write can
         fail while reads work (one DHT peer that refuses our records, e.g. one holding junk over the key),
         and a view left unread that long lets every record in it expire: the node alone, the swarm split."""
@@ -304,9 +363,9 @@ class SwarmView:
             await asyncio.to_thread(self.membership.publish, self.self_member(get_dht_time()))
         except Exception as e:  # noqa: BLE001 - the DHT is flaky under load; the next beat retries
             logger.warning("heartbeat failed: %s", e)
-        await self._refresh_view()
+        await self.refresh()
 
-    async def _refresh_view(self) -> None:
+    async def refresh(self) -> None:
         """Re-read the membership key: the live view, and the live set each synchroniser counts."""
         try:
             members, dropped = await asyncio.to_thread(self.membership.live)
@@ -316,9 +375,9 @@ class SwarmView:
             return
         self._read_failing, self._last_good_read = False, get_dht_time()
         self.members = {m.peer_id: m for m in members if m.peer_id != self.peer_id}
-        seen = self.loop.time()
+        seen = self.clock()
         for pid in self.members:
-            self._peer_book[pid] = max(seen, self._peer_book.get(pid, seen))
+            self.peer_book[pid] = max(seen, self.peer_book.get(pid, seen))
         # when each lease a member publishes was first seen here (``Intake.stalled_here``): the
         # evidence that a member took a round and did not merge it runs from then, not from the round's slot
         # (and the swarm's summed published learner steps then: a round held open while no learner worked,
@@ -332,7 +391,7 @@ class SwarmView:
         for pid, why in dropped.items():
             logger.debug("membership record %s dropped: %s", pid, why)
         live = frozenset(self.live_members())
-        now, mono = self.loop.time(), time.monotonic()
+        now, mono = self.clock(), time.monotonic()
         for p in range(len(self.syncs)):
             st = self.syncs[p]
             working = self.work.working(live, mono, WORKING_ROUNDS * st.due_every)
@@ -341,35 +400,35 @@ class SwarmView:
                 # every robust round waited for 5 learners of 4 coming, a period each (protocol.quorum)
                 working = (live if working is None else working) - self.agreement.out
             if st.live != live or st.working != working:
-                self._decide(p, on_membership(self.pcfg, st, live, now, working))
+                self.decide(p, on_membership(self.pcfg, st, live, now, working))
 
-    async def _heartbeat_loop(self) -> None:
+    async def heartbeat_loop(self) -> None:
         while True:
             if self.settings.exit_with_parent and parent_gone():
                 self.request_stop("the launching process is gone")
-            t0 = self.loop.time()
+            t0 = self.clock()
             try:
-                await self._heartbeat_once()
-                self.catch_up.reconcile()
+                await self.heartbeat()
+                self.reconcile()
             except Exception:  # noqa: BLE001 - one bad beat must not end them: a node whose heartbeats stop
                 # leaves every view and never reconciles again (a race in one beat, ``deque mutated during
                 # iteration``, kept a node on its own forks for the rest of a test run)
                 logger.exception("heartbeat failed; the next one comes in %.1f s", self.settings.heartbeat_s)
             if self._relinking is None or self._relinking.done():
-                self._relinking = self._spawn(self._relink())
-            await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.loop.time() - t0)))
+                self._relinking = self.spawn(self.relink())
+            await asyncio.sleep(max(0.05, self.settings.heartbeat_s - (self.clock() - t0)))
 
-    async def _relink(self) -> None:
+    async def relink(self) -> None:
         """Put back into the DHT's routing table the peers it lost (``Membership.relink``): initial peers, and
         members seen within ``RELINK_MEMORY_S`` (in a public swarm, those whose work was merged here, once this
-        node can tell: ``_workers``). Without it a saturated link can cut a node off for good."""
-        now = self.loop.time()
-        self._peer_book = {p: t for p, t in self._peer_book.items() if now - t <= RELINK_MEMORY_S}
-        book = list(self._peer_book)
+        node can tell: ``workers``). Without it a saturated link can cut a node off for good."""
+        now = self.clock()
+        self.peer_book = {p: t for p, t in self.peer_book.items() if now - t <= RELINK_MEMORY_S}
+        book = list(self.peer_book)
         if self.settings.elect_workers and self.syncs:
             # an identity with no process behind it is never in the routing table, so every beat pinged each
             # one again, and each ping dialled it (64 Sybils: the honest p2p daemons' CPU up 60%)
-            book = list(self._workers(0, dict.fromkeys(book)))
+            book = list(self.workers(0, dict.fromkeys(book)))
         try:
             first = peer_ids_of(NodeSettings.split(self.settings.initial_peers))
             back = await asyncio.to_thread(self.membership.relink, book, first)
@@ -380,35 +439,35 @@ class SwarmView:
             logger.warning("the DHT had lost %d known peer(s); they answered and are linked again", len(back))
             self.events.emit("relink", t=time.time(), peers=back)
 
-    async def _known(self, caller: str) -> bool:
+    async def known(self, caller: str) -> bool:
         """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
         self.peer_scores.check(caller, time.monotonic())
         if caller in self.blocked:
             return False
         if caller in self.members or caller == self.peer_id:
             return True
-        return await self._look_up(caller)
+        return await self.look_up(caller)
 
-    async def _look_up(self, peer: str) -> bool:
+    async def look_up(self, peer: str) -> bool:
         """Whether ``peer``, not in our view, has just joined: re-read the view (no DHT write), at most once a
         heartbeat per peer, so a peer we do not know cannot make us hammer the DHT. Its requests that come
         while that re-read runs wait for it: a restarted node asks for every fragment at once, and all but
         the first were refused as ``unknown_peer``, which put the whole catch-up back by a heartbeat."""
-        now = self.loop.time()
+        now = self.clock()
         asked, read = self._unknown_asked.get(peer, (float("-inf"), None))
         if now - asked >= self.settings.heartbeat_s:
             if len(self._unknown_asked) > 1024:
                 self._unknown_asked = {}
-            read = asyncio.ensure_future(self._refresh_view())
+            read = asyncio.ensure_future(self.refresh())
             self._unknown_asked[peer] = (now, read)
         if read is not None and not read.done():
             await asyncio.shield(read)
         return peer in self.members
 
-    async def _admit(self, caller: str, op: str) -> None:
+    async def admit(self, caller: str, op: str) -> None:
         """The transport's admission check, before it reads a request's body: a stranger's upload is refused
         ``unknown_peer`` (a banned peer's ``banned``) without a byte of it being read."""
-        if not await self._known(caller):
+        if not await self.known(caller):
             raise ProtocolError(
                 RejectCode.UNKNOWN_PEER,
                 f"{op} from {caller}: not a live member of swarm {self.settings.swarm}",
