@@ -3,10 +3,12 @@
   settings       the node's configuration sections (``NodeSettings``, ``NodeConfig``)
   transport      request/reply ops over hivemind's P2P, with deadlines and refusal codes
   wire, sealed   signed wire formats of contributions, records and snapshots; sealed (private) swarms
-  contributions  a learner's contribution routed to the synchroniser, and the synchroniser's checks
+  sender         a learner's contribution routed to its synchroniser, failing over; the ids this node sent
+  intake         a synchroniser's checks of a contribution before the pure core takes it
   replication    merge records: merging, applying, pushing, serving
   catch_up       joining by download, catching up from records or a snapshot, yielding to the majority
   view           the live membership view, heads it believes and elections
+  audit          audits of merge records, convictions and undo (``audit_archive``: the messages kept)
   peer_scores    scores and bans of peers, accusations, the replay memory
   work_book      each learner's work: its counters' window, when it last merged, whom the chain credits
   signed_files   signed bytes (records, audited messages) kept in files of the state folder

@@ -52,7 +52,7 @@ SHARE_LIVE_SLACK, SHARE_LIVE_EXTRA = 2, 2  # live learners a signed share may cl
 
 class MessagesUnserved(ProtocolError):
     """A record's messages, asked of its learners and then of its signer, were not served: the record is
-    unproven (``Audit._audit``)."""
+    unproven (``Auditor.audit``)."""
 
 
 class Auditor:

@@ -33,7 +33,7 @@ class RecordPush:
 
     What it reads of the swarm comes from the node's membership view: ``live_members`` (peer id -> record,
     this node's own among them), ``workers`` (of fragment p, those of the given members whose work was
-    merged here: ``SwarmView._workers``), ``candidates`` (fragment p's synchroniser and its failovers, in
+    merged here: ``SwarmView.workers``), ``candidates`` (fragment p's synchroniser and its failovers, in
     order) and ``suspect`` (peer id -> until when it is under suspicion, on the monotonic clock), the node's
     own dict."""
 
@@ -66,7 +66,7 @@ class RecordPush:
         members = self.live_members()
         reach = {pid for pid, m in members.items() if pid != self.peer_id and not m.client_mode}
         if self.settings.elect_workers:
-            # identities whose work was never merged here take no push (``SwarmView._workers``): beside 64
+            # identities whose work was never merged here take no push (``SwarmView.workers``): beside 64
             # Sybils the sample of the rest was nearly all Sybils, so an honest node left out of a record
             # waited to pull it, sent its next contribution on a stale base, and merges took 3.7 learners of
             # 6 instead of 5.7 (bench/attacks.py --attacks sybil)

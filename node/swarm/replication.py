@@ -1,6 +1,7 @@
 """Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
-as the synchroniser, and the server side of the record and records ops. A mixin of
-``node.swarm.agent.Node``, which owns the state; joining and catching up are ``node.swarm.catch_up``, the
+as the synchroniser, and the server side of the record and records ops. The base of
+``node.swarm.agent.Node``, which owns the state and builds the components this reaches through it: the
+view (``self.view``), the audits (``self.auditor``), joining and catching up (``self.catch_up``), the
 push of the records made here ``node.swarm.record_push``, the deadlines of the rounds that took our contributions
 ``node.swarm.deadlines``."""
 
@@ -221,7 +222,7 @@ class Replication:
     def signer_electable(self, p: int, signer: str, known) -> bool:
         """The election fence of a public swarm (``elect`` workers): whether a view on the chain this node
         follows could have elected ``signer`` for a round of fragment p. Every view elects among the members
-        its chain credits with merged work (``SwarmView._workers``), and a member's own records never credit
+        its chain credits with merged work (``SwarmView.workers``), and a member's own records never credit
         it (``SwarmView.logged_learners``), so a member that signs records naming itself is not electable
         for doing so. Not the rank in the fail-over order: views differ there for a moment (a join, a
         partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
@@ -234,7 +235,7 @@ class Replication:
         # Only once this node has itself watched the swarm merge for the election's window: the credits a
         # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
         # suite run), and a restarted node refused the next honest record of the swarm's synchroniser. And
-        # with fewer than ``ELECT_CREDITED`` credited, elections stand aside too (``SwarmView._workers``).
+        # with fewer than ``ELECT_CREDITED`` credited, elections stand aside too (``SwarmView.workers``).
         if self._stands_aside(p, credited):
             return True
         return signer in credited

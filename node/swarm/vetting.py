@@ -239,7 +239,7 @@ class SnapshotVetting:
         self._took_from[p] = (donor, round_)
 
     def unfollowed(self, p: int, members: dict) -> tuple[list | None, list[str]]:
-        """The head of fragment p this node yields to (``_catch_up``'s ``yielding``) when no other member takes
+        """The head of fragment p this node yields to (``CatchUp.catch_up``'s ``yielding``) when no other member takes
         its own: no member publishes our head, while two or more members whose work this node merged agree on
         another head of our round, or of an earlier round where our chain holds another hash (a fork), and
         have for ``LONE_HEARTBEATS`` heartbeats. Ours may rank first, but they
