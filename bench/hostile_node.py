@@ -13,7 +13,7 @@ consistent record, new hash and all, that names the honest messages), ``sync-x1.
 signed with, a share of 0.02: 98% of each round it merges thrown away),
 ``sync-drop`` (it answers every contribution ``ok``, with the receipt a public swarm's synchroniser signs, and
 merges only the first it holds: a faithful record of a subset, which no audit refutes, and which with the
-receipt proves the drop: ``node.swarm.receipts``), ``sync-censor`` (the same, but it gives no receipts: what a
+receipt proves the drop: ``node.swarm.trust.receipts``), ``sync-censor`` (the same, but it gives no receipts: what a
 dropper that knows of them does).
 "A little is enough" (Baruch, Baruch and Goldberg 2019) as a member can play it: ``alie`` fetches the signed
 contributions each record it applies names (the ``kept`` op audits use: public to members) and sends, for that
@@ -108,7 +108,7 @@ def tamper_merges(attack: str) -> None:
 
     FragmentReplica.make_record = make_record
     if drop:  # the honest node's check before it signs (that it breaks no receipt it gave) taken out
-        from node.swarm.receipts import Receipts
+        from node.swarm.trust.receipts import Receipts
 
         Receipts.holds_receipts = lambda self, rec: False
         if attack == "sync-censor":

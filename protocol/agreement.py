@@ -10,7 +10,7 @@ No single round tells it apart; many do. Each robust merge measures, per contrib
 outer gradient and the sum of the others' (``protocol.robust.agreements``, read off the inner products
 CenteredClip computes anyway). An honest learner's expected cosine is positive (its signal is the swarm's); a
 negated one's is negative. A node keeps the last ``KEEP`` cosines of each learner it merged or audited
-(``node.swarm.audit``: an audit recomputes the merge, and its cosines), and leaves a learner out of its merges
+(``node.swarm.trust.audit``: an audit recomputes the merge, and its cosines), and leaves a learner out of its merges
 while the mean of those is below a floor by ``Z`` standard errors (after ``MIN_ROUNDS`` of them). The floor is
 a quarter (``FLOOR``) of the median learner's mean where that is positive, else zero: a learner that sends a
 random direction (large, so that it carries noise) reads 0.0 to two decimals, round after round, against an

@@ -90,7 +90,7 @@ class SyncState:
     pending: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     queued: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     live: frozenset[str] = frozenset()
-    # the live learners whose work was merged lately (``node.swarm.work_book.WorkBook.working``): what a robust
+    # the live learners whose work was merged lately (``node.swarm.trust.work_book.WorkBook.working``): what a robust
     # round's quorum and share count, so that identities with no work behind them count for nothing. None:
     # not known yet (a node that has not watched the swarm merge for long enough), every live one counts
     working: frozenset[str] | None = None

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from dht.identity import Identity
-from node.swarm.audit import Auditor
 from node.swarm.dispatch import Dispatcher
 from node.swarm.metrics import NODE_COUNTERS
-from node.swarm.peer_scores import PeerScores
 from node.swarm.replication import Replication
 from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
+from node.swarm.trust.audit import Auditor
+from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.wire import decode_record, encode_record, pack_list, sign_contribution
-from node.swarm.work_book import WorkBook
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
@@ -299,7 +299,7 @@ class _Member(Replication):
         self.state_dir = folder
         self.clocks = SimpleNamespace(schedule_unclocked=lambda: None)  # no schedule (node.swarm.clocks)
         self.deadlines = SimpleNamespace(left_out=lambda sr: None)  # no contribution of ours taken
-        # the audit paths alone (node.swarm.receipts: tests/test_receipts.py)
+        # the audit paths alone (node.swarm.trust.receipts: tests/test_receipts.py)
         self.receipts = SimpleNamespace(receipts_on=lambda: False)
         self.auditor = Auditor(
             self.settings,
@@ -485,7 +485,7 @@ def test_recomputes_run_one_at_a_time(tmp_path, monkeypatch):
     wait their turn rather than add up (at 124M three at once and a merge took a node 1x its weights)."""
     import threading
 
-    import node.swarm.audit as audit_mod
+    import node.swarm.trust.audit as audit_mod
 
     learners, signer = [Identity.generate() for _ in range(3)], Identity.generate()
     node = _Member(tmp_path)

@@ -1,10 +1,10 @@
-"""The messages a node keeps for audits live in its state folder, not its memory (``node.swarm.audit_archive``)."""
+"""The messages a node keeps for audits live in its state folder, not its memory (``node.swarm.trust.audit_archive``)."""
 
 import gc
 import os
 
-from node.swarm.audit_archive import AuditArchive
 from node.swarm.signed_files import SignedFiles
+from node.swarm.trust.audit_archive import AuditArchive
 
 
 def test_kept_messages_are_on_disk_read_back_whole_and_their_files_go_when_evicted(tmp_path):

@@ -19,7 +19,7 @@ from node.learner.loop import LearnerLoop
 from node.swarm import persistence
 from node.swarm.checkpoint import PendingCheckpoint
 from node.swarm.persistence import Persistence
-from node.swarm.work_book import WorkBook
+from node.swarm.trust.work_book import WorkBook
 
 
 class _Loop:

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.swarm.audit import Auditor
 from node.swarm.replication import Replication
 from node.swarm.signed_files import SignedFile, SignedFiles
+from node.swarm.trust.audit import Auditor
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
-from node.swarm.work_book import WorkBook
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.codecs import get_codec
 from protocol.config import ProtocolConfig
@@ -333,8 +333,8 @@ def test_a_merge_biased_by_a_thousandth_lands_over_the_tolerance_and_honest_ones
 def test_a_record_whose_signer_does_not_serve_its_messages_is_unproven_and_its_signer_passed_over(tmp_path):
     import asyncio
 
-    from node.swarm.audit import SUSPECT_S, MessagesUnserved
     from node.swarm.transport import TransportError
+    from node.swarm.trust.audit import SUSPECT_S, MessagesUnserved
     from tests.test_audit import _Member
 
     node = _Member(tmp_path)

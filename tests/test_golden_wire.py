@@ -40,11 +40,11 @@ from dht.admission import Admission, AdmissionError, Certificate, admit
 from dht.identity import Identity
 from dht.records import Member, RecordError, parse_member, sign_member
 from node.common.status_wire import MAX_REQUEST, decode_body, encode_frame, frame_size
-from node.swarm.audit import PROOF_MESSAGES
-from node.swarm.audit_archive import parse_kept_request
-from node.swarm.receipts import make_receipt, omits, parse_retry, read_receipt
 from node.swarm.sealed import SealedTransport
 from node.swarm.transport import Reply, _write_header, header_size, parse_header
+from node.swarm.trust.audit import PROOF_MESSAGES
+from node.swarm.trust.audit_archive import parse_kept_request
+from node.swarm.trust.receipts import make_receipt, omits, parse_retry, read_receipt
 from node.swarm.wire import (
     FragmentState,
     decode_record,
@@ -207,34 +207,34 @@ def snapshot() -> bytes:
 
 @functools.cache
 def receipt() -> bytes:
-    """node.swarm.receipts.make_receipt(...).packed(): the synchroniser's receipt for the learner's later
+    """node.swarm.trust.receipts.make_receipt(...).packed(): the synchroniser's receipt for the learner's later
     contribution, which the record of the same round and parent leaves out."""
     return make_receipt(SWARM, SYNC, 0, 3, PARENT_HASH, LEARNER.peer_id, CID_LATER).packed()
 
 
 def omission() -> bytes:
-    """The ``omission`` op's proof (node.swarm.receipts.convict_omission): [record, receipt]."""
+    """The ``omission`` op's proof (node.swarm.trust.receipts.convict_omission): [record, receipt]."""
     return pack_list([record(), receipt()])
 
 
 def proof() -> bytes:
-    """The ``proof`` op's body (node.swarm.audit.Auditor.convict_merge): [record, message, signature, ...]."""
+    """The ``proof`` op's body (node.swarm.trust.audit.Auditor.convict_merge): [record, message, signature, ...]."""
     return pack_list([record(), contribution(), contribution_sig()])
 
 
 def kept_request() -> bytes:
-    """The ``kept`` request (node.swarm.audit.Auditor.fetch_messages): the sha256 of the messages asked for."""
+    """The ``kept`` request (node.swarm.trust.audit.Auditor.fetch_messages): the sha256 of the messages asked for."""
     return json.dumps({"digests": [hashlib.sha256(contribution()).hexdigest()]}).encode()
 
 
 def kept_reply() -> bytes:
-    """The ``kept`` reply (node.swarm.audit.Auditor.on_kept): [message, signature, ...]."""
+    """The ``kept`` reply (node.swarm.trust.audit.Auditor.on_kept): [message, signature, ...]."""
     return pack_list([contribution(), contribution_sig()])
 
 
 @functools.cache
 def records_request() -> bytes:
-    """The ``records`` request (node.swarm.catch_up, node.swarm.vetting)."""
+    """The ``records`` request (node.swarm.catch_up, node.swarm.trust.vetting)."""
     return json.dumps({"fragment": 0, "from": 3}).encode()
 
 
@@ -255,7 +255,7 @@ def redirect() -> bytes:
 
 
 def retry() -> bytes:
-    """The body of a ``peer_busy`` refusal (node.swarm.receipts.merging_here): how long to wait."""
+    """The body of a ``peer_busy`` refusal (node.swarm.trust.receipts.merging_here): how long to wait."""
     return json.dumps({"retry_s": round(0.2, 3)}).encode()
 
 
@@ -523,7 +523,7 @@ def test_snapshot():
 
 
 def test_receipt():
-    """node.swarm.receipts: the synchroniser's signed receipt [document, signature]."""
+    """node.swarm.trust.receipts: the synchroniser's signed receipt [document, signature]."""
     raw = stored("receipt.bin")
     rc = read_receipt(SWARM, SYNC.peer_id, raw)
     assert (rc.signer, rc.fragment, rc.round, rc.parent, rc.learner, rc.cid) == (
@@ -540,7 +540,7 @@ def test_receipt():
 
 
 def test_omission_proof():
-    """node.swarm.receipts: the ``omission`` proof [record, receipt] proves the signer left a receipted
+    """node.swarm.trust.receipts: the ``omission`` proof [record, receipt] proves the signer left a receipted
     contribution out; a flipped byte of either part is refused ``bad_signature``."""
     raw = stored("omission.bin")
     rec_raw, rc_raw = unpack_list(raw, max_items=2)
@@ -553,7 +553,7 @@ def test_omission_proof():
 
 
 def test_audit_proof():
-    """node.swarm.audit: the ``proof`` [record, message, signature]: each message is the one the record's
+    """node.swarm.trust.audit: the ``proof`` [record, message, signature]: each message is the one the record's
     digest names and its learner signed."""
     raw = stored("proof.bin")
     items = unpack_list(raw, max_items=1 + 2 * PROOF_MESSAGES)
@@ -568,7 +568,7 @@ def test_audit_proof():
 
 
 def test_kept_request_and_reply():
-    """node.swarm.audit_archive / node.swarm.audit: the ``kept`` request (digests) and its reply [message, signature]."""
+    """node.swarm.trust.audit_archive / node.swarm.trust.audit: the ``kept`` request (digests) and its reply [message, signature]."""
     assert parse_kept_request(stored("kept_request.json")) == [hashlib.sha256(contribution()).hexdigest()]
     msg, sig = unpack_list(stored("kept_reply.bin"), max_items=2)
     assert hashlib.sha256(msg).hexdigest() == parse_kept_request(stored("kept_request.json"))[0]
@@ -576,7 +576,7 @@ def test_kept_request_and_reply():
 
 
 def test_requests_and_refusal_bodies():
-    """node.swarm.wire / node.swarm.receipts: the JSON bodies of the ``records`` and ``snapshot`` requests,
+    """node.swarm.wire / node.swarm.trust.receipts: the JSON bodies of the ``records`` and ``snapshot`` requests,
     the ``records`` reply (a list of signed records), and the bodies of ``not_synchroniser`` and
     ``peer_busy`` refusals."""
     assert parse_records_request(stored("records_request.json")) == (0, 3)

@@ -29,8 +29,8 @@ from dht.identity import Identity
 from dht.launch import SwarmUnreachable, start_dht
 from dht.records import Member
 from dht.swarm import Membership
-from node.swarm.receipts import make_receipt
 from node.swarm.transport import Reply, Transport
+from node.swarm.trust.receipts import make_receipt
 from node.swarm.wire import (
     FragmentState,
     decode_snapshot,
@@ -433,7 +433,7 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
 def test_a_member_that_takes_rounds_and_never_merges_them_is_passed_over(tmp_path):
     """Issue 31, a round that never merges: a member that copies the honest nodes' newest heads into its own
     record (so it wins its share of elections), answers ``ok`` to every contribution (with the receipt a public
-    swarm's synchroniser signs: ``node.swarm.receipts``; without one it is passed over at once) and to pings,
+    swarm's synchroniser signs: ``node.swarm.trust.receipts``; without one it is passed over at once) and to pings,
     and never merges. Each sender watches the rounds it gave a contribution to; one not merged two due periods after
     its due moment makes the sender suspect the member (out of its elections) and send again, so the round
     goes to the next candidate, which knows the member stalled from its own watch. Every fragment keeps

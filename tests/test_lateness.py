@@ -1,4 +1,4 @@
-"""The merge-latency book (``node.swarm.lateness``): a synchroniser that holds its rounds to just before the
+"""The merge-latency book (``node.swarm.trust.lateness``): a synchroniser that holds its rounds to just before the
 stall deadline is judged slow against the others; honest spread, a swarm slow as a whole, and too few samples
 judge no one."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from node.swarm.lateness import KEEP, MIN_SAMPLES, SIGNERS, MergeLatency
+from node.swarm.trust.lateness import KEEP, MIN_SAMPLES, SIGNERS, MergeLatency
 
 
 def _fill(book: MergeLatency, signer: str, xs) -> list[bool]:

@@ -2,7 +2,7 @@
 running ``bench/hostile_node.py``. ``sync-drop`` answers every contribution ``ok``, with the signed receipt a
 public swarm's synchroniser gives, and when elected merges only the first it holds: a faithful merge of a
 subset, which no audit refutes, but its record beside its own receipt proves the drop
-(``node.swarm.receipts``). ``sync-censor`` does the same and gives no receipt. Every honest node bans the
+(``node.swarm.trust.receipts``). ``sync-censor`` does the same and gives no receipt. Every honest node bans the
 dropper; the censor's oks without receipts send each contribution to the next candidate. The work left out
 goes again (``MergeDeadlines.left_out``) and is merged in a later round, and the model holds."""
 

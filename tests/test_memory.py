@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from node.learner.evaluation import ParamsModel
 from node.learner.learner import InnerConfig, Learner
 from node.learner.task import TaskConfig, evaluate, load_task
-from node.swarm.audit_archive import AuditArchive
 from node.swarm.checkpoint import CheckpointError, PendingCheckpoint, list_checkpoints, load_checkpoint
 from node.swarm.memory import breakdown
-from node.swarm.work_book import WorkBook
+from node.swarm.trust.audit_archive import AuditArchive
+from node.swarm.trust.work_book import WorkBook
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.replica import FragmentReplica

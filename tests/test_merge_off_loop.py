@@ -34,7 +34,7 @@ class _Node(Replication):
         self.agreement = AgreementBook()
         self.plan = SimpleNamespace(sync_every=8)
         self.clocks = SwarmClocks(self.replicas, self.plan, self.syncs, self.loop.time)
-        # a swarm whose learners are vouched for: no receipts (node.swarm.receipts)
+        # a swarm whose learners are vouched for: no receipts (node.swarm.trust.receipts)
         self.receipts = SimpleNamespace(receipts_on=lambda: False)
 
     def _apply(self, sr, made_here=False):

@@ -1,4 +1,4 @@
-"""Signed receipts (``node.swarm.receipts``): what proves a synchroniser left out a contribution it took, and
+"""Signed receipts (``node.swarm.trust.receipts``): what proves a synchroniser left out a contribution it took, and
 what does not. The real-node checks are in ``tests/test_left_out.py``."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from dht.identity import Identity
 from node.common.events import EventLog
 from node.swarm.dispatch import Dispatcher
-from node.swarm.peer_scores import PeerScores
-from node.swarm.receipts import BUSY_RETRY_S, Receipts, make_receipt, omits, parse_retry, read_receipt
+from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.receipts import BUSY_RETRY_S, Receipts, make_receipt, omits, parse_retry, read_receipt
 from node.swarm.wire import decode_record, encode_record, pack_list, unpack_list
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight

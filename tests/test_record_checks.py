@@ -12,14 +12,14 @@ from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
 from dht.records import Member
-from node.swarm.audit import Auditor
 from node.swarm.replication import Replication
 from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
 from node.swarm.transport import Reply
+from node.swarm.trust.audit import Auditor
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import HEAD_SLACK, SwarmView
 from node.swarm.wire import decode_record, encode_record
-from node.swarm.work_book import WorkBook
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError
 from protocol.merge import contribution_weight
@@ -262,7 +262,7 @@ class _Receiver(Replication):
 
     replicas = [SimpleNamespace(round=0, hash="")]  # records of round 1 on another parent: not applied here
 
-    # node.swarm.evidence: these records break no rule (tests/test_evidence.py)
+    # node.swarm.trust.evidence: these records break no rule (tests/test_evidence.py)
     auditor = SimpleNamespace(proven_lie=lambda sr: None)
 
     def _on_record(self, sr, caller):

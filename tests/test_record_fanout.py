@@ -7,8 +7,8 @@ import time
 from types import SimpleNamespace
 
 from node.swarm.record_push import RECORD_FANOUT, RecordPush
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
-from node.swarm.work_book import WorkBook
 
 
 class _Node:

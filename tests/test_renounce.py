@@ -23,9 +23,9 @@ from dht.identity import Identity
 from dht.records import Member
 from node.common.events import EventLog
 from node.swarm.intake import Intake
-from node.swarm.peer_scores import PeerScores
-from node.swarm.receipts import Receipts
 from node.swarm.transport import Reply
+from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.receipts import Receipts
 from node.swarm.view import SwarmView
 from node.swarm.wire import pack_list, sign_contribution
 from protocol.codecs import encode_tensors

@@ -9,7 +9,7 @@ from node.common.events import EventLog
 from node.learner.learner import InnerConfig
 from node.local.run_config import LearnerPlan, RunConfig
 from node.local.runner import run_system
-from node.swarm.peer_scores import PeerScores
+from node.swarm.trust.peer_scores import PeerScores
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.norms import NormBook

@@ -282,7 +282,7 @@ def test_identities_with_no_merged_work_count_for_nothing_in_a_robust_round():
     work was merged lately, not membership records. 3 real nodes beside 2,000 signed records with no process
     behind them waited for 1,503 learners each round (a period each), and would have scaled every round's
     share down by 2,003; a node that has not watched the swarm merge for long enough counts every record."""
-    from node.swarm.work_book import WorkBook
+    from node.swarm.trust.work_book import WorkBook
     from protocol.synchroniser import (
         Merge,
         SyncState,

@@ -20,10 +20,10 @@ from node.common.events import EventLog
 from node.swarm.agent import Node
 from node.swarm.deadlines import MergeDeadlines
 from node.swarm.intake import Intake
-from node.swarm.peer_scores import PeerScores
-from node.swarm.receipts import Receipts, make_receipt
 from node.swarm.sender import Sender
 from node.swarm.transport import Reply, TransportError
+from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.receipts import Receipts, make_receipt
 from protocol.config import ProtocolConfig
 from tests.test_receipts import receipts_of
 
@@ -31,7 +31,7 @@ CID = "me:3:10:1000"
 
 
 class _NoReceipts:
-    """A swarm whose learners are vouched for: no receipts (``node.swarm.receipts``)."""
+    """A swarm whose learners are vouched for: no receipts (``node.swarm.trust.receipts``)."""
 
     def receipts_on(self) -> bool:
         return False
@@ -105,7 +105,7 @@ class _Sender:
             self.receipts.check_omission,
             self._send_again,
         )
-        auditor = SimpleNamespace(keep_message=lambda raw, sig: "")  # node.swarm.audit: nothing kept here
+        auditor = SimpleNamespace(keep_message=lambda raw, sig: "")  # node.swarm.trust.audit: nothing kept here
         self.sender = Sender(
             self.settings,
             self.pcfg,
@@ -230,7 +230,7 @@ def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
 
 
 class _ReceiptSender(_Sender):
-    """A sender in a public swarm: a synchroniser's ok must carry its receipt (``node.swarm.receipts``)."""
+    """A sender in a public swarm: a synchroniser's ok must carry its receipt (``node.swarm.trust.receipts``)."""
 
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         super().__init__(order, hung, failover_s)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dht.records import Member
-from node.swarm.vetting import SnapshotVetting, UnwitnessedSnapshot
+from node.swarm.trust.vetting import SnapshotVetting, UnwitnessedSnapshot
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
-from node.swarm.work_book import WorkBook
 from protocol.chain import snapshot_mismatch
 from protocol.codecs import RANGE, Decoded
 from protocol.config import ProtocolConfig
@@ -117,8 +117,8 @@ def test_evidence_takes_only_lies_every_node_can_check_with_a_margin_over_max_rm
     nor is one over the local ``refuse_factor`` bound, which depends on what each node has seen."""
     from types import SimpleNamespace
 
-    from node.swarm.audit import Auditor
-    from node.swarm.evidence import proof_config
+    from node.swarm.trust.audit import Auditor
+    from node.swarm.trust.evidence import proof_config
 
     cfg = replace(CFG, max_rms=1.0)
     rep = _replica()

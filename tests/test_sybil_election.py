@@ -104,8 +104,8 @@ def test_a_head_that_sybils_echo_is_pulled_from_a_worker_that_holds_it():
     where this node cannot tell workers yet, any holder."""
     from types import SimpleNamespace
 
+    from node.swarm.trust.work_book import WorkBook
     from node.swarm.view import SwarmView
-    from node.swarm.work_book import WorkBook
     from tests.test_catch_up import fake_catch_up
 
     class _View:  # what the view reads to tell workers (``SwarmView.workers``)

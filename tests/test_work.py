@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from node.swarm.work_book import WorkBook
+from node.swarm.trust.work_book import WorkBook
 from protocol.config import ConfigError, ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import contribution_id, sender_tag

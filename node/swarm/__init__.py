@@ -8,9 +8,8 @@
   replication    merge records: merging, applying, pushing, serving
   catch_up       joining by download, catching up from records or a snapshot, yielding to the majority
   view           the live membership view, heads it believes and elections
-  audit          audits of merge records, convictions and undo (``audit_archive``: the messages kept)
-  peer_scores    scores and bans of peers, accusations, the replay memory
-  work_book      each learner's work: its counters' window, when it last merged, whom the chain credits
+  trust          what the node believes of its peers and does about a lie: scores, work credits, receipts,
+                 audits and their archive, evidence, snapshot vetting, lateness (``trust/__init__``)
   signed_files   signed bytes (records, audited messages) kept in files of the state folder
   record_push    whom a new merge record is pushed to, and the pushes
   limits         per-peer backoff and token buckets (catch-up retries, snapshot requests)

@@ -44,7 +44,6 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
-from node.swarm.audit import Auditor
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.deadlines import MergeDeadlines
@@ -53,9 +52,7 @@ from node.swarm.history import History
 from node.swarm.intake import Intake
 from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
-from node.swarm.peer_scores import PeerScores
 from node.swarm.persistence import Persistence
-from node.swarm.receipts import Receipts
 from node.swarm.record_push import RecordPush
 from node.swarm.replication import Replication
 from node.swarm.sender import OwnCids, Sender
@@ -64,10 +61,13 @@ from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.signed_files import SignedFiles
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Reply, Transport, max_frame_bytes
-from node.swarm.vetting import SnapshotVetting
+from node.swarm.trust.audit import Auditor
+from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.receipts import Receipts
+from node.swarm.trust.vetting import SnapshotVetting
+from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
-from node.swarm.work_book import WorkBook
 from protocol.agreement import AgreementBook
 from protocol.errors import RejectCode
 from protocol.hashing import model_hash
@@ -241,7 +241,7 @@ class Node(Replication):
             spawn=self._spawn,
             request_stop=self.request_stop,
         )
-        # the audits this node makes, and the convictions it hands on (node.swarm.audit)
+        # the audits this node makes, and the convictions it hands on (node.swarm.trust.audit)
         self.auditor = Auditor(
             s,
             self.pcfg,
@@ -264,7 +264,7 @@ class Node(Replication):
             reset_sync=self._reset_sync,
             spawn=self._spawn,
         )
-        # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.receipts)
+        # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.trust.receipts)
         self.receipts = Receipts(
             s,
             self.identity,
@@ -348,7 +348,7 @@ class Node(Replication):
 
     # ---------------------------------------------------------------- ops a part of the node answers
     async def _h_omission(self, caller: str, body: bytes) -> Reply:
-        return await self.receipts.on_omission(caller, body)  # node.swarm.receipts
+        return await self.receipts.on_omission(caller, body)  # node.swarm.trust.receipts
 
     async def _h_contribute(self, caller: str, body: bytes) -> Reply:
         return await self.intake.accept(caller, body)  # node.swarm.intake
@@ -362,7 +362,7 @@ class Node(Replication):
         return await self.catch_up.on_snapshot(caller, body)  # node.swarm.catch_up
 
     async def _h_kept(self, caller: str, body: bytes) -> Reply:
-        return await self.auditor.on_kept(caller, body)  # node.swarm.audit
+        return await self.auditor.on_kept(caller, body)  # node.swarm.trust.audit
 
     async def _h_evidence(self, caller: str, body: bytes) -> Reply:
         return await self.auditor.on_evidence(caller, body)

@@ -321,7 +321,7 @@ class CatchUp:
         for p in range(len(self.replicas)):
             head, holders = self.winning_heads(p, members, refused=self.vetting.refused_heads(p))
             yielding = False
-            if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.vetting)
+            if not holders:  # a lone outlier, or a head of ours no member takes (node.swarm.trust.vetting)
                 head, holders = self.outvoted(p, members)
                 if not holders:
                     head, holders = self.vetting.unfollowed(p, members)
@@ -387,7 +387,7 @@ class CatchUp:
                 if not trusted:
                     self.untrusted(p, pid, int(head[0]))
                 else:
-                    # node.swarm.vetting: raises where no chain checks a head the swarm does not hold (the
+                    # node.swarm.trust.vetting: raises where no chain checks a head the swarm does not hold (the
                     # majority's head, when yielding, needs no other witness)
                     if not yielding:
                         await self.vetting.vouch_head(pid, p, head)

@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from node.swarm.lateness import MergeLatency
+from node.swarm.trust.lateness import MergeLatency
 from protocol.messages import ContributionHeader
 
 if TYPE_CHECKING:
     from dht.records import Member
     from node.common.events import EventLog
     from node.swarm.clocks import SwarmClocks
-    from node.swarm.peer_scores import PeerScores
     from node.swarm.settings import NodeSettings
+    from node.swarm.trust.peer_scores import PeerScores
     from node.swarm.wire import SignedRecord
     from protocol.config import ProtocolConfig
     from protocol.replica import FragmentReplica
@@ -40,19 +40,19 @@ STALL_TTLS = 10  # how long (x ttl_s) a synchroniser that took a round and never
 
 
 class TakenReceipt(Protocol):
-    """What the deadlines read of a synchroniser's receipt for our contribution (``node.swarm.receipts``)."""
+    """What the deadlines read of a synchroniser's receipt for our contribution (``node.swarm.trust.receipts``)."""
 
     round: int
 
 
 class MergeDeadlines:
     """The deadline and the record of each round a synchroniser took one of our contributions for, and how
-    late each synchroniser merges them (``latency``: ``node.swarm.lateness``).
+    late each synchroniser merges them (``latency``: ``node.swarm.trust.lateness``).
 
     Its collaborators: the node's settings, protocol configuration, replicas and clocks; the loop it runs on;
     the peer scores (``was_merged``); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock),
     ``counters`` and ``events``, which it writes to; ``live_members`` and ``rounds_behind`` of the node's
-    membership view; ``watched_round`` and ``check_omission`` of its receipts (``node.swarm.receipts``); and
+    membership view; ``watched_round`` and ``check_omission`` of its receipts (``node.swarm.trust.receipts``); and
     ``send_again``, which puts our latest contribution to a fragment back in the outbox if it is still the
     given one."""
 
@@ -88,9 +88,9 @@ class MergeDeadlines:
         self.check_omission = check_omission
         self.send_again = send_again
         # per fragment, our latest contribution another member took: (header, that member, the round whose
-        # record must name it, its receipt or None: ``node.swarm.receipts``, when it was taken on the loop)
+        # record must name it, its receipt or None: ``node.swarm.trust.receipts``, when it was taken on the loop)
         self.taken: dict[int, tuple[ContributionHeader, str, int, TakenReceipt | None, float]] = {}
-        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.lateness)
+        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.trust.lateness)
 
     def watch(self, target: str, header: ContributionHeader, receipt: TakenReceipt | None = None) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due
@@ -147,7 +147,7 @@ class MergeDeadlines:
 
     def merged_after(self, signer: str, p: int, round_: int, seconds: float) -> None:
         """``signer`` merged the round that took our contribution ``seconds`` after its ``ok``: a sample of its
-        merge latency (``node.swarm.lateness``), in fragment p's round periods. One judged slow against the
+        merge latency (``node.swarm.trust.lateness``), in fragment p's round periods. One judged slow against the
         other signers is passed over as a stalled one is (``slow_rounds``): a synchroniser that holds each
         round to just before its stall deadline costs the swarm rounds and is never found stalled."""
         sched = self.clocks.due(p)
@@ -186,7 +186,7 @@ class MergeDeadlines:
                 self.merged_after(target, rec.fragment, rec.round, self.loop.time() - taken_at)
             return
         if receipt is not None and rec.round == receipt.round:
-            self.check_omission(sr, receipt)  # node.swarm.receipts: its signer's own receipt, left out
+            self.check_omission(sr, receipt)  # node.swarm.trust.receipts: its signer's own receipt, left out
         self.counters["left_out"] += 1
         self.events.emit(
             "left_out",

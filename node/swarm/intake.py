@@ -127,7 +127,7 @@ class Intake:
                 )
             if (busy := self.receipts.merging_here(caller, p)) is not None:
                 return busy
-            # the record names its digest; audits fetch it (node.swarm.audit)
+            # the record names its digest; audits fetch it (node.swarm.trust.audit)
             digest = self.auditor.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest

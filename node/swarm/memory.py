@@ -152,7 +152,7 @@ def breakdown(node: Any) -> dict:
     raw = sum(in_memory(sr.raw) for log in getattr(node, "logs", []) for sr in list(log.values()))
     host = dict(t.host)
     host["history"] += raw
-    # signed contribution messages kept for audits (node.swarm.audit_archive): in memory; the rest on disk
+    # signed contribution messages kept for audits (node.swarm.trust.audit_archive): in memory; the rest on disk
     host["audit_kept"] = node.auditor.archive.resident
     weights = 4 * node.plan.total_numel
     counted = sum(host.values())

@@ -38,14 +38,14 @@ NODE_COUNTERS = (
     "resyncs",
     "hash_mismatches",
     "checkpoints",
-    "audits",  # records this node recomputed from their contributions (node.swarm.audit)
+    "audits",  # records this node recomputed from their contributions (node.swarm.trust.audit)
     "audits_unfetched",  # audits whose signed contributions could not be fetched
     "audits_unproven",  # of those, records whose signer did not serve them either: the signer passed over here
     "out_of_turn_held",  # records pushed out of turn while nobody is credited yet, held a failover_s (public)
     "unelected_refused",  # records refused: signed by a member no view on this chain elects (public swarm)
     "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
     "distrusted_left_out",  # contributions this synchroniser left out: their learner opposes the rest
-    "no_receipt",  # oks to our contributions that came without a valid receipt (node.swarm.receipts)
+    "no_receipt",  # oks to our contributions that came without a valid receipt (node.swarm.trust.receipts)
     "busy_retries",  # contributions sent again because their synchroniser was merging its round (receipts)
     "receipts_held",  # merges not signed here: they would leave out a contribution we gave a receipt for
 )

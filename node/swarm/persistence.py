@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from node.learner.loop import LearnerLoop
     from node.learner.unit import Unit
     from node.swarm.settings import NodeSettings
-    from node.swarm.work_book import WorkBook
+    from node.swarm.trust.work_book import WorkBook
     from protocol.fragments import FragmentPlan
     from protocol.replica import FragmentReplica
 

@@ -75,12 +75,12 @@ class Replication:
                     RejectCode.BANNED, f"round {rec.round} signed by {sr.signer}, banned here"
                 )
             if rec.parent_hash in self.auditor.undone or rec.new_hash in self.auditor.undone:
-                self.auditor.undone.add(rec.new_hash)  # node.swarm.audit
+                self.auditor.undone.add(rec.new_hash)  # node.swarm.trust.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
             self._vouch(sr, fenced=not turn_waited)
         raw = self.signed_files.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
-        # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.audit).
+        # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.trust.audit).
         # The momentum steps into new tensors for this record, so the parent's stays the parent's for as long
         # as the audit holds it: a contribution on an older base is rebuilt from it, and one rebuilt from a
         # replica walked back from later rounds differs by ulps, which the record codec's rounding now and then
@@ -285,7 +285,7 @@ class Replication:
         kept = self.agreement.keep_trusted(a.contributions) if self.pcfg.distrust else a.contributions
         if len(kept) < len(a.contributions) and self.receipts.receipts_on():
             # a contribution we gave a receipt for is merged: a robust merge bounds its learner's say, and
-            # leaving it out would prove us a liar (node.swarm.receipts)
+            # leaving it out would prove us a liar (node.swarm.trust.receipts)
             promised = self.receipts.receipted(p, a.round)
             kept = tuple(c for c in a.contributions if c in kept or c.cid in promised)
         if len(kept) < len(a.contributions):
@@ -387,7 +387,7 @@ class Replication:
             sr = decode_record(raw, self.settings.swarm, self.spec)
             if sr.signer != self.peer_id and sr.signer not in self.view.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
-            # node.swarm.evidence: a lie every node can check bans its signer. A record that follows our head
+            # node.swarm.trust.evidence: a lie every node can check bans its signer. A record that follows our head
             # is checked once, as it is applied (``_on_record``); one that does not is checked here
             rep = self.replicas[sr.record.fragment]
             follows = sr.record.round == rep.round + 1 and sr.record.parent_hash == rep.hash

@@ -12,8 +12,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from node.swarm.receipts import parse_retry
 from node.swarm.transport import Reply, TransportError
+from node.swarm.trust.receipts import parse_retry
 from node.swarm.wire import pack_list, parse_redirect, sign_contribution
 from protocol.errors import ProtocolError, RejectCode
 from protocol.messages import ContributionHeader, cid_moment, encode_contribution, sender_tag
@@ -113,7 +113,7 @@ class Sender:
         sig = sign_contribution(self.settings.swarm, self.identity, raw)
         self.auditor.keep_message(raw, sig)  # for the audit of the record that merges it
         deadline = self.clock() + self.settings.failover_s
-        grace = self.settings.failover_s  # for a synchroniser merging its round (node.swarm.receipts)
+        grace = self.settings.failover_s  # for a synchroniser merging its round (node.swarm.trust.receipts)
         mono = time.monotonic()
         dead: set[str] = {q for q, until in self.suspect.items() if until > mono}  # named to the next one
         refused: set[str] = set()
@@ -156,7 +156,7 @@ class Sender:
                     continue
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 replayed, rc = reply.code == RejectCode.REPLAYED.value, None
-                if target != self.peer_id and self.receipts.receipts_on():  # node.swarm.receipts
+                if target != self.peer_id and self.receipts.receipts_on():  # node.swarm.trust.receipts
                     if not replayed:
                         rc = self.receipts.check_receipt(target, header, reply.body)
                         if rc is None:  # took it and promised nothing: as good as dead for this round

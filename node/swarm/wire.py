@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from dht.identity import Identity, verify
-from node.swarm.audit_wire import audit_doc, audit_fields
+from node.swarm.trust.audit_wire import audit_doc, audit_fields
 from protocol.codecs import Decoded, encode_tensors
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import tensors_hash

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from node.swarm import transport, wire
-from node.swarm.audit_archive import parse_kept_request
+from node.swarm.trust.audit_archive import parse_kept_request
 from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError
 from protocol.hashing import tensors_hash

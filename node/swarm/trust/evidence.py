@@ -8,7 +8,7 @@ sends as evidence a record that proves nothing is scored (``malformed``). Honest
 that passed the decoders cannot break these rules, whatever the model does.
 
 The bounds those checks use; the node's audit part holds the checks and the ``evidence`` op
-(``node.swarm.audit.Auditor``: ``proven_lie``, ``convict``)."""
+(``node.swarm.trust.audit.Auditor``: ``proven_lie``, ``convict``)."""
 
 from __future__ import annotations
 

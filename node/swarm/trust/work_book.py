@@ -15,7 +15,7 @@ class WorkBook:
     """Per learner and fragment, since when its next contribution's counters must fit (``protocol.work``):
     the moment a contribution of it was last merged here, or this node first heard of it; per learner,
     when its work was last merged here (``last_merged``: whose word counts as a snapshot's witness,
-    ``node.swarm.vetting``); and the learners credited on the chain this node follows (``credited_tags``: whom a
+    ``node.swarm.trust.vetting``); and the learners credited on the chain this node follows (``credited_tags``: whom a
     public swarm elects, ``node.swarm.view``). Keeps the ``remember`` newest of each."""
 
     def __init__(self, remember: int = 8192) -> None:

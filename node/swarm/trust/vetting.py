@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from node.common.events import EventLog
     from node.swarm.settings import NodeSettings
     from node.swarm.transport import Transport
+    from node.swarm.trust.work_book import WorkBook
     from node.swarm.wire import SignedRecord
-    from node.swarm.work_book import WorkBook
     from protocol.config import ProtocolConfig
     from protocol.replica import FragmentReplica
 

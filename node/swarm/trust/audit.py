@@ -12,7 +12,7 @@ the signed messages. The auditor bans the signer, undoes the record and every ro
 same and hands it on once. A record on an undone chain is refused (``undone``) from then on.
 
 A record that breaks a rule every node checks the same way needs no recompute: it bans its signer at once and
-goes on as evidence (``proven_lie``, ``convict``, ``evidence`` op; the rules are ``node.swarm.evidence``).
+goes on as evidence (``proven_lie``, ``convict``, ``evidence`` op; the rules are ``node.swarm.trust.evidence``).
 
 ``Auditor`` owns the archive, the undone set and the proofs waiting; the node hands it its state and its
 collaborators (the view's live members, the replication's reset of a fragment's synchroniser, the transport's
@@ -29,10 +29,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from node.swarm.audit_archive import FETCH_MAX, AuditArchive, parse_kept_request
-from node.swarm.evidence import proof_config
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply, TransportError
+from node.swarm.trust.audit_archive import FETCH_MAX, AuditArchive, parse_kept_request
+from node.swarm.trust.evidence import proof_config
 from node.swarm.wire import SignedRecord, decode_record, pack_list, unpack_list, verify_contribution
 from protocol.audit import AUDIT_TOLERANCE, audit_gap, frozen_view
 from protocol.errors import ProtocolError, RejectCode

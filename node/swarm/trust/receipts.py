@@ -8,7 +8,7 @@ its record of round r on parent h names c, or a later contribution of L's (a lea
 against the same base replaces its first). A record that names neither, beside the receipt its own signer
 gave, proves that the signer took the contribution and left it out: every node checks the two signatures and
 the names alone (``omits``), bans the signer and hands the pair on (``omission`` op), as with the other
-evidence (``node.swarm.evidence``). The record itself is a faithful merge of what it names and stays applied.
+evidence (``node.swarm.trust.evidence``). The record itself is a faithful merge of what it names and stays applied.
 
 A synchroniser that gives no receipt is as good as one that took nothing: its sender fails over to the next
 candidate and suspects it for ``STALL_TTLS`` x ``ttl_s``. The next candidate takes the round only if it
@@ -48,8 +48,8 @@ from protocol.synchroniser import Phase, SyncState
 
 if TYPE_CHECKING:
     from node.common.events import EventLog
-    from node.swarm.peer_scores import PeerScores
     from node.swarm.settings import NodeSettings
+    from node.swarm.trust.peer_scores import PeerScores
     from protocol.messages import ContributionHeader
     from protocol.replica import FragmentReplica
 

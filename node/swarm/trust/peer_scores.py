@@ -6,7 +6,7 @@ above zero). A peer whose score reaches ``-ban_after`` is banned for ``ban_s`` s
 is refused with ``banned`` before it is decoded, and it leaves this node's view (never elected, never
 pushed to). A forged or oversized merge record counts only against the peer that signed and pushed it;
 one that breaks a rule every node checks alike bans its signer at once, here and, as evidence handed on,
-on the other members (``node.swarm.evidence``).
+on the other members (``node.swarm.trust.evidence``).
 Refusals that honest peers meet in normal operation (routing, a stale or future base, a record
 that does not follow ours yet) cost nothing.
 
@@ -97,8 +97,8 @@ class PeerScores:
 
     def accuse(self, peer: str, until: float) -> None:
         """Suspect ``peer`` until ``until`` (``time.monotonic``) whatever records of it this node applies: a
-        proof accuses it that this node cannot check yet (``node.swarm.audit``), or it took a contribution of
-        ours without a receipt (``node.swarm.receipts``)."""
+        proof accuses it that this node cannot check yet (``node.swarm.trust.audit``), or it took a contribution of
+        ours without a receipt (``node.swarm.trust.receipts``)."""
         self._accused[peer] = max(self._accused.get(peer, 0.0), until)
 
     def accused(self, peer: str, now: float) -> bool:

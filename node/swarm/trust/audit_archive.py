@@ -1,4 +1,4 @@
-"""The signed contribution messages a node keeps for audits (``node.swarm.audit``): those it sent or merged,
+"""The signed contribution messages a node keeps for audits (``node.swarm.trust.audit``): those it sent or merged,
 newest kept, served to any member by their sha256 (``kept`` op)."""
 
 from __future__ import annotations

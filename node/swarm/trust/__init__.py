@@ -1,0 +1,16 @@
+"""What a node believes of its peers, and what it does about a lie: one room for trust.
+
+  peer_scores    scores and bans of peers, accusations, the replay memory
+  work_book      each learner's work: its counters' window, when it last merged, whom the chain credits
+  receipts       the signed receipts a synchroniser gives and a sender checks; an omission convicts
+  audit          audits of merge records (``Auditor``): recompute, convict, undo, hand the proof on;
+                 ``Auditor.ban_and_hand_on`` is the one way a signer is banned for what it signed
+  audit_archive  the signed contribution messages kept for audits, served by the ``kept`` op
+  audit_wire     the record fields an audit reads (digests, scales, share)
+  evidence       the bounds a record is a proven lie against, on every node alike
+  vetting        whether a donor's head and snapshot are to be believed before catch-up takes them
+  lateness       synchronisers that hold their rounds to the deadline, against the others
+
+The accepting, merging and applying paths (``node.swarm.intake``, ``node.swarm.replication``) call these at
+named points; read without them, those paths are the honest path.
+"""
