@@ -22,6 +22,7 @@ from node.swarm.replication import Replication
 from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
 from node.swarm.trust.audit import Auditor
+from node.swarm.trust.fence import ElectionFence
 from node.swarm.trust.peer_scores import PeerScores
 from node.swarm.trust.work_book import WorkBook
 from node.swarm.wire import decode_record, encode_record, pack_list, sign_contribution
@@ -290,6 +291,7 @@ class _Member(Replication):
         self.logs = [OrderedDict()]
         self.signed_files = SignedFiles(folder / "records")
         self.peer_scores, self.work, self.own_cids = PeerScores(), WorkBook(), OwnCids("me")
+        self.fence = ElectionFence(self.settings, "me", None, self.work, None, self.own_cids, self)
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)

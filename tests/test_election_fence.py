@@ -15,6 +15,8 @@ import pytest
 from node.swarm.replication import Replication
 from node.swarm.signed_files import SignedFile, SignedFiles
 from node.swarm.trust.audit import Auditor
+from node.swarm.trust.fence import ElectionFence
+from node.swarm.trust.held import HELD_CAP, HeldRecords
 from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
@@ -32,9 +34,9 @@ _WIRE: dict[
 
 @pytest.fixture
 def wire(monkeypatch):
-    from node.swarm import replication
+    from node.swarm.trust import held
 
-    monkeypatch.setattr(replication, "decode_record", lambda raw, swarm, spec: _WIRE[bytes(raw)])
+    monkeypatch.setattr(held, "decode_record", lambda raw, swarm, spec: _WIRE[bytes(raw)])
     return _WIRE
 
 
@@ -54,15 +56,11 @@ def _signed(signer: str, learners: list[str], digests: bool = True) -> SignedRec
 
 
 class _View:
-    """``SwarmView``'s credit methods and ``Replication``'s fence over a hand-held chain of fragment 0."""
+    """A view of the swarm over a hand-held chain of fragment 0 (``SwarmView``'s own credit methods), and the
+    ``ElectionFence`` built on it as the node builds it (``fence``)."""
 
     workers = SwarmView.workers
     logged_learners = SwarmView.logged_learners
-    view = property(lambda self: self)  # the replication's view: this fake's own members and chain
-    signer_electable = Replication.signer_electable
-    fence_stands_aside = Replication.fence_stands_aside
-    _stands_aside = Replication._stands_aside
-    _vouch = Replication._vouch
 
     def __init__(self, elect: bool = True, audit_share: float = 1.0) -> None:
         self.peer_id = "me"
@@ -73,6 +71,12 @@ class _View:
         self.logs = [OrderedDict()]
         self.counters = {"unelected_refused": 0}
         self.own_cids = SimpleNamespace(refutes=lambda cid: False)
+        self.fence = ElectionFence(
+            self.settings, self.peer_id, self.admission, self.work, self.syncs, self.own_cids, self
+        )
+
+    def candidates(self, p, dead=(), leases=True):
+        return []
 
     def chain(self, *records: SignedRecord, watched_s: float = 10.0) -> None:
         for r, sr in enumerate(records):
@@ -94,17 +98,21 @@ def test_a_members_own_records_never_make_it_electable_and_others_records_do():
     v.chain(_signed("me", ["me"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
     assert v.logged_learners() == {"me", "c", "d"}
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "d"]))
-    assert not v.signer_electable(0, "forger", v.members.keys())
-    assert v.signer_electable(0, "c", v.members.keys())
-    assert not v.signer_electable(0, "b", v.members.keys())  # until a record of another member credits it
+    assert not v.fence.signer_electable(0, "forger", v.members.keys())
+    assert v.fence.signer_electable(0, "c", v.members.keys())
+    assert not v.fence.signer_electable(
+        0, "b", v.members.keys()
+    )  # until a record of another member credits it
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), _signed("c", ["c", "b"]))
-    assert v.signer_electable(0, "b", v.members.keys()) and v.signer_electable(0, "c", v.members.keys())
+    assert v.fence.signer_electable(0, "b", v.members.keys()) and v.fence.signer_electable(
+        0, "c", v.members.keys()
+    )
     with pytest.raises(ProtocolError) as e:
-        v._vouch(_signed("forger", ["forger"]))
+        v.fence.vouch(_signed("forger", ["forger"]))
     assert e.value.code is RejectCode.UNELECTED and isinstance(
         e.value, UnprovenRefusal
     )  # views differ: no score for it
-    v._vouch(_signed("b", ["b", "c"]))  # an elected signer's record passes
+    v.fence.vouch(_signed("b", ["b", "c"]))  # an elected signer's record passes
 
 
 def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_its_signer_is_credited_by_then(
@@ -113,19 +121,34 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
     applied, later = [], []
 
     class _Held(_View):
-        _hold_unelected = Replication._hold_unelected
-        _retry_unelected = Replication._retry_unelected
-
         def __init__(self):
             super().__init__()
-            self.unelected_held = {}
-            self.signed_files = SignedFiles(tmp_path / "records")
-            self.settings.swarm, self.spec = "s", None
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
-            self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((f, a)))
+
+            def count():
+                self.counters["unelected_refused"] += 1
+
+            def refused(e, caller):
+                if e.code is RejectCode.UNELECTED:
+                    count()
+
+            self.held = HeldRecords(  # as the node wires it (``Node._held_records``)
+                "refused by the election fence",
+                "s",
+                None,
+                self.replicas,
+                SignedFiles(tmp_path / "records"),
+                wait_s=lambda: self.settings.heartbeat_s,
+                retry=lambda sr, caller: self._apply(sr),
+                refused=refused,
+                on_held=lambda: None,
+                on_full=count,
+                call_later=lambda s, f, *a: later.append((f, a)),
+                stopped=lambda: False,
+            )
 
         def _apply(self, sr):
-            self._vouch(sr)
+            self.fence.vouch(sr)
             applied.append(sr)
 
     v = _Held()
@@ -135,48 +158,46 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
     new.record.parent_hash = "h2"
     with pytest.raises(ProtocolError):
         v._apply(new)
-    v._hold_unelected(new)
+    v.held.hold(new, "c")
     assert len(later) == 1 and v.counters["unelected_refused"] == 0
     v.chain(_signed("a", ["a", "b"]), _signed("b", ["b", "a"]), _signed("a", ["a", "c"]))  # c credited since
     f, args = later.pop()
     f(*args)
-    assert applied == [new] and v.unelected_held == {}
+    assert applied == [new] and len(v.held) == 0
     # one that is still unelected a heartbeat later is refused for good, and counted
     forged = _signed("forger", ["forger"])
     forged.record.parent_hash = "h2"
     v.members["forger"] = None  # a member, seen in the view
-    v._hold_unelected(forged)
-    v._hold_unelected(forged)  # relayed again: held once
-    assert len(v.unelected_held) == 1 and len(later) == 1
+    v.held.hold(forged, "forger")
+    v.held.hold(forged, "forger")  # relayed again: held once
+    assert len(v.held) == 1 and len(later) == 1
     f, args = later.pop()
     f(*args)
     assert v.counters["unelected_refused"] == 1 and applied == [new]
-    # held as signed bytes, one per signer and fragment, UNELECTED_HELD in all: a full hold refuses at once
-    from node.swarm.replication import UNELECTED_HELD
-
-    for i in range(UNELECTED_HELD + 2):
+    # held as signed bytes, one per signer and fragment, HELD_CAP in all: a full hold refuses at once
+    for i in range(HELD_CAP + 2):
         sr = _signed(f"m{i}", [f"m{i}"])
         sr.record.parent_hash = "h2"
-        v._hold_unelected(sr)
-    assert len(v.unelected_held) == UNELECTED_HELD and v.counters["unelected_refused"] == 3
+        v.held.hold(sr, sr.signer)
+    assert len(v.held) == HELD_CAP and v.counters["unelected_refused"] == 3
     # in files of the state folder, not in memory
-    assert all(isinstance(h[2], SignedFile) and h[2].path.exists() for h in v.unelected_held.values())
+    assert all(isinstance(h.raw, SignedFile) and h.raw.path.exists() for h in v.held.held.values())
 
 
 def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet():
     v = _View(elect=False)  # a private swarm: certificates say who signs
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]))
-    assert v.signer_electable(0, "forger", v.members.keys())
+    assert v.fence.signer_electable(0, "forger", v.members.keys())
     v = _View()
     v.chain(_signed("forger", ["forger"]), _signed("b", ["b", "c"]), watched_s=0.0)  # a joiner, just started
-    assert v.signer_electable(0, "forger", v.members.keys())
+    assert v.fence.signer_electable(0, "forger", v.members.keys())
     # a chain that credits nobody yet (one node merging alone), or one member only (its first record by
     # another just credited it): the joiner beside it is not refused
     v = _View()
     v.chain(_signed("a", ["a"]))
-    assert v.signer_electable(0, "a", v.members.keys())
+    assert v.fence.signer_electable(0, "a", v.members.keys())
     v.chain(_signed("a", ["a"]), _signed("b", ["b", "a"]))
-    assert v.signer_electable(0, "b", v.members.keys())
+    assert v.fence.signer_electable(0, "b", v.members.keys())
 
 
 def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
@@ -189,33 +210,39 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
     the signer replaces the older. Leases do not put a signer first here: a lease is its own word. Once the
     fence decides (members credited), nothing is held."""
-    from node.swarm.replication import TURN_HELD
-    from node.swarm.replication import Replication as R
-
     applied, later, waited = [], [], []
 
     class _Turn(_View):
-        out_of_turn = R.out_of_turn
-        _on_record = R._on_record
-        _hold_out_of_turn = R._hold_out_of_turn
-        _retry_out_of_turn = R._retry_out_of_turn
+        _on_record = Replication._on_record
 
         def __init__(self):
             super().__init__()
-            self.turn_held, self.counters = {}, {"out_of_turn_held": 0}
-            self.signed_files = SignedFiles(tmp_path / "records")
+            self.counters = {"out_of_turn_held": 0}
             self.replicas = [SimpleNamespace(round=2, hash="h2")]
-            self.loop = SimpleNamespace(call_later=lambda s, f, *a: later.append((s, f, a)))
             self.settings.failover_s, self.settings.swarm, self.spec = 6.0, "s", None
             self.order = ["first", "forger"]
             self.leases_asked = []
+            self.view = self  # what the replication reads of the view: this fake's own members and order
+            self.turn_held = HeldRecords(  # as the node wires it (``Node._held_records``)
+                "out of turn",
+                "s",
+                None,
+                self.replicas,
+                SignedFiles(tmp_path / "records"),
+                wait_s=lambda: self.settings.failover_s,
+                retry=lambda sr, caller: self._on_record(sr, caller, waited=True),
+                refused=lambda e, caller: None,
+                on_held=lambda: self.counters.__setitem__(
+                    "out_of_turn_held", self.counters["out_of_turn_held"] + 1
+                ),
+                on_full=lambda: None,
+                call_later=lambda s, f, *a: later.append((s, f, a)),
+                stopped=lambda: False,
+            )
 
         def candidates(self, p, dead=(), leases=True):
             self.leases_asked.append(leases)
             return list(self.order)
-
-        def _stop_set(self):
-            return False
 
         def _apply(self, sr, turn_waited=False):
             applied.append(sr)
@@ -237,12 +264,12 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     forged, honest = pushed("forger"), pushed("first")
     assert "held" in v._on_record(forged, "forger").message
     assert applied == [] and v.counters["out_of_turn_held"] == 1 and v.leases_asked == [False]
-    assert isinstance(v.turn_held[(0, "forger")][2], SignedFile)  # in a file of the state folder
+    assert isinstance(v.turn_held.held[(0, "forger")].raw, SignedFile)  # in a file of the state folder
     v._on_record(forged, "forger")  # pushed again (a relay): held once
     assert len(later) == 1 and later[0][0] == 6.0
     assert v._on_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
     run_retries()
-    assert applied == [honest] and v.turn_held == {}  # moot: it no longer follows the head
+    assert applied == [honest] and len(v.turn_held) == 0  # moot: it no longer follows the head
     # the first candidate never delivers: a failover later, the held record is applied; of two records of
     # one signer for the fragment, the newer is held (the older's retry finds it replaced)
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
@@ -251,40 +278,40 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     v._on_record(newer, "forger")
     assert len(v.turn_held) == 1 and len(later) == 2
     run_retries()
-    assert applied == [honest, newer] and v.turn_held == {}
+    assert applied == [honest, newer] and len(v.turn_held) == 0
     # judged as the fence stood when it came (it may have closed on an honest signer meanwhile)
     assert waited == [False, True]
-    # at most TURN_HELD signers' records held at once
+    # at most HELD_CAP signers' records held at once
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
-    for i in range(TURN_HELD + 3):
+    for i in range(HELD_CAP + 3):
         v._on_record(pushed(f"m{i}"), f"m{i}")
-    assert len(v.turn_held) == TURN_HELD
+    assert len(v.turn_held) == HELD_CAP
     later.clear()
     # a record that merges another member's work is not held, whoever signed it (views differ at start-up)
     mixed = _signed("forger", ["forger", "first"])
     mixed.record.parent_hash = "h2"
-    assert not v.out_of_turn(mixed)
+    assert not v.fence.out_of_turn(mixed)
     # members credited, watched for the window: the fence decides and holds nothing
     v = _Turn()
     v.chain(_signed("first", ["first", "forger"]), _signed("forger", ["forger", "first"]))
     v.replicas = [SimpleNamespace(round=2, hash="h2")]
-    assert not v.out_of_turn(pushed("forger"))
+    assert not v.fence.out_of_turn(pushed("forger"))
     # the swarm elects anyone (private, open learners): no hold either
     v = _Turn()
     v.settings.elect_workers = False
     v.members = {"first": None, "forger": None}
-    assert not v.out_of_turn(pushed("forger")) and not v.out_of_turn(pushed("first"))
+    assert not v.fence.out_of_turn(pushed("forger")) and not v.fence.out_of_turn(pushed("first"))
 
 
 def test_a_record_naming_no_signed_message_is_refused_where_the_swarm_audits():
     v = _View(elect=False)
     v.chain(_signed("b", ["b", "c"]), _signed("c", ["c", "b"]))
     with pytest.raises(ProtocolError) as e:
-        v._vouch(_signed("b", ["b", "c"], digests=False))
+        v.fence.vouch(_signed("b", ["b", "c"], digests=False))
     assert e.value.code is RejectCode.FORGED_RECORD and not isinstance(e.value, UnprovenRefusal)
     v = _View(elect=False, audit_share=0.0)  # a swarm that audits nothing names no digests to need
     v.chain(_signed("b", ["b", "c"]))
-    v._vouch(_signed("b", ["b", "c"], digests=False))
+    v.fence.vouch(_signed("b", ["b", "c"], digests=False))
 
 
 class _Auditor:

@@ -17,6 +17,7 @@ from node.swarm.sender import OwnCids
 from node.swarm.signed_files import SignedFiles
 from node.swarm.transport import Reply
 from node.swarm.trust.audit import Auditor
+from node.swarm.trust.fence import ElectionFence
 from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import HEAD_SLACK, SwarmView
 from node.swarm.wire import decode_record, encode_record
@@ -249,6 +250,7 @@ class _Receiver(Replication):
         self.spec = {0: {"w": (16, 16)}}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.penalise = lambda *a, **kw: None
+        self.fence = ElectionFence(self.settings, self.peer_id, None, None, None, None, self)
 
     view = property(lambda self: self)  # the replication's view: this fake's own members
 
@@ -266,7 +268,7 @@ class _Receiver(Replication):
     auditor = SimpleNamespace(proven_lie=lambda sr: None)
 
     def _on_record(self, sr, caller):
-        self._vouch(sr)  # what calls a contributor never seen a forgery
+        self.fence.vouch(sr)  # what calls a contributor never seen a forgery
         self.applied.append(sr.record.round)
         return Reply(True)
 
@@ -310,6 +312,7 @@ class _Restarted(Replication):
         )
         self.work = WorkBook()
         self.own_cids = OwnCids(me)
+        self.fence = ElectionFence(self.settings, me, None, self.work, None, self.own_cids, self)
         self.counters = {"records_applied": 0}
         self.events = SimpleNamespace(emit=lambda *a, **k: None)
         self.learner_loop = SimpleNamespace(is_alive=lambda: False)

@@ -105,7 +105,9 @@ class _Sender:
             self.receipts.check_omission,
             self._send_again,
         )
-        auditor = SimpleNamespace(keep_message=lambda raw, sig: "")  # node.swarm.trust.audit: nothing kept here
+        auditor = SimpleNamespace(
+            keep_message=lambda raw, sig: ""
+        )  # node.swarm.trust.audit: nothing kept here
         self.sender = Sender(
             self.settings,
             self.pcfg,

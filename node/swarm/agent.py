@@ -62,6 +62,8 @@ from node.swarm.signed_files import SignedFiles
 from node.swarm.status_p2p import StatusProtocol
 from node.swarm.transport import Reply, Transport, max_frame_bytes
 from node.swarm.trust.audit import Auditor
+from node.swarm.trust.fence import ElectionFence
+from node.swarm.trust.held import HeldRecords
 from node.swarm.trust.peer_scores import PeerScores
 from node.swarm.trust.receipts import Receipts
 from node.swarm.trust.vetting import SnapshotVetting
@@ -69,7 +71,7 @@ from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
-from protocol.errors import RejectCode
+from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
 from protocol.messages import ContributionHeader
 from protocol.norms import NormBook
@@ -199,10 +201,10 @@ class Node(Replication):
         self.leases: dict[int, int] = {}
         self.last_contribution: dict[int, tuple] = {}  # fragment -> (header, encoded) last posted
         self.suspect: dict[str, float] = {}
-        # (fragment, signer) -> (round, new hash, signed bytes): refused by the election fence, tried again
-        self.unelected_held: dict[tuple, tuple] = {}
-        # (fragment, signer) -> (round, new hash, signed bytes, caller): held out of turn (``Replication.out_of_turn``)
-        self.turn_held: dict[tuple, tuple] = {}
+        # records held for one more try (node.swarm.trust.held), made when the node runs: refused by the
+        # election fence, and pushed out of turn while nobody is credited yet
+        self.unelected_held: HeldRecords | None = None
+        self.turn_held: HeldRecords | None = None
         self.evaluate_now: asyncio.Event | None = None  # set by POST /control "evaluate": the next one is now
         self.lagging_since: dict[int, float] = {}
         self.peer_scores = PeerScores(ban_after=s.ban_after, ban_s=s.ban_s)
@@ -240,6 +242,10 @@ class Node(Replication):
             decide=self._decide,
             spawn=self._spawn,
             request_stop=self.request_stop,
+        )
+        # whom a record's signer could be, and the election fence (node.swarm.trust.fence)
+        self.fence = ElectionFence(
+            s, self.peer_id, self.admission, self.work, self.syncs, self.own_cids, self.view
         )
         # the audits this node makes, and the convictions it hands on (node.swarm.trust.audit)
         self.auditor = Auditor(
@@ -331,6 +337,50 @@ class Node(Replication):
         if restored is not None:
             self.joined_by = f"checkpoint {restored}"
         self._phase("restore")
+
+    def _held_records(self) -> tuple[HeldRecords, HeldRecords]:
+        """The records held out of turn (tried again a ``failover_s`` later, judged as the fence stood when
+        they came), and those the fence refused (tried once more a heartbeat later)."""
+        s, c = self.settings, self.counters
+
+        def turn_refused(e: ProtocolError, caller: str) -> None:
+            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
+
+        def still_unelected(e: ProtocolError, caller: str) -> None:
+            if e.code is RejectCode.UNELECTED:
+                c["unelected_refused"] += 1
+
+        def count(key: str):
+            return lambda: c.__setitem__(key, c[key] + 1)
+
+        common = dict(call_later=self.loop.call_later, stopped=self._stop_set)
+        turn = HeldRecords(
+            "out of turn",
+            s.swarm,
+            self.spec,
+            self.replicas,
+            self.signed_files,
+            wait_s=lambda: s.failover_s,
+            retry=lambda sr, caller: self._on_record(sr, caller, waited=True),
+            refused=turn_refused,
+            on_held=count("out_of_turn_held"),
+            on_full=lambda: None,
+            **common,
+        )
+        unelected = HeldRecords(
+            "refused by the election fence",
+            s.swarm,
+            self.spec,
+            self.replicas,
+            self.signed_files,
+            wait_s=lambda: s.heartbeat_s,
+            retry=lambda sr, caller: self._apply(sr),
+            refused=still_unelected,
+            on_held=lambda: None,
+            on_full=count("unelected_refused"),  # too many held: refused now
+            **common,
+        )
+        return turn, unelected
 
     def _phase(self, name: str) -> None:
         """Seconds from the process start to the end of a start-up phase (in the ``join`` record)."""
@@ -448,6 +498,7 @@ class Node(Replication):
             self._send_again,
         )
         addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
+        self.turn_held, self.unelected_held = self._held_records()
         self.membership = Membership(
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
         )

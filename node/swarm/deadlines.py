@@ -90,7 +90,9 @@ class MergeDeadlines:
         # per fragment, our latest contribution another member took: (header, that member, the round whose
         # record must name it, its receipt or None: ``node.swarm.trust.receipts``, when it was taken on the loop)
         self.taken: dict[int, tuple[ContributionHeader, str, int, TakenReceipt | None, float]] = {}
-        self.latency = MergeLatency()  # how late each synchroniser merges our rounds (node.swarm.trust.lateness)
+        self.latency = (
+            MergeLatency()
+        )  # how late each synchroniser merges our rounds (node.swarm.trust.lateness)
 
     def watch(self, target: str, header: ContributionHeader, receipt: TakenReceipt | None = None) -> None:
         """``target`` took our contribution to fragment p's open round: it must merge that round by its due

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply
-from node.swarm.view import ELECT_CREDITED, ELECT_WATCH_ROUNDS, credits
+from node.swarm.view import credits
 from node.swarm.wire import (
     SignedRecord,
     decode_record,
@@ -41,12 +41,6 @@ from protocol.synchroniser import (
 )
 
 logger = logging.getLogger(__name__)
-UNELECTED_HELD = (
-    16  # records the election fence refused, held to try once more (``_hold_unelected``): signed bytes
-)
-TURN_HELD = (
-    16  # records held out of turn (``_hold_out_of_turn``), their signed bytes, one per signer and fragment
-)
 
 
 class Replication:
@@ -63,7 +57,7 @@ class Replication:
         replica, and the node refused every contribution to that fragment as ``future_base``, 800 of them
         and an 88 s stall of two fragments in one chaos run.)
 
-        ``turn_waited``: it was held out of turn while the election fence stood aside (``_hold_out_of_turn``),
+        ``turn_waited``: it was held out of turn while the election fence stood aside (``node.swarm.trust.held``),
         and is judged as the fence stood when it came: the fence may have closed meanwhile on a signer whose
         rounds had all been its own (an honest one was refused so in a suite run)."""
         rec = sr.record
@@ -78,7 +72,7 @@ class Replication:
                 self.auditor.undone.add(rec.new_hash)  # node.swarm.trust.audit
                 raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
             rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
-            self._vouch(sr, fenced=not turn_waited)
+            self.fence.vouch(sr, fenced=not turn_waited)  # node.swarm.trust.fence
         raw = self.signed_files.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.trust.audit).
         # The momentum steps into new tensors for this record, so the parent's stays the parent's for as long
@@ -142,103 +136,6 @@ class Replication:
         """How the replica gets a record's merged gradient again, to re-anchor a contribution taken on an
         older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
         return lambda: decode_record(bytes(raw), self.settings.swarm, self.spec).record.grad
-
-    def _vouch(self, sr: SignedRecord, fenced: bool = True) -> None:
-        """What this node can refute of another's record from its own knowledge: a signer it has never seen
-        in the swarm, a contributor it has never seen, a contribution of its own it never sent; where the
-        swarm audits, a record that names no signed message (nothing to recompute it from); and in a public
-        swarm, a signer no view on this chain could have elected (``signer_electable``)."""
-        known = self.view.members.keys() | self.view.peer_book.keys() | {self.peer_id}
-        rec = sr.record
-
-        def unseen(why: str) -> ProtocolError:  # refused, but no proof of a lie: we may not have seen it yet
-            return UnprovenRefusal(RejectCode.FORGED_RECORD, why)
-
-        if sr.signer not in known:
-            raise unseen(f"round {rec.round} signed by {sr.signer}, never a member")
-        signer = self.view.members.get(sr.signer)
-        if self.admission is not None and signer is not None and signer.client_mode:
-            # a learner-role member (an open learner: dht.admission) is never elected; what it signs is a lie
-            raise ProtocolError(
-                RejectCode.FORGED_RECORD,
-                f"round {rec.round} signed by {sr.signer}, admitted as a learner only",
-            )
-        if self.settings.audit_share > 0 and (not rec.digests or "" in rec.digests):
-            # every honest merge names the digest of each message it took (node.swarm.intake), so
-            # this is the signer's own doing: scored against it where it pushed the record itself
-            raise ProtocolError(
-                RejectCode.FORGED_RECORD,
-                f"round {rec.round} names no signed message for {len(rec.contributors)} contribution(s): "
-                "this swarm audits every record",
-            )
-
-        if fenced and not self.signer_electable(rec.fragment, sr.signer, known):
-            raise UnprovenRefusal(  # views differ: not proof of a lie, and the sender may only relay it
-                RejectCode.UNELECTED,
-                f"round {rec.round} of fragment {rec.fragment} signed by {sr.signer}, whose work no record "
-                "signed by another member credits: no view on this chain elects it",
-            )
-        for learner, cid, *_ in rec.contributors:
-            if learner not in known:
-                raise unseen(f"round {rec.round} names {learner}, never a member, as a contributor")
-            if learner == self.peer_id and self.own_cids.refutes(cid):
-                raise ProtocolError(
-                    RejectCode.FORGED_RECORD,
-                    f"round {rec.round} names contribution {cid} of ours, never sent",
-                )
-
-    def fence_stands_aside(self, p: int, known) -> bool:
-        """Whether the election fence of a public swarm stands aside for fragment p (``signer_electable``):
-        this node has not watched the swarm merge for the election's window, or its chain credits fewer than
-        ``ELECT_CREDITED`` members. False where the swarm elects anyone (no fence at all)."""
-        if not self.settings.elect_workers:
-            return False
-        return self._stands_aside(p, self.work.credited_of(set(known), self.view.logged_learners()))
-
-    def _stands_aside(self, p: int, credited: frozenset[str]) -> bool:
-        watched = self.work.watched_for(time.monotonic(), ELECT_WATCH_ROUNDS * self.syncs[p].due_every)
-        return not watched or len(credited) < ELECT_CREDITED
-
-    def out_of_turn(self, sr: SignedRecord) -> bool:
-        """Whether a record pushed here for the round after our head merges its signer's work alone and comes
-        from a signer this node's view does not put first, while the fence stands aside
-        (``fence_stands_aside``): nobody is credited yet, so a member that signs a record of its own work for
-        every round the moment the one before it lands (``forge-signed`` in ``bench/hostile_node.py``) would
-        win every race. A record that merges another member's work is not held: holding every record out of
-        turn parted the chains of a starting swarm (views differ there), and the fence then refused an honest
-        signer's record across them (a suite run of the partition test). First by the rendezvous order alone,
-        not by leases: a lease is a member's own word in its membership record, and a forger could claim every
-        open round. Such a record is held, not refused (``_hold_out_of_turn``): views differ for a moment at
-        start-up, and an honest record from another view's first candidate lands a ``failover_s`` late, or a
-        fork decides."""
-        if sr.signer == self.peer_id or any(c[0] != sr.signer for c in sr.record.contributors):
-            return False  # ours, or it merged another member's work: not a record of the signer's alone
-        known = self.view.members.keys() | self.view.peer_book.keys() | {self.peer_id}
-        if not self.fence_stands_aside(sr.record.fragment, known):
-            return False
-        first = self.view.candidates(sr.record.fragment, leases=False)[:1]
-        return bool(first) and first[0] != sr.signer
-
-    def signer_electable(self, p: int, signer: str, known) -> bool:
-        """The election fence of a public swarm (``elect`` workers): whether a view on the chain this node
-        follows could have elected ``signer`` for a round of fragment p. Every view elects among the members
-        its chain credits with merged work (``SwarmView.workers``), and a member's own records never credit
-        it (``SwarmView.logged_learners``), so a member that signs records naming itself is not electable
-        for doing so. Not the rank in the fail-over order: views differ there for a moment (a join, a
-        partition healing, heartbeats in flight), and credits do not (they only grow, and nodes on one chain
-        hold the same). True where the swarm elects anyone, while this node has not watched the swarm merge
-        for the election's window itself, and while its chain credits fewer than ``ELECT_CREDITED`` members."""
-        if signer == self.peer_id or not self.settings.elect_workers:
-            return True
-        logged = self.view.logged_learners()
-        credited = self.work.credited_of(set(known) | {signer}, logged)
-        # Only once this node has itself watched the swarm merge for the election's window: the credits a
-        # snapshot or checkpoint hands a joiner or a restarted node name only some of the workers (one, in a
-        # suite run), and a restarted node refused the next honest record of the swarm's synchroniser. And
-        # with fewer than ``ELECT_CREDITED`` credited, elections stand aside too (``SwarmView.workers``).
-        if self._stands_aside(p, credited):
-            return True
-        return signer in credited
 
     def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
@@ -396,7 +293,7 @@ class Replication:
                 self.auditor.convict(sr, lie, caller)
                 raise lie
             # A contributor we have never seen may have joined since our last read of the view (start-up:
-            # the first rounds hold every node): look before ``_vouch`` calls the record forged.
+            # the first rounds hold every node): look before ``ElectionFence.vouch`` calls the record forged.
             unseen = {c[0] for c in sr.record.contributors} - (
                 self.view.members.keys() | self.view.peer_book.keys()
             )
@@ -415,14 +312,14 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
-            if not waited and self.out_of_turn(sr):
-                self._hold_out_of_turn(sr, caller)
+            if not waited and self.fence.out_of_turn(sr):
+                self.turn_held.hold(sr, caller)
                 return Reply(True, message="held: out of turn while nobody is credited yet")
             try:
                 self._apply(sr, turn_waited=waited)
             except ProtocolError as e:
                 if e.code is RejectCode.UNELECTED:
-                    self._hold_unelected(sr)
+                    self.unelected_held.hold(sr, caller)
                     raise
                 if e.code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
                     if (
@@ -468,80 +365,6 @@ class Replication:
                 self._spawn(self.catch_up.catch_up(p, caller, theirs))
             return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
         return Reply(True, message=f"ignored: we are at round {rep.round}")
-
-    def _hold_out_of_turn(self, sr: SignedRecord, caller: str) -> None:
-        """A record ``out_of_turn``: tried again ``failover_s`` later (the time a sender takes to re-route past a
-        synchroniser that died), where it still follows our head; by then the first candidate's record for
-        the round has usually landed, and this one is moot. Held as its signed bytes in a file of the state
-        folder (``SignedFiles``; a decoded gradient is a whole fp32 fragment), one per signer and fragment (its
-        newest), ``TURN_HELD`` in all."""
-        key = (sr.record.fragment, sr.signer)
-        if key not in self.turn_held and len(self.turn_held) >= TURN_HELD:
-            return  # too many held: dropped (the sender's own heads and our catch-up still reach its chain)
-        held = self.turn_held.get(key)
-        if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
-            return  # the same record again (a relay): its retry decides
-        self.counters["out_of_turn_held"] += 1
-        # on disk, where it can be (a disk that refuses the write leaves the bytes in memory)
-        raw = self.signed_files.keep(bytes(sr.raw), f"held-{key[0]}-{sr.record.round}")
-        self.turn_held[key] = (sr.record.round, sr.record.new_hash, raw, caller)
-        self.loop.call_later(self.settings.failover_s, self._retry_out_of_turn, key, sr.record.new_hash)
-
-    def _retry_out_of_turn(self, key: tuple, new_hash: str) -> None:
-        held = self.turn_held.get(key)
-        if held is None or held[1] != new_hash or self._stop_set():
-            return  # replaced by a newer record of its signer, whose own retry decides
-        del self.turn_held[key]
-        round_, _, raw, caller = held
-        rep = self.replicas[key[0]]
-        if round_ != rep.round + 1:
-            return  # the round landed from its first candidate (or the chain moved on): moot here
-        try:
-            sr = decode_record(bytes(raw), self.settings.swarm, self.spec)
-            if sr.record.parent_hash != rep.hash:
-                return
-            self._on_record(sr, caller, waited=True)
-        except ProtocolError as e:
-            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-            logger.info("fragment %d, a record of %s held out of turn, refused: %s", *key, e)
-
-    def _hold_unelected(self, sr: SignedRecord) -> None:
-        """A record the election fence refused: tried once more a heartbeat later, where it still follows our
-        head. Each fragment's chain moves on its own, so the record that credits a newly elected member (in
-        another fragment) can reach this node a moment after that member's first record; refused for good
-        (``unelected_refused``) only if its signer is still not credited then. Held as its signed bytes in a
-        file (``SignedFiles``), one per signer and fragment (its newest), ``UNELECTED_HELD`` in all: a forger
-        pushing a record a round held 64 decoded ones, up to 64 fp32 fragments."""
-        key = (sr.record.fragment, sr.signer)
-        held = self.unelected_held.get(key)
-        if held is not None and held[:2] == (sr.record.round, sr.record.new_hash):
-            return  # the same record again (another relay): its retry decides
-        if held is None and len(self.unelected_held) >= UNELECTED_HELD:
-            self.counters["unelected_refused"] += 1  # too many held: refused now
-            return
-        # on disk, where it can be (a disk that refuses the write leaves the bytes in memory)
-        raw = self.signed_files.keep(bytes(sr.raw), f"held-{key[0]}-{sr.record.round}")
-        self.unelected_held[key] = (sr.record.round, sr.record.new_hash, raw)
-        self.loop.call_later(self.settings.heartbeat_s, self._retry_unelected, key, sr.record.new_hash)
-
-    def _retry_unelected(self, key: tuple, new_hash: str) -> None:
-        held = self.unelected_held.get(key)
-        if held is None or held[1] != new_hash:
-            return  # replaced by a newer record of its signer, whose own retry decides
-        del self.unelected_held[key]
-        round_, _, raw = held
-        rep = self.replicas[key[0]]
-        if round_ != rep.round + 1:
-            return  # the chain moved on: the record is moot here
-        try:
-            sr = decode_record(bytes(raw), self.settings.swarm, self.spec)
-            if sr.record.parent_hash != rep.hash:
-                return
-            self._apply(sr)
-        except ProtocolError as e:
-            if e.code is RejectCode.UNELECTED:
-                self.counters["unelected_refused"] += 1
-            logger.info("fragment %d, a record of %s held by the election fence, refused: %s", *key, e)
 
     async def _h_records(self, caller: str, raw: bytes) -> Reply:
         p, start = parse_records_request(raw)
