@@ -153,8 +153,8 @@ def tamper_alie(z: float) -> None:
     """``alie``: the last round's honest statistics, fetched after each record, shape what it sends."""
     import asyncio
 
-    from node.swarm.agent import Node
     from node.swarm.replication import Replication
+    from node.swarm.sender import Outbox
     from protocol.codecs import decode_tensors, encode_tensors
 
     stats: dict[int, list[dict[str, torch.Tensor]]] = {}  # fragment -> the other learners' last deltas
@@ -195,7 +195,7 @@ def tamper_alie(z: float) -> None:
         if sr.record.digests and "" not in sr.record.digests:
             self._spawn(learn(self, sr))
 
-    honest_post = Node.post_contribution
+    honest_post = Outbox.post
 
     def post_contribution(self, header, enc):
         others = stats.get(header.fragment)
@@ -209,7 +209,7 @@ def tamper_alie(z: float) -> None:
         honest_post(self, header, enc)
 
     Replication._apply = _apply
-    Node.post_contribution = post_contribution
+    Outbox.post = post_contribution
 
 
 def tamper_sybils(n: int, noise: bool = False) -> None:
@@ -244,15 +244,15 @@ def tamper_forge(attack: str) -> None:
     import time
     from dataclasses import replace as dc_replace
 
-    from node.swarm.agent import Node
     from node.swarm.replication import Replication
+    from node.swarm.sender import Outbox
     from node.swarm.wire import SignedRecord, encode_record, sign_contribution
     from protocol.audit import frozen_view
     from protocol.codecs import encode_tensors
     from protocol.messages import ContributionHeader, contribution_id, encode_contribution
     from protocol.synchroniser import Contribution
 
-    Node.post_contribution = lambda self, header, enc: None  # its work credits it nowhere
+    Outbox.post = lambda self, header, enc: None  # its work credits it nowhere
     forged = {"n": 0}
 
     def forge(node, p: int):
@@ -323,11 +323,11 @@ def tamper_stall() -> None:
 
 
 def tamper(attack: str) -> None:
-    from node.swarm.agent import Node
+    from node.swarm.sender import Outbox
     from protocol.codecs import decode_tensors, encode_tensors
 
     scale, inflate, rand = ATTACKS[attack]
-    honest_post = Node.post_contribution
+    honest_post = Outbox.post
 
     def post_contribution(self, header, enc):
         delta = decode_tensors(enc)
@@ -343,7 +343,7 @@ def tamper(attack: str) -> None:
             encode_tensors(out, header.codec, header.block),
         )
 
-    Node.post_contribution = post_contribution
+    Outbox.post = post_contribution
 
 
 def main() -> int:

@@ -56,7 +56,7 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
         mine = SimpleNamespace(fragment=0, cid=cs[0].cid)
         last = {0: (mine, "enc")}
 
-        def send_again(header) -> None:  # as ``Node._send_again``
+        def send_again(header) -> None:  # as ``Outbox.send_again``
             if last[header.fragment][0] is header:
                 outbox.put_nowait(last[header.fragment])
 

@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import node.swarm.sender as sender_mod
 from dht.identity import Identity
 from node.common.events import EventLog
-from node.swarm.agent import Node
 from node.swarm.deadlines import MergeDeadlines
 from node.swarm.intake import Intake
-from node.swarm.sender import Sender
+from node.swarm.sender import Outbox, OwnCids, Sender
 from node.swarm.transport import Reply, TransportError
 from node.swarm.trust.peer_scores import PeerScores
 from node.swarm.trust.receipts import Receipts, make_receipt
@@ -64,8 +63,6 @@ class _Sender:
     fakes of the rest: the view's order is ``order``, the transport a stand-in, this node's own intake a
     list of the callers it took from."""
 
-    _send_again = Node._send_again  # the outbox the deadlines put a contribution back in
-
     def __init__(self, order: list[str], hung: set[str], failover_s: float) -> None:
         self.pcfg = ProtocolConfig()
         self.settings = SimpleNamespace(
@@ -76,7 +73,8 @@ class _Sender:
         self.lease_seen: dict = {}
         self.swarm_steps = 0
         self.last_contribution: dict = {}
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox = Outbox(OwnCids("me"), self.last_contribution)  # the deadlines put one back in it
+        self.outbox.start(asyncio.get_running_loop())
         self.loop = asyncio.get_running_loop()
         self.peer_id, self.identity = "me", None
         self.order = order
@@ -103,7 +101,7 @@ class _Sender:
             self.rounds_behind,
             self.receipts.watched_round,
             self.receipts.check_omission,
-            self._send_again,
+            self.outbox.send_again,
         )
         auditor = SimpleNamespace(
             keep_message=lambda raw, sig: ""
@@ -251,7 +249,7 @@ class _ReceiptSender(_Sender):
             counters=self.counters,
             events=self.events,
             last_contribution=self.last_contribution,
-            send_again=self._send_again,
+            send_again=self.outbox.send_again,
         )
 
 
@@ -311,14 +309,14 @@ def test_a_round_taken_and_not_merged_by_its_deadline_suspects_the_synchroniser_
         s.peer_scores.merged(["me:3:2"])
         s.members = {"B": SimpleNamespace(head_round=lambda p: 4)}
         s.deadlines.check_merged("A", latest, open_round=5)  # a record named our contribution
-        assert not s.suspect and s.outbox.empty() and not s.counters["stalls"]
+        assert not s.suspect and s.outbox.queue.empty() and not s.counters["stalls"]
         s = _Sender(["A", "B"], set(), 1.0)  # nothing merged anywhere
         s.last_contribution[3] = (latest, "enc")
         s.replicas[3].round = 4
         s.deadlines.check_merged("A", old, open_round=5)  # an older one: A suspected, the latest not resent
-        assert s.suspect["A"] > 0 and s.outbox.empty()
+        assert s.suspect["A"] > 0 and s.outbox.queue.empty()
         s.deadlines.check_merged("A", latest, open_round=5)
-        assert s.outbox.get_nowait() == (latest, "enc") and s.counters["stalls"] == 2
+        assert s.outbox.queue.get_nowait() == (latest, "enc") and s.counters["stalls"] == 2
         assert [e["peer"] for e in s.events.of("stall")] == ["A", "A"]
 
     asyncio.run(go())

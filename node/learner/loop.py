@@ -108,7 +108,7 @@ class LearnerLoop(threading.Thread):
         if late and now - self._resent_at >= RESEND_BEATS * self.node.settings.heartbeat_s:
             self._resent_at = now
             for p in late:
-                self.node.resend(p)
+                self.node.outbox.resend(p)
         if late and now - self._blocked_since > self.node.settings.block_timeout_s:
             logger.warning(
                 "no merge of fragment(s) %s after %.0f s of waiting: training on",
@@ -284,7 +284,7 @@ class LearnerLoop(threading.Thread):
                 c_steps=c_steps,
                 c_tokens=c_tokens,
             )
-            self.node.post_contribution(header, enc)
+            self.node.outbox.post(header, enc)
 
     def evaluate(self, params: dict[str, torch.Tensor] | None = None, taken_at: float | None = None) -> float:
         """Eval loss of the global model: ``params`` (a copy of the node's replicas taken at ``taken_at``,

@@ -55,7 +55,7 @@ from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
 from node.swarm.record_push import RecordPush
 from node.swarm.replication import Replication
-from node.swarm.sender import OwnCids, Sender
+from node.swarm.sender import Outbox, OwnCids, Sender
 from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.signed_files import SignedFiles
@@ -73,7 +73,6 @@ from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
 from protocol.errors import ProtocolError, RejectCode
 from protocol.hashing import model_hash
-from protocol.messages import ContributionHeader
 from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import SyncState
@@ -98,6 +97,12 @@ def process_start_time() -> float:
         return btime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
+
+
+async def _pong(caller: str, body: bytes) -> Reply:
+    """``ping``: whether this node is up and takes contributions, asked by a member that was told it is dead
+    (the dispatcher has admitted the caller)."""
+    return Reply(True)
 
 
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
@@ -217,6 +222,7 @@ class Node(Replication):
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
         self.own_cids = OwnCids(self.peer_id)  # what this node sent, to refute records that claim otherwise
+        self.outbox = Outbox(self.own_cids, self.last_contribution)  # from the learner thread to the sender
         self.joining = False  # no heads published until this node has a state (``_enter``)
         self.learner_loop = LearnerLoop(self, self.learner)
         # its view of the swarm: members, heads, election (node.swarm.view)
@@ -283,7 +289,7 @@ class Node(Replication):
             self.counters,
             self.events,
             self.last_contribution,
-            self._send_again,
+            self.outbox.send_again,
             self._reset_sync,
             self.auditor.ban_and_hand_on,
         )
@@ -300,7 +306,6 @@ class Node(Replication):
         self.membership: Membership | None = None
         self.status_p2p: StatusProtocol | None = None
         self.status_server: StatusServer | None = None
-        self.outbox: asyncio.Queue | None = None  # our contributions, from the learner thread to the sender
         self.transport: Transport | None = None
         self.record_push: RecordPush | None = None  # new records to the members that need them first
         self.deadlines: MergeDeadlines | None = None  # the rounds that took our contributions
@@ -396,63 +401,10 @@ class Node(Replication):
     def tokens_merged(self) -> float:
         return sum(t * s for t, s in zip(self.merged_tokens, self.shares))
 
-    # ---------------------------------------------------------------- ops a part of the node answers
-    async def _h_omission(self, caller: str, body: bytes) -> Reply:
-        return await self.receipts.on_omission(caller, body)  # node.swarm.trust.receipts
-
-    async def _h_contribute(self, caller: str, body: bytes) -> Reply:
-        return await self.intake.accept(caller, body)  # node.swarm.intake
-
-    async def _h_ping(self, caller: str, body: bytes) -> Reply:
-        """Whether this node is up and takes contributions, asked by a member that was told it is dead (the
-        dispatcher has admitted the caller)."""
-        return Reply(True)
-
-    async def _h_snapshot(self, caller: str, body: bytes) -> Reply:
-        return await self.catch_up.on_snapshot(caller, body)  # node.swarm.catch_up
-
-    async def _h_kept(self, caller: str, body: bytes) -> Reply:
-        return await self.auditor.on_kept(caller, body)  # node.swarm.trust.audit
-
-    async def _h_evidence(self, caller: str, body: bytes) -> Reply:
-        return await self.auditor.on_evidence(caller, body)
-
-    async def _h_proof(self, caller: str, body: bytes) -> Reply:
-        return await self.auditor.on_proof(caller, body)
-
     def penalise(self, peer: str, code: RejectCode, signed: bool = False) -> None:
         """Score a refused request against ``peer`` (``PeerScores``); a ban it brings is an event."""
         if self.peer_scores.penalise(peer, code, time.monotonic(), signed):
             self.events.emit("ban", t=time.time(), peer=peer, seconds=self.peer_scores.ban_s, last=code.value)
-
-    # ---------------------------------------------------------------- the learner's contributions
-    def post_contribution(self, header: ContributionHeader, enc) -> None:
-        """Called from the learner thread; never blocks."""
-        self.own_cids.add(header.cid)
-        self.last_contribution[header.fragment] = (header, enc)
-        self.loop.call_soon_threadsafe(self.outbox.put_nowait, (header, enc))
-
-    def resend(self, p: int) -> None:
-        """Send fragment p's last contribution again, to whoever holds the open round now (learner thread).
-
-        For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
-        own learner's contribution, and with every live learner as the quorum neither would merge. The one
-        the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
-        on a chain; the replay guard refuses it once a merge record names it)."""
-        if p in self.last_contribution:
-            self.loop.call_soon_threadsafe(self.outbox.put_nowait, self.last_contribution[p])
-
-    def _send_again(self, header: ContributionHeader) -> None:
-        """Put our latest contribution to ``header``'s fragment back in the outbox, if ``header`` is still it
-        (``MergeDeadlines``: its round stalled, or its record left it out)."""
-        latest = self.last_contribution.get(header.fragment)
-        if latest is not None and latest[0] is header:
-            self.outbox.put_nowait(latest)
-
-    async def _sender_loop(self) -> None:
-        while True:
-            header, enc = await self.outbox.get()
-            self._spawn(self.sender.send(header, enc))
 
     # ---------------------------------------------------------------- lifecycle
     def request_stop(self, why: str) -> None:
@@ -495,7 +447,7 @@ class Node(Replication):
             self.view.rounds_behind,
             self.receipts.watched_round,
             self.receipts.check_omission,
-            self._send_again,
+            self.outbox.send_again,
         )
         addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
         self.turn_held, self.unelected_held = self._held_records()
@@ -621,7 +573,22 @@ class Node(Replication):
             watch=self.deadlines.watch,
             clock=self.loop.time,
         )
-        handlers = {op: getattr(self, f"_h_{op}") for op in OPS}  # the handlers: _h_contribute, ...
+        # each op's handler: the component that answers it (node.swarm.dispatch admits and scores)
+        handlers = {
+            "contribute": self.intake.accept,
+            "record": self._h_record,
+            "records": self._h_records,
+            "snapshot": self.catch_up.on_snapshot,
+            "ping": _pong,
+            "evidence": self.auditor.on_evidence,
+            "kept": self.auditor.on_kept,
+            "proof": self.auditor.on_proof,
+            "omission": self.receipts.on_omission,
+        }
+        if set(handlers) != set(OPS):
+            raise RuntimeError(
+                f"ops without a handler, or handlers of no op: {sorted(set(OPS) ^ set(handlers))}"
+            )
         Dispatcher(self.view.known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p
@@ -634,7 +601,7 @@ class Node(Replication):
         await self.status_server.start(s.status_host, s.status_port)
         # where ddiloco doctor finds a node that is still joining
         self.persistence.write_ready(addrs, self.status_server.url, "starting.json")
-        self.outbox = asyncio.Queue()
+        self.outbox.start(self.loop)
         try:
             if not await self._until_stopped(self._enter()):
                 logger.info("stopping before it joined: %s", self.stop_reason)
@@ -647,7 +614,7 @@ class Node(Replication):
                 )
             self.persistence.write_ready(addrs, self.status_server.url)
             self._spawn(self.view.heartbeat_loop())
-            self._spawn(self._sender_loop())
+            self._spawn(self.outbox.drain(self.sender.send, self._spawn))
             self._spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
                 self._spawn(self.persistence.checkpoint_loop())

@@ -1,6 +1,6 @@
 """A learner's contribution routed to its fragment's synchroniser, failing over within ``failover_s``
 (``Sender.send``), and the ids this node sent (``OwnCids``), which refute a record that claims one it never
-sent. The outbox the learner thread fills and the loop that drains it are the node's (``node.swarm.agent``)."""
+sent, and the ``Outbox`` between the learner thread and the sender."""
 
 from __future__ import annotations
 
@@ -57,6 +57,54 @@ class OwnCids:
         if not cid.startswith(self.prefix) or moment is None:
             return True  # not even of our form
         return self.since is not None and moment >= self.since and cid not in self.sent
+
+
+class Outbox:
+    """This node's contributions, from the learner thread to the sender on the node's loop. ``post`` and
+    ``resend`` are called from the learner thread and never block; the queue is made on the loop (``start``)."""
+
+    def __init__(self, own_cids: OwnCids, last: dict[int, tuple]) -> None:
+        self.own_cids = own_cids
+        self.last = last  # fragment -> (header, encoded) last posted
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queue: asyncio.Queue | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def qsize(self) -> int:
+        return self.queue.qsize() if self.queue is not None else 0
+
+    def post(self, header: ContributionHeader, enc) -> None:
+        """A new contribution (learner thread)."""
+        self.own_cids.add(header.cid)
+        self.last[header.fragment] = (header, enc)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (header, enc))
+
+    def resend(self, p: int) -> None:
+        """Send fragment p's last contribution again, to whoever holds the open round now (learner thread).
+
+        For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
+        own learner's contribution, and with every live learner as the quorum neither would merge. The one
+        the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
+        on a chain; the replay guard refuses it once a merge record names it)."""
+        if p in self.last:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, self.last[p])
+
+    def send_again(self, header: ContributionHeader) -> None:
+        """Put our latest contribution to ``header``'s fragment back in the queue, if ``header`` is still it
+        (``MergeDeadlines``: its round stalled, or its record left it out)."""
+        latest = self.last.get(header.fragment)
+        if latest is not None and latest[0] is header:
+            self.queue.put_nowait(latest)
+
+    async def drain(
+        self, send: Callable[[ContributionHeader, object], Awaitable[None]], spawn: Callable
+    ) -> None:
+        """Hand each contribution to ``send``, each in a task of its own."""
+        while True:
+            header, enc = await self.queue.get()
+            spawn(send(header, enc))
 
 
 class Sender:

@@ -190,7 +190,7 @@ class Receipts:
     synchronisers); the node's ``suspect`` dict (peer id -> until when, on the monotonic clock), ``counters``
     and ``events``, which it writes to; ``last_contribution`` (fragment -> our latest (header, encoded)) and
     ``send_again``, which puts that one back in the outbox if it is still the given header
-    (``Node._send_again``); ``reset_sync``, which starts a fragment's open round over without the
+    (``Outbox.send_again``); ``reset_sync``, which starts a fragment's open round over without the
     given contributions (``Replication._reset_sync``); and ``ban_and_hand_on``, which bans a record's
     signer and hands the proof on (``Auditor.ban_and_hand_on``).
 
