@@ -132,7 +132,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
                 if e.code is RejectCode.UNELECTED:
                     count()
 
-            self.held = HeldRecords(  # as the node wires it (``Node._held_records``)
+            self.held = HeldRecords(  # as the node wires it (``node.swarm.assembly.held_records``)
                 "refused by the election fence",
                 "s",
                 None,
@@ -223,7 +223,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
             self.order = ["first", "forger"]
             self.leases_asked = []
             self.view = self  # what the replication reads of the view: this fake's own members and order
-            self.turn_held = HeldRecords(  # as the node wires it (``Node._held_records``)
+            self.turn_held = HeldRecords(  # as the node wires it (``node.swarm.assembly.held_records``)
                 "out of turn",
                 "s",
                 None,

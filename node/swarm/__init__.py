@@ -1,4 +1,5 @@
-"""One node of a real swarm (docs/design.md, section 4). ``agent.Node`` composes the rest:
+"""One node of a real swarm (docs/design.md, section 4). ``agent.Node`` owns the shared state and builds the
+rest (those made when it runs: ``assembly``):
 
   settings       the node's configuration sections (``NodeSettings``, ``NodeConfig``)
   transport      request/reply ops over hivemind's P2P, with deadlines and refusal codes

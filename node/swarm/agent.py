@@ -44,10 +44,11 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
+from node.swarm.assembly import held_records, wire_running_parts
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.deadlines import MergeDeadlines
-from node.swarm.dispatch import OPS, Dispatcher
+from node.swarm.dispatch import Dispatcher
 from node.swarm.history import History
 from node.swarm.intake import Intake
 from node.swarm.memory import release_free_memory
@@ -60,7 +61,7 @@ from node.swarm.server import StatusServer
 from node.swarm.settings import NodeConfig, NodeSettings
 from node.swarm.signed_files import SignedFiles
 from node.swarm.status_p2p import StatusProtocol
-from node.swarm.transport import Reply, Transport, max_frame_bytes
+from node.swarm.transport import Transport
 from node.swarm.trust.audit import Auditor
 from node.swarm.trust.fence import ElectionFence
 from node.swarm.trust.held import HeldRecords
@@ -71,7 +72,7 @@ from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
-from protocol.errors import ProtocolError, RejectCode
+from protocol.errors import RejectCode
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
 from protocol.replica import FragmentReplica
@@ -97,12 +98,6 @@ def process_start_time() -> float:
         return btime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-
-async def _pong(caller: str, body: bytes) -> Reply:
-    """``ping``: whether this node is up and takes contributions, asked by a member that was told it is dead
-    (the dispatcher has admitted the caller)."""
-    return Reply(True)
 
 
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
@@ -343,50 +338,6 @@ class Node(Replication):
             self.joined_by = f"checkpoint {restored}"
         self._phase("restore")
 
-    def _held_records(self) -> tuple[HeldRecords, HeldRecords]:
-        """The records held out of turn (tried again a ``failover_s`` later, judged as the fence stood when
-        they came), and those the fence refused (tried once more a heartbeat later)."""
-        s, c = self.settings, self.counters
-
-        def turn_refused(e: ProtocolError, caller: str) -> None:
-            self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
-
-        def still_unelected(e: ProtocolError, caller: str) -> None:
-            if e.code is RejectCode.UNELECTED:
-                c["unelected_refused"] += 1
-
-        def count(key: str):
-            return lambda: c.__setitem__(key, c[key] + 1)
-
-        common = dict(call_later=self.loop.call_later, stopped=self._stop_set)
-        turn = HeldRecords(
-            "out of turn",
-            s.swarm,
-            self.spec,
-            self.replicas,
-            self.signed_files,
-            wait_s=lambda: s.failover_s,
-            retry=lambda sr, caller: self._on_record(sr, caller, waited=True),
-            refused=turn_refused,
-            on_held=count("out_of_turn_held"),
-            on_full=lambda: None,
-            **common,
-        )
-        unelected = HeldRecords(
-            "refused by the election fence",
-            s.swarm,
-            self.spec,
-            self.replicas,
-            self.signed_files,
-            wait_s=lambda: s.heartbeat_s,
-            retry=lambda sr, caller: self._apply(sr),
-            refused=still_unelected,
-            on_held=lambda: None,
-            on_full=count("unelected_refused"),  # too many held: refused now
-            **common,
-        )
-        return turn, unelected
-
     def _phase(self, name: str) -> None:
         """Seconds from the process start to the end of a start-up phase (in the ``join`` record)."""
         self.startup[name] = round(time.time() - process_start_time(), 3)
@@ -450,145 +401,12 @@ class Node(Replication):
             self.outbox.send_again,
         )
         addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
-        self.turn_held, self.unelected_held = self._held_records()
+        self.turn_held, self.unelected_held = held_records(self)  # node.swarm.assembly
         self.membership = Membership(
             self.dht, s.swarm, self.identity, timeout_s=s.rpc_timeout_s, admission=self.admission
         )
         p2p = await self.dht.replicate_p2p()
-        budget, most = int(s.peer_inflight_mib * (1 << 20)), max_frame_bytes(self.plan)
-        self.transport = Transport(
-            p2p, most, timeout_s=s.rpc_timeout_s, admit=self.view.admit, peer_budget=budget
-        )
-        if self.admission is not None and self.admission.sealed:
-            from node.swarm.sealed import SealedTransport
-
-            self.transport = SealedTransport(self.transport, self.admission, self.peer_id)
-        self.record_push = RecordPush(
-            self.transport,
-            s,
-            self.peer_id,
-            self.suspect,
-            self.view.live_members,
-            self.view.workers,
-            self.view.candidates,
-            self.loop.time,
-        )
-        self.vetting = SnapshotVetting(
-            s,
-            self.pcfg,
-            self.spec,
-            self.peer_id,
-            self.replicas,
-            self.heads,
-            self.logs,
-            self.work,
-            self.transport,
-            self.events,
-            self.view.live_members,
-            self.view.winning_heads,
-            self.penalise,
-        )
-        self.catch_up = CatchUp(
-            s,
-            self.pcfg,
-            self.peer_id,
-            self.spec,
-            self.replicas,
-            self.heads,
-            self.logs,
-            self.merged_tokens,
-            self._syncing,
-            self.lagging_since,
-            self.counters,
-            self.events,
-            self.peer_scores,
-            self.work,
-            self.clocks,
-            self.learner,
-            self.learner_loop,
-            self.transport,
-            self.vetting,
-            self.auditor,
-            members=lambda: self.view.members,
-            live_members=self.view.live_members,
-            winning_heads=self.view.winning_heads,
-            outvoted=self.view.outvoted,
-            credible=self.view.credible,
-            within_records=self.view.within_records,
-            head_key=self.view.head_key,
-            workers=self.view.workers,
-            logged_learners=self.view.logged_learners,
-            credit_snapshot=self.view.credit_snapshot,
-            heartbeat=self.view.heartbeat,
-            apply=self._apply,
-            reset_sync=self._reset_sync,
-            spawn=self._spawn,
-            clock=self.loop.time,
-        )
-        self.view.start(self.membership, self.loop.time, addrs, self.catch_up.reconcile)
-        self.intake = Intake(
-            s,
-            self.pcfg,
-            self.peer_id,
-            self.spec,
-            self.replicas,
-            self.syncs,
-            self.leases,
-            self.clocks,
-            self.suspect,
-            self.peer_scores,
-            self.agreement,
-            self.work,
-            self.counters,
-            self.events,
-            self.auditor,
-            self.receipts,
-            self.transport,
-            known=self.view.known,
-            members=lambda: self.view.members,
-            live_members=self.view.live_members,
-            candidates=self.view.candidates,
-            synchroniser_of=self.view.synchroniser_of,
-            lease_seen=lambda: self.view.lease_seen,
-            swarm_steps=lambda: self.view.swarm_steps,
-            decide=self._decide,
-            penalise=self.penalise,
-            clock=self.loop.time,
-        )
-        self.sender = Sender(
-            s,
-            self.pcfg,
-            self.peer_id,
-            self.identity,
-            self.suspect,
-            self.peer_scores,
-            self.counters,
-            self.events,
-            self.auditor,
-            self.transport,
-            self.receipts,
-            candidates=self.view.candidates,
-            rounds_behind=self.view.rounds_behind,
-            accept=self.intake.accept,
-            watch=self.deadlines.watch,
-            clock=self.loop.time,
-        )
-        # each op's handler: the component that answers it (node.swarm.dispatch admits and scores)
-        handlers = {
-            "contribute": self.intake.accept,
-            "record": self._h_record,
-            "records": self._h_records,
-            "snapshot": self.catch_up.on_snapshot,
-            "ping": _pong,
-            "evidence": self.auditor.on_evidence,
-            "kept": self.auditor.on_kept,
-            "proof": self.auditor.on_proof,
-            "omission": self.receipts.on_omission,
-        }
-        if set(handlers) != set(OPS):
-            raise RuntimeError(
-                f"ops without a handler, or handlers of no op: {sorted(set(OPS) ^ set(handlers))}"
-            )
+        handlers = wire_running_parts(self, p2p, addrs)  # node.swarm.assembly
         Dispatcher(self.view.known, self.penalise, handlers).register(self.transport)
         await self.transport.start()
         self.status_p2p = StatusProtocol(self, p2p)  # ddiloco status --peer, through libp2p

@@ -8,6 +8,8 @@
   audit_archive  the signed contribution messages kept for audits, served by the ``kept`` op
   audit_wire     the record fields an audit reads (digests, scales, share)
   evidence       the bounds a record is a proven lie against, on every node alike
+  fence          whom a record's signer could be (``ElectionFence``): vouching, and the election fence
+  held           records held for one more try (``HeldRecords``): out of turn, or refused by the fence
   vetting        whether a donor's head and snapshot are to be believed before catch-up takes them
   lateness       synchronisers that hold their rounds to the deadline, against the others
 
