@@ -458,10 +458,11 @@ def test_a_forger_present_from_a_swarms_first_rounds_gets_none_of_its_records_ap
     """3 honest public nodes and a ``forge-signed`` member that joins with the second and third, while nobody is
     credited yet (the fence stands aside): after every record it applies it signs one for the next round of
     the fragment, naming a message it signed itself (an audit of it recomputes clean), and pushes it to every
-    member. Held out of turn, then refused by the fence once it closes: one of its records gets in only on a
-    round the rendezvous order gives it before some honest node (its own turn in that node's view; a known
-    limit, ``docs/security.md``), never on one where it ranks last; no honest node is banned, and the honest
-    nodes end on one hash. Before the hold, 12-28 of such records got in a 45 s bench run, on any round."""
+    member. Held out of turn while the fence stands aside (how many are held, if any, depends on when the fence
+    closes; the hold itself is tested in process above), then refused by the fence once it closes: one of its
+    records gets in only on a round the rendezvous order gives it before some honest node (its own turn in that
+    node's view; a known limit, ``docs/security.md``), never on one where it ranks last; no honest node is
+    banned, and the honest nodes end on one hash. Before the hold, 12-28 of such records got in a 45 s bench run, on any round."""
     from bench.attacks import start_hostile
     from node.local.launcher import wait_ready
     from tests.swarm_util import TINY, Swarm, fork_server, wait_until
@@ -504,8 +505,7 @@ def test_a_forger_present_from_a_swarms_first_rounds_gets_none_of_its_records_ap
                 if e["kind"] == "merge" and e.get("signer") == fid and e["learners"] == [fid]
             }
             last = {pr for pr in forged if candidates(final[i]["swarm"], *pr, ids)[-1] == fid}
-            assert not last, (i, sorted(forged), sorted(last))
+            assert not last, (i, sorted(forged), sorted(last), held)
             assert {e["peer"] for e in ev if e["kind"] == "ban"} <= {fid}, i  # no honest node banned
-        assert held > 0  # the first rounds were the forger's to race: its records were held there
     finally:
         swarm.stop()
