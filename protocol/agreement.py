@@ -28,7 +28,7 @@ Never half: a node judges only while fewer than half of the learners it has judg
 times, within its last ``RECENT`` merges) fall below the floor. A node whose merges were mostly the liars' reads
 the honest learners as the ones opposing "the rest" (one did, in a 4+2 run: honest -0.45, liars +0.33);
 with this it distrusts nobody until its merges are again mostly honest. A node that distrusts a learner also
-refuses its contributions (``node.swarm.contributions``: ``distrusted``), so they count toward no quorum
+refuses its contributions (``node.swarm.intake``: ``distrusted``), so they count toward no quorum
 and are not re-sent into the next round, where alone they made rounds of liars only.
 
 What it does not catch: an attack that keeps its cosine above the floor (a random direction with a part of

@@ -35,7 +35,7 @@ CID_PEER_CHARS = 10  # a contribution id names its sender by the last this many 
 
 def contribution_id(peer_id: str, fragment: int, step: int, t: float) -> str:
     """A contribution's id: who, which fragment, the step, and the moment the step ended in ms, which makes
-    ids unique and growing through a node's lives (``node.swarm.contributions.OwnCids``)."""
+    ids unique and growing through a node's lives (``node.swarm.sender.OwnCids``)."""
     return f"{sender_tag(peer_id)}:{fragment}:{step}:{int(t * 1000)}"
 
 

@@ -33,6 +33,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import ContributionHeader, decode_contribution, encode_contribution
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution
+from tests.trust_util import trust_of
 
 SPEC = {0: {"w": (64, 32), "b": (32,)}}
 
@@ -325,6 +326,7 @@ class _Member(Replication):
             reset_sync=self._reset_sync,
             spawn=lambda coro: self._spawn(coro),  # a test may swap ``_spawn``
         )
+        self.trust = trust_of(self)
 
     async def _call(self, peer, op, body):
         raise AssertionError(f"no network here: {op} to {peer}")

@@ -26,6 +26,7 @@ from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode, UnprovenRefusal
 from protocol.synchroniser import round_share
 from tests.test_audit import _contributions, _replica
+from tests.trust_util import trust_of
 
 _WIRE: dict[
     bytes, SignedRecord
@@ -214,6 +215,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
 
     class _Turn(_View):
         _on_record = Replication._on_record
+        trust = property(lambda self: trust_of(self))  # the policy as the node wires it from these parts
 
         def __init__(self):
             super().__init__()

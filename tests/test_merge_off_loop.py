@@ -21,10 +21,15 @@ from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution, Merge, Phase, SyncState
+from tests.trust_util import trust_of
 
 
 class _Node(Replication):
+    # the policy as the node wires it from this fake's settings, pcfg and parts, whichever a test set last
+    trust = property(lambda self: trust_of(self))
+
     def __init__(self, rep: FragmentReplica) -> None:
+        self.peer_id, self.settings = "me", SimpleNamespace(swarm="s")
         self.replicas = [rep]
         self.pcfg = ProtocolConfig()
         self.syncs = [SyncState(fragment=0, global_round=rep.round, phase=Phase.MERGING)]

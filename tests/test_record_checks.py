@@ -27,6 +27,7 @@ from protocol.merge import contribution_weight
 from protocol.messages import contribution_id, sender_tag
 from protocol.replica import FragmentReplica
 from protocol.synchroniser import Contribution, Merge
+from tests.trust_util import trust_of
 
 CFG = ProtocolConfig(fragments=1, sync_every=4, overlap=0, record_codec="fp32")
 
@@ -253,6 +254,7 @@ class _Receiver(Replication):
         self.fence = ElectionFence(self.settings, self.peer_id, None, None, None, None, self)
 
     view = property(lambda self: self)  # the replication's view: this fake's own members
+    trust = property(lambda self: trust_of(self))  # the policy as the node wires it from these parts
 
     async def known(self, caller: str) -> bool:
         return caller in self.members
@@ -342,6 +344,7 @@ class _Restarted(Replication):
             reset_sync=self._reset_sync,
             spawn=lambda coro: coro.close(),
         )
+        self.trust = trust_of(self)
 
     def _reset_sync(self, p: int, merged=frozenset()) -> None:
         self.resets.append(self.replicas[p].round)

@@ -37,6 +37,7 @@ from protocol.synchroniser import Merge, Phase, SyncState
 from tests.swarm_util import Swarm, wait_until
 from tests.test_merge_off_loop import _contributions, _Node
 from tests.test_receipts import receipts_of
+from tests.trust_util import trust_of
 
 SWARM = "s"
 
@@ -154,13 +155,10 @@ def _synchroniser(ident: Identity, rep: FragmentReplica, spec: dict) -> Intake:
         {},
         None,
         {},
-        scores,
-        None,
+        trust_of(SimpleNamespace(settings=settings, peer_id=ident.peer_id, peer_scores=scores)),
         None,
         {},
         EventLog(),
-        None,
-        None,
         SimpleNamespace(count_refusal=lambda code: None),
         known=known,
         members=dict,
@@ -197,12 +195,16 @@ def test_a_contribution_one_round_behind_a_snapshot_installed_here_is_refused_st
     before = node.syncs[0]
     reply = send(h, 1e-3)
     assert not reply.ok and reply.code == "stale_base" and "no longer keeps round 4" in reply.message
-    assert node.syncs[0] is before and not node.peer_scores.scores  # taken into nothing; no count against it
-    assert not node.peer_scores.was_merged(h.cid)
+    assert (
+        node.syncs[0] is before and not node.trust.peer_scores.scores
+    )  # taken into nothing; no count against it
+    assert not node.trust.peer_scores.was_merged(h.cid)
     # a bad message is refused for what it is, stale or not (and counted against its sender)
     reply = send(replace(h, cid=f"{learner.peer_id[-10:]}:0:8:2"), 1e6)  # far past the bound
     assert (
-        reply.code == "too_large" and node.peer_scores.scores[learner.peer_id] < 0 and node.syncs[0] is before
+        reply.code == "too_large"
+        and node.trust.peer_scores.scores[learner.peer_id] < 0
+        and node.syncs[0] is before
     )
 
 

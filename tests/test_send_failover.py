@@ -134,15 +134,12 @@ class _Sender:
             {},
             self.clocks,
             self.suspect,
-            self.peer_scores,
-            None,
+            None,  # nothing is taken here (no trust asked): only the dead-list checks are asked
             None,
             self.counters,
             self.events,
-            auditor,
-            self.receipts,
             self.transport,
-            known=None,  # nothing is taken here: only the dead-list checks are asked
+            known=None,
             members=lambda: self.members,
             live_members=self.live_members,
             candidates=self.candidates,

@@ -66,6 +66,7 @@ from node.swarm.trust.audit import Auditor
 from node.swarm.trust.fence import ElectionFence
 from node.swarm.trust.held import HeldRecords
 from node.swarm.trust.peer_scores import PeerScores
+from node.swarm.trust.policy import TrustChecks, TrustPolicy
 from node.swarm.trust.receipts import Receipts
 from node.swarm.trust.vetting import SnapshotVetting
 from node.swarm.trust.work_book import WorkBook
@@ -267,7 +268,7 @@ class Node(Replication):
             call=lambda peer, op, body: self.transport.call(peer, op, body),
             live_members=self.view.live_members,
             learner_only=self.view.learner_only,
-            agreed=self._agreed,
+            agreed=lambda rec, cosines: self.trust.agreed(rec, cosines),
             reset_sync=self._reset_sync,
             spawn=self._spawn,
         )
@@ -287,6 +288,24 @@ class Node(Replication):
             self.outbox.send_again,
             self._reset_sync,
             self.auditor.ban_and_hand_on,
+        )
+        # what the accepting, merging and applying paths ask of trust (node.swarm.trust.policy)
+        self.trust = TrustPolicy(
+            TrustChecks.of(s, self.pcfg),
+            self.peer_id,
+            self.peer_scores,
+            self.work,
+            self.agreement,
+            self.fence,
+            self.auditor,
+            self.receipts,
+            self.suspect,
+            self.counters,
+            self.events,
+            step_rate=lambda q: getattr(self.view.members.get(q), "steps_per_s", 0.0),
+            hold_out_of_turn=lambda sr, caller: self.turn_held.hold(sr, caller),
+            hold_unelected=lambda sr, caller: self.unelected_held.hold(sr, caller),
+            spawn=self._spawn,
         )
         self.started_at = time.time()
         t0 = process_start_time()

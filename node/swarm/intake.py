@@ -5,7 +5,6 @@ evidence of a stalled round)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import time
@@ -29,7 +28,9 @@ class Intake:
     (a live member; raises ``banned``), ``members()`` and ``live_members()``, ``candidates(p)``,
     ``synchroniser_of(p, dead)``, and ``lease_seen()`` and ``swarm_steps()`` (when each lease was first seen,
     and the swarm's summed steps); from the replication: ``decide(p, decision)`` (a synchroniser's decision
-    carried out); ``penalise(peer, code)``; ``clock()``: the event loop's time."""
+    carried out); ``penalise(peer, code)``; ``clock()``: the event loop's time. ``trust``: the node's
+    ``TrustPolicy`` (``node.swarm.trust.policy``), asked at named points: the learner admitted, a resend or a
+    replay, a merge under way, the message's digest, the receipt given."""
 
     def __init__(
         self,
@@ -42,13 +43,10 @@ class Intake:
         leases: dict[int, int],
         clocks,
         suspect: dict[str, float],
-        peer_scores,
-        agreement,
+        trust,
         work,
         counters: dict[str, int],
         events,
-        auditor,
-        receipts,
         transport,
         *,
         known: Callable[[str], Awaitable[bool]],
@@ -64,9 +62,8 @@ class Intake:
     ) -> None:
         self.settings, self.pcfg, self.peer_id, self.spec = settings, pcfg, peer_id, spec
         self.replicas, self.syncs, self.leases, self.clocks = replicas, syncs, leases, clocks
-        self.suspect, self.peer_scores, self.agreement, self.work = suspect, peer_scores, agreement, work
-        self.counters, self.events = counters, events
-        self.auditor, self.receipts, self.transport = auditor, receipts, transport
+        self.suspect, self.trust, self.work = suspect, trust, work
+        self.counters, self.events, self.transport = counters, events, transport
         self.known, self.members, self.live_members = known, members, live_members
         self.candidates, self.synchroniser_of = candidates, synchroniser_of
         self.lease_seen, self.swarm_steps = lease_seen, swarm_steps
@@ -100,17 +97,10 @@ class Intake:
                 who = self.synchroniser_of(p, await self.checked_dead(p, dead))
             if who != self.peer_id:
                 return self.refuse_role(caller, p, who)
-            if self.pcfg.distrust and self.agreement.refuse(h.learner):
-                # protocol.agreement: counted toward no quorum, and not re-sent into the next round (left
-                # out at the merge, such contributions came back as rounds of liars only)
-                self.counters["distrusted_left_out"] += 1
-                raise ProtocolError(
-                    RejectCode.DISTRUSTED, f"{h.learner}'s outer gradients oppose the rest of the merges here"
-                )
-            if self.peer_scores.first_resend(h.cid):
+            self.trust.admit_learner(h.learner)  # node.swarm.trust.policy
+            if self.trust.resent(h.cid):
                 self.events.emit("resent", t=time.time(), peer=caller, fragment=p, cid=h.cid)
                 return Reply(True, RejectCode.REPLAYED.value, f"contribution {h.cid} was already merged")
-            self.peer_scores.check_replay(h.cid)
             self.check_work(h)
             # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
             # took the loop for a second a contribution); on a view whose norm book is a copy read here
@@ -125,21 +115,20 @@ class Intake:
                     RejectCode.STALE_BASE,
                     f"fragment {p} no longer keeps round {h.base_round} here (now at {rep.round})",
                 )
-            if (busy := self.receipts.merging_here(caller, p)) is not None:
+            if (busy := self.trust.busy(caller, p)) is not None:
                 return busy
-            # the record names its digest; audits fetch it (node.swarm.trust.audit)
-            digest = self.auditor.keep_message(raw, sig) or hashlib.sha256(raw).hexdigest()
+            digest = self.trust.digest(raw, sig)  # the record names it; audits fetch the message by it
             c = Contribution(
                 h.learner, p, h.base_round, h.c_steps, h.c_tokens, h.step_time_s, delta, h.cid, n, digest
             )
-            binding, receipt = caller != self.peer_id and self.receipts.receipts_on(), b""
+            binding, receipt = self.trust.binds(caller), b""
             if binding:
-                self.receipts.check_taken(p, c.learner, c.cid, c.base_round)
+                self.trust.check_taken(p, c.learner, c.cid, c.base_round)
             d = on_contribution(self.pcfg, self.syncs[p], c, self.clock())
             if binding:
                 if d.state.pending.get((c.learner, c.base_round)) is not c:  # not taken: say so, no ok
                     raise ProtocolError(RejectCode.STALE_BASE, d.reason)
-                receipt = self.receipts.give_receipt(p, c.learner, c.cid)
+                receipt = self.trust.receipt(p, c.learner, c.cid)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             if caller == self.peer_id:
@@ -147,7 +136,7 @@ class Intake:
             else:
                 self.penalise(caller, e.code)
             return Reply(False, e.code.value, str(e))
-        self.peer_scores.reward(caller)
+        self.trust.accepted(caller)
         self.leases[p] = self.replicas[p].round + 1
         self.counters["contributions_accepted"] += 1
         self.decide(p, d)

@@ -273,7 +273,7 @@ class Persistence:
                 # Its traceback holds the frames that laid the file out, and through them every replica
                 # tensor of that moment, in a cycle with the future that carried it from the learner's
                 # thread: left to the cyclic collector, a 124M node on a full disk grew ~300 MB a minute.
-                e.__traceback__ = None
+                e.with_traceback(None)
             wait = paced_wait(
                 self.settings.checkpoint_every_s, self.checkpoint_cpu_s, self.settings.checkpoint_cpu_share
             )

@@ -1,9 +1,10 @@
 """Replicated global state of a node (docs/design.md, section 4): applying signed merge records, merging
 as the synchroniser, and the server side of the record and records ops. The base of
 ``node.swarm.agent.Node``, which owns the state and builds the components this reaches through it: the
-view (``self.view``), the audits (``self.auditor``), joining and catching up (``self.catch_up``), the
-push of the records made here ``node.swarm.record_push``, the deadlines of the rounds that took our contributions
-``node.swarm.deadlines``."""
+view (``self.view``), the trust policy (``self.trust``, ``node.swarm.trust.policy``: asked at named points,
+so that read without its calls this is the honest path), joining and catching up (``self.catch_up``), the
+push of the records made here ``node.swarm.record_push``, the deadlines of the rounds that took our
+contributions ``node.swarm.deadlines``."""
 
 from __future__ import annotations
 
@@ -64,22 +65,14 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if not made_here:
-            if self.peer_scores.banned(sr.signer, time.monotonic()):  # relayed, or fetched by catch-up
-                raise ProtocolError(
-                    RejectCode.BANNED, f"round {rec.round} signed by {sr.signer}, banned here"
-                )
-            if rec.parent_hash in self.auditor.undone or rec.new_hash in self.auditor.undone:
-                self.auditor.undone.add(rec.new_hash)  # node.swarm.trust.audit
-                raise ProtocolError(RejectCode.UNDONE, f"round {rec.round} is on a chain we undid")
-            rep.check_record(rec, self.pcfg)  # first: a lie any node can check is refused for what it is
-            self.fence.vouch(sr, fenced=not turn_waited)  # node.swarm.trust.fence
+            self.trust.vet(sr, rep, self.pcfg, turn_waited)  # node.swarm.trust.policy
         raw = self.signed_files.keep(sr.raw, f"{p}-{rec.round}")  # on disk, where it can be
         # an audit recomputes the record at its parent: this state, which needs no walking back (node.swarm.trust.audit).
         # The momentum steps into new tensors for this record, so the parent's stays the parent's for as long
         # as the audit holds it: a contribution on an older base is rebuilt from it, and one rebuilt from a
         # replica walked back from later rounds differs by ulps, which the record codec's rounding now and then
         # turns into a whole step (honest records of the test swarm audited at gaps of 1e-3 to 7e-3).
-        parent = frozen_view(rep) if not made_here and self.auditor.audits(sr) else None
+        parent = None if made_here else self.trust.audit_parent(sr, rep)
         try:
             with momentum_lent([rep] if parent is not None else []):
                 rep.apply_record(rec, self.pcfg, source=self._grad_source(raw))
@@ -88,17 +81,8 @@ class Replication:
             self.events.emit("hash_mismatch", t=time.time(), fragment=p, round=rec.round, signer=sr.signer)
             raise
         self.heads[p] = tuple(sr.head)
-        if not self.peer_scores.accused(
-            sr.signer, time.monotonic()
-        ):  # it merges (a late round, or it came back): electable again
-            self.suspect.pop(sr.signer, None)
         self.merged_tokens[p] += sum(c[4] for c in rec.contributors)
-        self.peer_scores.merged(c[1] for c in rec.contributors)
-        now = time.monotonic()
-        # each contributor's work spans its steps at its record's rate: the counters' bound (``WorkBook.merged``)
-        for c in rec.contributors:
-            rate = getattr(self.view.members.get(c[0]), "steps_per_s", 0.0)
-            self.work.merged(c[0], p, now, c[3] / rate if rate > 0 else 0.0)
+        self.trust.applied(sr)  # its ids merged, its learners' work credited
         log = self.logs[p]
         # the log keeps the signed bytes (what catch-up serves), not the decoded gradient: that was a whole
         # fp32 copy of the fragment per round kept
@@ -124,9 +108,7 @@ class Replication:
         )
         if not made_here:
             self._reset_sync(p, merged={c[1] for c in rec.contributors})
-            if parent is not None:
-                self._spawn(self.auditor.audit(sr, parent))
-            self.auditor.recheck(sr)
+            self.trust.audit(sr, parent)
         self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
             mine = [(c[3], c[4]) for c in rec.contributors if c[0] == self.peer_id]
@@ -179,12 +161,7 @@ class Replication:
             # senders' watches find the round unmerged and send their contributions again.
             logger.info("fragment %d round %d not merged: this node is stopping", p, a.round)
             return
-        kept = self.agreement.keep_trusted(a.contributions) if self.pcfg.distrust else a.contributions
-        if len(kept) < len(a.contributions) and self.receipts.receipts_on():
-            # a contribution we gave a receipt for is merged: a robust merge bounds its learner's say, and
-            # leaving it out would prove us a liar (node.swarm.trust.receipts)
-            promised = self.receipts.receipted(p, a.round)
-            kept = tuple(c for c in a.contributions if c in kept or c.cid in promised)
+        kept = self.trust.merged_set(p, a.round, a.contributions)  # the distrusted left out
         if len(kept) < len(a.contributions):
             out = [c for c in a.contributions if c not in kept]
             self.counters["distrusted_left_out"] += len(out)
@@ -238,14 +215,12 @@ class Replication:
                 "merge of fragment %d round %d dropped: its round was reset or the node stops", p, a.round
             )
             return
-        if self.receipts.receipts_on() and self.receipts.holds_receipts(rec):  # not signed, handed on
-            left = list(st.pending.values()) + list(st.queued.values()) + list(a.contributions)
-            self.receipts.renounce(p, a.round, {c.cid for c in left})
+        left = list(st.pending.values()) + list(st.queued.values()) + list(a.contributions)
+        if not self.trust.may_sign(p, a.round, rec, left):  # it would break a receipt: renounced
             return
         for learner, rms in view.norms.added:
             rep.norms.add(learner, rms)
-        if self.pcfg.distrust:
-            self._agreed(rec, rec.agreement)  # protocol.agreement (robust merges only)
+        self.trust.agreed(rec, rec.agreement)  # protocol.agreement (robust merges only)
         rep.take_made(view)
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
         self._apply(sr, made_here=True)
@@ -254,16 +229,6 @@ class Replication:
         sync_s = self.loop.time() - t0 + self.record_push.last_s(p)
         self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
         self._spawn(self.record_push.broadcast(p, sr))
-
-    def _agreed(self, rec, cosines) -> None:
-        """Take one robust merge's cosines, made here or recomputed by an audit here (``protocol.agreement``)."""
-        for learner in self.agreement.add([c[0] for c in rec.contributors], cosines):
-            logger.warning(
-                "fragment %d round %d: %s distrusted (its outer gradients oppose the rest)",
-                rec.fragment,
-                rec.round,
-                learner,
-            )
 
     def _stop_set(self) -> bool:
         return self._stop is not None and self._stop.is_set()
@@ -288,9 +253,7 @@ class Replication:
             # is checked once, as it is applied (``_on_record``); one that does not is checked here
             rep = self.replicas[sr.record.fragment]
             follows = sr.record.round == rep.round + 1 and sr.record.parent_hash == rep.hash
-            lie = None if follows else self.auditor.proven_lie(sr)
-            if lie is not None:
-                self.auditor.convict(sr, lie, caller)
+            if not follows and (lie := self.trust.refute(sr, caller)) is not None:
                 raise lie
             # A contributor we have never seen may have joined since our last read of the view (start-up:
             # the first rounds hold every node): look before ``ElectionFence.vouch`` calls the record forged.
@@ -312,24 +275,15 @@ class Replication:
         p = rec.fragment
         rep = self.replicas[p]
         if rec.round == rep.round + 1 and rec.parent_hash == rep.hash:
-            if not waited and self.fence.out_of_turn(sr):
-                self.turn_held.hold(sr, caller)
+            if not waited and self.trust.held_out_of_turn(sr, caller):
                 return Reply(True, message="held: out of turn while nobody is credited yet")
             try:
                 self._apply(sr, turn_waited=waited)
             except ProtocolError as e:
-                if e.code is RejectCode.UNELECTED:
-                    self.unelected_held.hold(sr, caller)
-                    raise
-                if e.code in (RejectCode.FORGED_RECORD, RejectCode.RECORD_TOO_LARGE):
-                    if (
-                        lie := self.auditor.proven_lie(sr)
-                    ) is not None:  # only on a refusal: no second pass otherwise
-                        self.auditor.convict(sr, lie, caller)
-                elif e.code not in (RejectCode.UNDONE, RejectCode.BANNED):  # a chain or signer we refuse
-                    self._spawn(
-                        self.catch_up.catch_up(p, caller, sr.head)
-                    )  # our state may be the odd one out
+                if not self.trust.refused(
+                    sr, caller, e
+                ):  # not trust's refusal: our state may be the odd one out
+                    self._spawn(self.catch_up.catch_up(p, caller, sr.head))
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)

@@ -13,6 +13,10 @@
   vetting        whether a donor's head and snapshot are to be believed before catch-up takes them
   lateness       synchronisers that hold their rounds to the deadline, against the others
 
-The accepting, merging and applying paths (``node.swarm.intake``, ``node.swarm.replication``) call these at
-named points; read without them, those paths are the honest path.
+  policy         the one object the accepting, merging and applying paths ask (``TrustPolicy``), wired
+                 from the swarm's kind (``TrustChecks``): a private swarm's checks only what a certified
+                 member may still get wrong
+
+The accepting, merging and applying paths (``node.swarm.intake``, ``node.swarm.replication``) reach these
+through the policy alone, at named points; read without its calls, those paths are the honest path.
 """
