@@ -240,7 +240,7 @@ def records_request() -> bytes:
 
 @functools.cache
 def records_reply() -> bytes:
-    """The ``records`` reply (node.swarm.replication._h_records): the signed records from that round."""
+    """The ``records`` reply (node.swarm.replication.on_records): the signed records from that round."""
     return pack_list([record()])
 
 
@@ -348,6 +348,24 @@ def sealed_membership() -> bytes:
     return _seal(membership_private(), DHT_CONTEXT, NONCE_DHT)
 
 
+PEER_SWARM = "ddiloco-local"  # the test swarm's (tests.swarm_util.Swarm), the default model of its nodes
+PEER_CID = contribution_id(LEARNER.peer_id, 0, 8, T0 + 20.0)
+
+
+def peer_contribute() -> bytes:
+    """The ``contribute`` request the learner's node sends to fragment 0 of the test swarm's default model
+    (``tests.test_wire_refusals._spec``) on base round 0: the stored message of an old-format peer that
+    tests/test_old_format_peer.py sends to a node of this commit over the wire. Its outer gradient is small
+    (a thousandth, int4), its counters one honest contribution's."""
+    from tests.test_wire_refusals import _spec
+
+    g = torch.Generator().manual_seed(7)
+    delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in sorted(_spec()[0].items())}
+    header = ContributionHeader(LEARNER.peer_id, 0, 0, 8, 2048, 0.1, "int4", 64, PEER_CID)
+    raw = canonical(encode_contribution(header, encode_tensors(delta, "int4", 64)))
+    return pack_list([json.dumps({"dead": []}).encode(), raw, sign_contribution(PEER_SWARM, LEARNER, raw)])
+
+
 def status_request() -> bytes:
     """node.common.status_wire.encode_frame: a ``/ddiloco/status/1`` request carrying a certificate."""
     return encode_frame({"cert": certificate().decode()})
@@ -379,6 +397,7 @@ FORMATS = {
     "sealed_request.bin": sealed_request,
     "sealed_membership.bin": sealed_membership,
     "status_request.bin": status_request,
+    "peer_contribute.bin": peer_contribute,
 }
 
 
