@@ -188,12 +188,12 @@ def tamper_alie(z: float) -> None:
                 )
             stats[sr.record.fragment] = deltas
 
-    honest_apply = Replication._apply
+    honest_apply = Replication.apply
 
-    def _apply(self, sr, made_here=False):
+    def apply(self, sr, made_here=False):
         honest_apply(self, sr, made_here)
         if sr.record.digests and "" not in sr.record.digests:
-            self._spawn(learn(self, sr))
+            self.spawn(learn(self, sr))
 
     honest_post = Outbox.post
 
@@ -208,7 +208,7 @@ def tamper_alie(z: float) -> None:
             enc = encode_tensors(out, header.codec, header.block)
         honest_post(self, header, enc)
 
-    Replication._apply = _apply
+    Replication.apply = apply
     Outbox.post = post_contribution
 
 
@@ -288,14 +288,14 @@ def tamper_forge(attack: str) -> None:
         if forged["n"] % 20 == 1:
             print(f"{attack}: {forged['n']} records signed and pushed", file=sys.stderr)
 
-    honest_apply = Replication._apply
+    honest_apply = Replication.apply
 
-    def _apply(self, sr, made_here=False):
+    def apply(self, sr, made_here=False):
         honest_apply(self, sr, made_here)
         if sr.signer != self.peer_id:
-            self._spawn(push(self, sr.record.fragment))
+            self.spawn(push(self, sr.record.fragment))
 
-    Replication._apply = _apply
+    Replication.apply = apply
 
 
 def tamper_late() -> None:
@@ -317,7 +317,7 @@ def tamper_stall() -> None:
     from node.swarm.replication import Replication
 
     def _merge(self, p, a) -> None:  # quorum reached: merge nothing, and take the round again from scratch
-        self._reset_sync(p, merged={c.cid for c in a.contributions})
+        self.reset_sync(p, merged={c.cid for c in a.contributions})
 
     Replication._merge = _merge
 

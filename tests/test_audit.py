@@ -121,7 +121,7 @@ def test_an_honest_record_recomputes_within_tolerance_and_a_lie_does_not(robust,
 
 def _stale_rounds(lend: bool, rounds: int = 40) -> tuple[list[float], list[float]]:
     """A synchroniser's replica merging, each round, one contribution on the parent and one a round older
-    (re-anchored), its records applied as ``Replication._apply`` applies another's: a frozen view of the
+    (re-anchored), its records applied as ``Replication.apply`` applies another's: a frozen view of the
     parent taken for the audit, the momentum lent (``lend``) while the record is applied. Each record is
     audited two rounds later, on that view and on the replica walked back. The gaps, (at parent, walked)."""
     cfg = ProtocolConfig(robust="centered-clip", clip_factor=3.0)
@@ -323,8 +323,8 @@ class _Member(Replication):
             live_members=self.live_members,
             learner_only=self.learner_only,
             agreed=lambda rec, cosines: None,
-            reset_sync=self._reset_sync,
-            spawn=lambda coro: self._spawn(coro),  # a test may swap ``_spawn``
+            reset_sync=self.reset_sync,
+            spawn=lambda coro: self.spawn(coro),  # a test may swap ``spawn``
         )
         self.trust = trust_of(self)
 
@@ -348,11 +348,11 @@ class _Member(Replication):
     def learner_only(self) -> bool:
         return False
 
-    def _spawn(self, coro):
+    def spawn(self, coro):
         self.tasks.append(coro)
         coro.close()
 
-    def _reset_sync(self, p, merged=frozenset()) -> None:
+    def reset_sync(self, p, merged=frozenset()) -> None:
         pass
 
 
@@ -395,7 +395,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     rec = maker.make_record(1, cs, cfg)
     sr = decode_record(encode_record("s", rec, honest_sync), "s", SPEC)
     node.members = {honest_sync.peer_id: None, liar.peer_id: None, **{x.peer_id: None for x in learners}}
-    node._apply(sr)
+    node.apply(sr)
     proof = pack_list([sr.raw, *(x for m in msgs for x in m)])
     reply = asyncio.run(_dispatch(node, "proof", "accuser", proof))
     assert not reply.ok and "proves no lie" in reply.message and node.penalised == ["malformed"]
@@ -407,7 +407,7 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     lie = replace(lie, digests=tuple(c.digest for c in cs2))
     bad = decode_record(encode_record("s", lie, liar), "s", SPEC)
     parent = node.replicas[0].hash
-    node._apply(bad)
+    node.apply(bad)
     assert node.replicas[0].round == 2
     reply = asyncio.run(
         _dispatch(node, "proof", "accuser", pack_list([bad.raw, *(x for m in msgs2 for x in m)]))
@@ -420,9 +420,9 @@ def test_a_proof_of_a_lie_bans_and_undoes_and_a_proof_of_an_honest_record_is_ref
     # a record on top of the undone one is refused, whoever signs it; any record of the liar too
     on_top = replace(lie, round=3, parent_hash=lie.new_hash)
     with pytest.raises(ProtocolError, match="undid"):
-        node._apply(decode_record(encode_record("s", on_top, honest_sync), "s", SPEC))
+        node.apply(decode_record(encode_record("s", on_top, honest_sync), "s", SPEC))
     with pytest.raises(ProtocolError, match="banned"):
-        node._apply(
+        node.apply(
             decode_record(encode_record("s", replace(lie, round=2, parent_hash=rep.hash), liar), "s", SPEC)
         )
     # a proof whose messages are not the ones the record names proves nothing
@@ -448,7 +448,7 @@ def test_a_new_ban_audits_the_records_of_the_signer_held_here_and_walks_back_wha
     view = frozen_view(node.replicas[0])
     rec = view.make_record(1, cs if held == "honest" else _lie(cs, -1.0), node.pcfg)
     sr = decode_record(encode_record("s", replace(rec, digests=tuple(c.digest for c in cs)), liar), "s", SPEC)
-    node._apply(sr)
+    node.apply(sr)
     assert node.replicas[0].round == 1 and node.logs[0][1].signer == liar.peer_id
 
     fetched = []
@@ -477,7 +477,7 @@ def test_a_new_ban_audits_the_records_of_the_signer_held_here_and_walks_back_wha
         assert node.replicas[0].hash == node.heads[0][1] != sr.record.new_hash
         assert node.counters["audits_unfetched" if held == "lie-unfetched" else "audits"] == 1
         with pytest.raises(ProtocolError, match="undid"):  # its chain stays refused
-            node._apply(
+            node.apply(
                 decode_record(
                     encode_record("s", replace(rec, round=2, parent_hash=rec.new_hash), other), "s", SPEC
                 )
@@ -499,7 +499,7 @@ def test_recomputes_run_one_at_a_time(tmp_path, monkeypatch):
     sr = decode_record(
         encode_record("s", replace(rec, digests=tuple(c.digest for c in cs)), signer), "s", SPEC
     )
-    node._apply(sr)
+    node.apply(sr)
 
     async def fetch(s):
         return msgs
@@ -544,13 +544,13 @@ def test_an_audit_recomputes_on_the_state_before_the_record_without_walking_back
         encode_record("s", replace(rec, digests=tuple(c.digest for c in cs)), signer), "s", SPEC
     )
     kept = []
-    node._spawn = kept.append
-    node._apply(sr)
+    node.spawn = kept.append
+    node.apply(sr)
     (spawned,) = [c for c in kept if c.__name__ == "audit"]  # drawn: the audit was spawned ...
     parent = spawned.cr_frame.f_locals["parent"]  # ... with the state before the record
     assert parent.round == 0 and node.replicas[0].round == 1
     _, cs2 = _signed_messages(learners, 1, seed=2)
-    node._apply(
+    node.apply(
         decode_record(
             encode_record("s", frozen_view(node.replicas[0]).make_record(2, cs2, node.pcfg), signer),
             "s",

@@ -140,7 +140,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
                 self.replicas,
                 SignedFiles(tmp_path / "records"),
                 wait_s=lambda: self.settings.heartbeat_s,
-                retry=lambda sr, caller: self._apply(sr),
+                retry=lambda sr, caller: self.apply(sr),
                 refused=refused,
                 on_held=lambda: None,
                 on_full=count,
@@ -148,7 +148,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
                 stopped=lambda: False,
             )
 
-        def _apply(self, sr):
+        def apply(self, sr):
             self.fence.vouch(sr)
             applied.append(sr)
 
@@ -158,7 +158,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
     new = _signed("c", ["c", "a"])
     new.record.parent_hash = "h2"
     with pytest.raises(ProtocolError):
-        v._apply(new)
+        v.apply(new)
     v.held.hold(new, "c")
     assert len(later) == 1 and v.counters["unelected_refused"] == 0
     v.chain(_signed("a", ["a", "b"]), _signed("b", ["b", "a"]), _signed("a", ["a", "c"]))  # c credited since
@@ -214,7 +214,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     applied, later, waited = [], [], []
 
     class _Turn(_View):
-        _on_record = Replication._on_record
+        take_record = Replication.take_record
         trust = property(lambda self: trust_of(self))  # the policy as the node wires it from these parts
 
         def __init__(self):
@@ -232,7 +232,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
                 self.replicas,
                 SignedFiles(tmp_path / "records"),
                 wait_s=lambda: self.settings.failover_s,
-                retry=lambda sr, caller: self._on_record(sr, caller, waited=True),
+                retry=lambda sr, caller: self.take_record(sr, caller, waited=True),
                 refused=lambda e, caller: None,
                 on_held=lambda: self.counters.__setitem__(
                     "out_of_turn_held", self.counters["out_of_turn_held"] + 1
@@ -246,7 +246,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
             self.leases_asked.append(leases)
             return list(self.order)
 
-        def _apply(self, sr, turn_waited=False):
+        def apply(self, sr, turn_waited=False):
             applied.append(sr)
             waited.append(turn_waited)
             self.replicas[0] = SimpleNamespace(round=sr.record.round, hash=sr.record.new_hash)
@@ -264,20 +264,20 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     v = _Turn()
     v.members = {"first": None, "forger": None}
     forged, honest = pushed("forger"), pushed("first")
-    assert "held" in v._on_record(forged, "forger").message
+    assert "held" in v.take_record(forged, "forger").message
     assert applied == [] and v.counters["out_of_turn_held"] == 1 and v.leases_asked == [False]
     assert isinstance(v.turn_held.held[(0, "forger")].raw, SignedFile)  # in a file of the state folder
-    v._on_record(forged, "forger")  # pushed again (a relay): held once
+    v.take_record(forged, "forger")  # pushed again (a relay): held once
     assert len(later) == 1 and later[0][0] == 6.0
-    assert v._on_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
+    assert v.take_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
     run_retries()
     assert applied == [honest] and len(v.turn_held) == 0  # moot: it no longer follows the head
     # the first candidate never delivers: a failover later, the held record is applied; of two records of
     # one signer for the fragment, the newer is held (the older's retry finds it replaced)
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
     older, newer = pushed("forger", "-1"), pushed("forger", "-2")
-    v._on_record(older, "forger")
-    v._on_record(newer, "forger")
+    v.take_record(older, "forger")
+    v.take_record(newer, "forger")
     assert len(v.turn_held) == 1 and len(later) == 2
     run_retries()
     assert applied == [honest, newer] and len(v.turn_held) == 0
@@ -286,7 +286,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     # at most HELD_CAP signers' records held at once
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
     for i in range(HELD_CAP + 3):
-        v._on_record(pushed(f"m{i}"), f"m{i}")
+        v.take_record(pushed(f"m{i}"), f"m{i}")
     assert len(v.turn_held) == HELD_CAP
     later.clear()
     # a record that merges another member's work is not held, whoever signed it (views differ at start-up)

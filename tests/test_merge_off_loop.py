@@ -42,12 +42,12 @@ class _Node(Replication):
         # a swarm whose learners are vouched for: no receipts (node.swarm.trust.receipts)
         self.receipts = SimpleNamespace(receipts_on=lambda: False)
 
-    def _apply(self, sr, made_here=False):
+    def apply(self, sr, made_here=False):
         assert made_here
         self.replicas[0].apply_record(sr.record, self.pcfg)
         self.applied.append(sr.record.round)
 
-    def _reset_sync(self, p, merged=frozenset()):
+    def reset_sync(self, p, merged=frozenset()):
         self.resets.append((p, set(merged)))
         self.syncs[p] = SyncState(fragment=p, global_round=self.replicas[p].round)
 
@@ -86,8 +86,8 @@ def test_the_merge_leaves_the_loop_free_and_its_record_is_applied_here(monkeypat
     async def main():
         rep = FragmentReplica(0, theta, is_embedding=False)
         node = _Node(rep)
-        node._decide = lambda p, d: node.decided.append(d.state.global_round)
-        node._spawn = lambda coro: asyncio.ensure_future(coro)
+        node.decide = lambda p, d: node.decided.append(d.state.global_round)
+        node.spawn = lambda coro: asyncio.ensure_future(coro)
         # no member to push the record to (node.swarm.record_push)
         node.record_push = RecordPush(
             None,
@@ -160,7 +160,7 @@ def test_a_learner_distrusted_here_is_left_out_of_this_nodes_merge_and_alone_it_
         node.counters, node.events = {"distrusted_left_out": 0}, EventLog()
         node._stop = None
         node.view = SimpleNamespace(live_members=dict)
-        node._spawn = lambda coro: coro.close()
+        node.spawn = lambda coro: coro.close()
         merged = []
 
         def merge_off_loop(p, a, *rest):

@@ -269,7 +269,7 @@ class _Receiver(Replication):
     # node.swarm.trust.evidence: these records break no rule (tests/test_evidence.py)
     auditor = SimpleNamespace(proven_lie=lambda sr: None)
 
-    def _on_record(self, sr, caller):
+    def take_record(self, sr, caller):
         self.fence.vouch(sr)  # what calls a contributor never seen a forgery
         self.applied.append(sr.record.round)
         return Reply(True)
@@ -285,14 +285,14 @@ def test_a_record_naming_a_peer_that_joined_since_our_last_view_read_is_not_call
     c = Contribution(joiner.peer_id, 0, 0, 4, 400, 1.0, g, f"{joiner.peer_id}:0:1")
     raw = encode_record("s", rep.make_record(1, [c], CFG), signer)
     node = _Receiver(signer.peer_id, joiner.peer_id)
-    reply = asyncio.run(node._h_record(signer.peer_id, raw))
+    reply = asyncio.run(node.on_record(signer.peer_id, raw))
     assert reply.ok and node.applied == [1] and node.reads == 1, reply
     # A contributor that never joined is still refused, after the one read.
     stranger = Identity.generate().peer_id
     c2 = Contribution(stranger, 0, 0, 4, 400, 1.0, g, f"{stranger}:0:1")
     node = _Receiver(signer.peer_id, joiner.peer_id)
     reply = asyncio.run(
-        node._h_record(signer.peer_id, encode_record("s", rep.make_record(1, [c2], CFG), signer))
+        node.on_record(signer.peer_id, encode_record("s", rep.make_record(1, [c2], CFG), signer))
     )
     assert not reply.ok and reply.code == "forged_record" and node.reads == 1 and node.applied == []
 
@@ -337,16 +337,16 @@ class _Restarted(Replication):
             self.counters,
             self.events,
             self.learner_loop,
-            call=None,  # no network: the record comes in by ``_apply``
+            call=None,  # no network: the record comes in by ``apply``
             live_members=dict,
             learner_only=lambda: False,
             agreed=lambda rec, cosines: None,
-            reset_sync=self._reset_sync,
+            reset_sync=self.reset_sync,
             spawn=lambda coro: coro.close(),
         )
         self.trust = trust_of(self)
 
-    def _reset_sync(self, p: int, merged=frozenset()) -> None:
+    def reset_sync(self, p: int, merged=frozenset()) -> None:
         self.resets.append(self.replicas[p].round)
 
 
@@ -357,11 +357,11 @@ def test_a_record_our_previous_life_signed_resets_our_synchroniser_like_anyone_e
     sr = decode_record(encode_record("s", rec, me), "s", {0: {"w": (16, 16)}})
     assert sr.signer == me.peer_id
     node = _Restarted(me.peer_id, _replica(), tmp_path / "a")
-    node._apply(sr)  # from a peer, during the catch-up
+    node.apply(sr)  # from a peer, during the catch-up
     assert node.replicas[0].round == 1 and node.resets == [1]  # the synchroniser follows the replica
     assert bytes(node.logs[0][1].raw) == sr.raw  # the log's record, read back from its file
     node = _Restarted(me.peer_id, _replica(), tmp_path / "b")
-    node._apply(sr, made_here=True)  # our synchroniser made it now: its state machine moves on by itself
+    node.apply(sr, made_here=True)  # our synchroniser made it now: its state machine moves on by itself
     assert node.replicas[0].round == 1 and node.resets == []
 
 

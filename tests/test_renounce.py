@@ -74,7 +74,7 @@ def test_a_merge_that_would_break_a_receipt_renounces_the_round_and_hands_on_the
             events=events,
             last_contribution=last,
             send_again=send_again,
-            reset_sync=node._reset_sync,
+            reset_sync=node.reset_sync,
             cls=_Holding,
         )
         assert receipts.renounced_now() == {}

@@ -19,7 +19,6 @@ from protocol.errors import ProtocolError, RejectCode
 from protocol.systems import system_protocol
 from tests.test_layering import ROOT, parse
 
-
 PRIVATE = dict(authority="a" * 64, certificate="member.cert", swarm_secret="swarm.secret")  # swarm init's
 
 

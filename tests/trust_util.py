@@ -9,7 +9,7 @@ from node.swarm.trust.policy import TrustChecks, TrustPolicy
 def trust_of(node, **checks) -> TrustPolicy:
     """``node``: a fake with ``settings``, ``peer_id`` and whichever of ``pcfg``, of ``peer_scores``, ``work``,
     ``agreement``, ``fence``, ``auditor``, ``receipts``, ``suspect``, ``counters``, ``events``, ``members``,
-    ``turn_held``, ``unelected_held`` and ``_spawn`` its test reaches; ``checks``: any of ``TrustChecks``'
+    ``turn_held``, ``unelected_held`` and ``spawn`` its test reaches; ``checks``: any of ``TrustChecks``'
     fields, over what the settings give."""
     s, receipts, pcfg = node.settings, getattr(node, "receipts", None), getattr(node, "pcfg", None)
     given = dict(
@@ -34,5 +34,5 @@ def trust_of(node, **checks) -> TrustPolicy:
         step_rate=lambda q: getattr(members.get(q), "steps_per_s", 0.0),
         hold_out_of_turn=lambda sr, caller: node.turn_held.hold(sr, caller),
         hold_unelected=lambda sr, caller: node.unelected_held.hold(sr, caller),
-        spawn=lambda coro: node._spawn(coro),
+        spawn=lambda coro: node.spawn(coro),
     )

@@ -213,7 +213,7 @@ class Node(Replication):
         self.agreement = (
             AgreementBook()
         )  # learners whose outer gradients oppose the rest (protocol.agreement)
-        self._syncing: set[int] = set()
+        self.syncing: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self.events = EventLog(self.state_dir / "events.jsonl", flush=True, append=True, keep=EVENTS_KEPT)
         self.counters = dict.fromkeys(NODE_COUNTERS, 0)  # node.swarm.metrics
@@ -241,8 +241,8 @@ class Node(Replication):
             self.events,
             joining=lambda: self.joining,
             renounced=lambda: self.receipts.renounced_now(),
-            decide=self._decide,
-            spawn=self._spawn,
+            decide=self.decide,
+            spawn=self.spawn,
             request_stop=self.request_stop,
         )
         # whom a record's signer could be, and the election fence (node.swarm.trust.fence)
@@ -269,8 +269,8 @@ class Node(Replication):
             live_members=self.view.live_members,
             learner_only=self.view.learner_only,
             agreed=lambda rec, cosines: self.trust.agreed(rec, cosines),
-            reset_sync=self._reset_sync,
-            spawn=self._spawn,
+            reset_sync=self.reset_sync,
+            spawn=self.spawn,
         )
         # the receipts this node gives as a synchroniser and checks as a sender (node.swarm.trust.receipts)
         self.receipts = Receipts(
@@ -286,7 +286,7 @@ class Node(Replication):
             self.events,
             self.last_contribution,
             self.outbox.send_again,
-            self._reset_sync,
+            self.reset_sync,
             self.auditor.ban_and_hand_on,
         )
         # what the accepting, merging and applying paths ask of trust (node.swarm.trust.policy)
@@ -305,7 +305,7 @@ class Node(Replication):
             step_rate=lambda q: getattr(self.view.members.get(q), "steps_per_s", 0.0),
             hold_out_of_turn=lambda sr, caller: self.turn_held.hold(sr, caller),
             hold_unelected=lambda sr, caller: self.unelected_held.hold(sr, caller),
-            spawn=self._spawn,
+            spawn=self.spawn,
         )
         self.started_at = time.time()
         t0 = process_start_time()
@@ -450,11 +450,11 @@ class Node(Replication):
                     "network side niced by %d (%d threads); the learner keeps its priority", s.agent_nice, n
                 )
             self.persistence.write_ready(addrs, self.status_server.url)
-            self._spawn(self.view.heartbeat_loop())
-            self._spawn(self.outbox.drain(self.sender.send, self._spawn))
-            self._spawn(self._eval_loop())
+            self.spawn(self.view.heartbeat_loop())
+            self.spawn(self.outbox.drain(self.sender.send, self.spawn))
+            self.spawn(self._eval_loop())
             if s.checkpoint_every_s > 0:
-                self._spawn(self.persistence.checkpoint_loop())
+                self.spawn(self.persistence.checkpoint_loop())
             if s.duration > 0:
                 self.loop.call_later(s.duration, self.request_stop, f"duration {s.duration:g}s reached")
             await self._stop.wait()
@@ -540,7 +540,7 @@ class Node(Replication):
                 with contextlib.suppress(Exception):
                     await self.transport.p2p.shutdown()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
 

@@ -70,7 +70,7 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
         node.heads,
         node.logs,
         node.merged_tokens,
-        node._syncing,
+        node.syncing,
         node.lagging_since,
         node.counters,
         node.events,
@@ -93,9 +93,9 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
         logged_learners=node.view.logged_learners,
         credit_snapshot=node.view.credit_snapshot,
         heartbeat=node.view.heartbeat,
-        apply=node._apply,
-        reset_sync=node._reset_sync,
-        spawn=node._spawn,
+        apply=node.apply,
+        reset_sync=node.reset_sync,
+        spawn=node.spawn,
         clock=node.loop.time,
     )
     node.view.start(node.membership, node.loop.time, addrs, node.catch_up.reconcile)
@@ -121,7 +121,7 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
         synchroniser_of=node.view.synchroniser_of,
         lease_seen=lambda: node.view.lease_seen,
         swarm_steps=lambda: node.view.swarm_steps,
-        decide=node._decide,
+        decide=node.decide,
         penalise=node.penalise,
         clock=node.loop.time,
     )
@@ -146,8 +146,8 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
     # each op's handler: the component that answers it (node.swarm.dispatch admits and scores)
     handlers = {
         "contribute": node.intake.accept,
-        "record": node._h_record,
-        "records": node._h_records,
+        "record": node.on_record,
+        "records": node.on_records,
         "snapshot": node.catch_up.on_snapshot,
         "ping": _pong,
         "evidence": node.auditor.on_evidence,
@@ -175,7 +175,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
     def count(key: str):
         return lambda: c.__setitem__(key, c[key] + 1)
 
-    common = dict(call_later=node.loop.call_later, stopped=node._stop_set)
+    common = dict(call_later=node.loop.call_later, stopped=node.stopping)
     turn = HeldRecords(
         "out of turn",
         s.swarm,
@@ -183,7 +183,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         node.replicas,
         node.signed_files,
         wait_s=lambda: s.failover_s,
-        retry=lambda sr, caller: node._on_record(sr, caller, waited=True),
+        retry=lambda sr, caller: node.take_record(sr, caller, waited=True),
         refused=turn_refused,
         on_held=count("out_of_turn_held"),
         on_full=lambda: None,
@@ -196,7 +196,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         node.replicas,
         node.signed_files,
         wait_s=lambda: s.heartbeat_s,
-        retry=lambda sr, caller: node._apply(sr),
+        retry=lambda sr, caller: node.apply(sr),
         refused=still_unelected,
         on_held=lambda: None,
         on_full=count("unelected_refused"),  # too many held: refused now

@@ -175,7 +175,7 @@ class MergeDeadlines:
         )
 
     def left_out(self, sr: SignedRecord) -> None:
-        """A record of fragment p was applied here (``Replication._apply``): where it is the round (or a later
+        """A record of fragment p was applied here (``Replication.apply``): where it is the round (or a later
         one) that took our latest contribution and no record applied names it, it was left out. Counted
         (``left_out``), and sent again if it is still our latest to that fragment."""
         rec = sr.record

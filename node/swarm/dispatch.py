@@ -27,7 +27,7 @@ class OpRule:
 
 OPS: dict[str, OpRule] = {
     "contribute": OpRule(admit=False, scored=False),  # ``Intake.accept`` admits and scores
-    "record": OpRule(admit=False, scored=False),  # ``Replication._h_record`` admits and scores
+    "record": OpRule(admit=False, scored=False),  # ``Replication.on_record`` admits and scores
     "records": OpRule(admit=True, scored=False),  # a read: a bad request costs its caller nothing but a reply
     "snapshot": OpRule(admit=True, scored=False),
     "ping": OpRule(admit=True, scored=False),

@@ -48,7 +48,7 @@ class Replication:
     """Record logic; ``Node`` provides the state it works on."""
 
     # ---------------------------------------------------------------- records
-    def _apply(self, sr: SignedRecord, made_here: bool = False, turn_waited: bool = False) -> None:
+    def apply(self, sr: SignedRecord, made_here: bool = False, turn_waited: bool = False) -> None:
         """Apply a record that follows our head (raises ProtocolError otherwise); state and learner follow.
 
         ``made_here``: this node's synchroniser just made it, and its state machine moves on by itself. A
@@ -107,7 +107,7 @@ class Replication:
             agreement=[round(a, 4) for a in rec.agreement],  # made here, robust: protocol.agreement
         )
         if not made_here:
-            self._reset_sync(p, merged={c[1] for c in rec.contributors})
+            self.reset_sync(p, merged={c[1] for c in rec.contributors})
             self.trust.audit(sr, parent)
         self.clocks.schedule_unclocked()
         if self.learner_loop.is_alive():
@@ -119,7 +119,7 @@ class Replication:
         older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
         return lambda: decode_record(bytes(raw), self.settings.swarm, self.spec).record.grad
 
-    def _reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
+    def reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
         over contributions that are still usable (not merged, base still anchored)."""
         old = self.syncs[p]
@@ -140,9 +140,9 @@ class Replication:
             if c.cid in merged or not rep.keeps(c.base_round) or not carried(c, st):
                 continue
             with contextlib.suppress(ProtocolError):
-                self._decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
+                self.decide(p, on_contribution(self.pcfg, self.syncs[p], c, now))
 
-    def _decide(self, p: int, d: Decision) -> None:
+    def decide(self, p: int, d: Decision) -> None:
         self.syncs[p] = d.state
         for a in d.actions:
             if isinstance(a, WakeAt):
@@ -152,10 +152,10 @@ class Replication:
                 self._merge(p, a)
 
     def _tick(self, p: int) -> None:
-        self._decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
+        self.decide(p, on_tick(self.pcfg, self.syncs[p], self.loop.time()))
 
     def _merge(self, p: int, a: Merge) -> None:
-        if self._stop_set():
+        if self.stopping():
             # Stopping: a round merged now lands after the members that stop with us wrote their final
             # state (`ddiloco up` ended on two hashes at 124M, whose slots come minutes apart). The
             # senders' watches find the round unmerged and send their contributions again.
@@ -172,7 +172,7 @@ class Replication:
                 logger.info(
                     "fragment %d round %d: every contribution is from a distrusted learner", p, a.round
                 )
-                self._reset_sync(p, merged={c.cid for c in out})
+                self.reset_sync(p, merged={c.cid for c in out})
                 return
             a = replace(a, contributions=kept)
         t0 = self.loop.time()
@@ -186,7 +186,7 @@ class Replication:
         due, period = record_timing(
             p, self.clocks.current(), at, rates, reported, self.pcfg.sync_every, self.plan
         )
-        self._spawn(self._merge_off_loop(p, a, len(quorum_basis(self.pcfg, st)), due, period, t0))
+        self.spawn(self._merge_off_loop(p, a, len(quorum_basis(self.pcfg, st)), due, period, t0))
 
     async def _merge_off_loop(
         self, p: int, a: Merge, live: int, due: float, period: float, t0: float
@@ -210,7 +210,7 @@ class Replication:
             self._merge_abandoned(p, a, f"the replica moved to round {rep.round} meanwhile")
             return
         st = self.syncs[p]
-        if st.phase is not Phase.MERGING or st.global_round != a.round - 1 or self._stop_set():
+        if st.phase is not Phase.MERGING or st.global_round != a.round - 1 or self.stopping():
             logger.info(
                 "merge of fragment %d round %d dropped: its round was reset or the node stops", p, a.round
             )
@@ -223,14 +223,14 @@ class Replication:
         self.trust.agreed(rec, rec.agreement)  # protocol.agreement (robust merges only)
         rep.take_made(view)
         sr = SignedRecord(rec, self.peer_id, encode_record(self.settings.swarm, rec, self.identity))
-        self._apply(sr, made_here=True)
+        self.apply(sr, made_here=True)
         self.counters["records_made"] += 1
         self.leases.pop(p, None)
         sync_s = self.loop.time() - t0 + self.record_push.last_s(p)
-        self._decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
-        self._spawn(self.record_push.broadcast(p, sr))
+        self.decide(p, on_merged(self.pcfg, self.syncs[p], self.loop.time(), sync_s, self.clocks.due(p)))
+        self.spawn(self.record_push.broadcast(p, sr))
 
-    def _stop_set(self) -> bool:
+    def stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
 
     def _merge_abandoned(self, p: int, a: Merge, why: str) -> None:
@@ -239,9 +239,9 @@ class Replication:
         logger.warning("merge of fragment %d round %d abandoned: %s", p, a.round, why)
         st = self.syncs[p]
         if st.phase is Phase.MERGING and st.global_round == a.round - 1:
-            self._reset_sync(p)
+            self.reset_sync(p)
 
-    async def _h_record(self, caller: str, raw: bytes) -> Reply:
+    async def on_record(self, caller: str, raw: bytes) -> Reply:
         sr = None
         try:
             if not await self.view.known(caller):
@@ -250,7 +250,7 @@ class Replication:
             if sr.signer != self.peer_id and sr.signer not in self.view.members:
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
             # node.swarm.trust.evidence: a lie every node can check bans its signer. A record that follows our head
-            # is checked once, as it is applied (``_on_record``); one that does not is checked here
+            # is checked once, as it is applied (``take_record``); one that does not is checked here
             rep = self.replicas[sr.record.fragment]
             follows = sr.record.round == rep.round + 1 and sr.record.parent_hash == rep.hash
             if not follows and (lie := self.trust.refute(sr, caller)) is not None:
@@ -262,7 +262,7 @@ class Replication:
             )
             if unseen - {self.peer_id}:
                 await self.view.look_up(min(unseen - {self.peer_id}))  # one read of the view covers them all
-            return self._on_record(sr, caller)
+            return self.take_record(sr, caller)
         except ProtocolError as e:
             self.events.emit("reject", t=time.time(), peer=caller, code=e.code.value, why=str(e)[:300])
             # a forged or oversized record costs the peer that signed and pushed it
@@ -270,7 +270,7 @@ class Replication:
             self.penalise(caller, e.code, signed=proof)
             return Reply(False, e.code.value, str(e))
 
-    def _on_record(self, sr: SignedRecord, caller: str, waited: bool = False) -> Reply:
+    def take_record(self, sr: SignedRecord, caller: str, waited: bool = False) -> Reply:
         rec = sr.record
         p = rec.fragment
         rep = self.replicas[p]
@@ -278,12 +278,12 @@ class Replication:
             if not waited and self.trust.held_out_of_turn(sr, caller):
                 return Reply(True, message="held: out of turn while nobody is credited yet")
             try:
-                self._apply(sr, turn_waited=waited)
+                self.apply(sr, turn_waited=waited)
             except ProtocolError as e:
                 if not self.trust.refused(
                     sr, caller, e
                 ):  # not trust's refusal: our state may be the odd one out
-                    self._spawn(self.catch_up.catch_up(p, caller, sr.head))
+                    self.spawn(self.catch_up.catch_up(p, caller, sr.head))
                 raise
             return Reply(True)
         mine = self.logs[p].get(rec.round)
@@ -291,12 +291,12 @@ class Replication:
             return Reply(True, message="duplicate")
         theirs = sr.head
         if rec.round > rep.round + 1:  # a gap: we missed records (just joined, paused, cut off)
-            if p not in self._syncing:
-                self._spawn(self.catch_up.catch_up(p, caller, theirs))
+            if p not in self.syncing:
+                self.spawn(self.catch_up.catch_up(p, caller, theirs))
             # Not the sender's fault: no refusal, no penalty.
             return Reply(True, message=f"behind: we are at round {rep.round}; catching up")
         if rec.round > rep.round:  # the next round on a chain that left ours: fetch from the sender
-            self._spawn(self.catch_up.catch_up(p, caller, theirs))
+            self.spawn(self.catch_up.catch_up(p, caller, theirs))
             raise ProtocolError(
                 RejectCode.WRONG_PARENT,
                 f"record round {rec.round} (parent {rec.parent_hash[:8]}) "
@@ -316,11 +316,11 @@ class Replication:
                 peer=caller,
             )
             if not ours_wins:
-                self._spawn(self.catch_up.catch_up(p, caller, theirs))
+                self.spawn(self.catch_up.catch_up(p, caller, theirs))
             return Reply(True, message="fork: " + ("ours wins" if ours_wins else "yours wins; re-syncing"))
         return Reply(True, message=f"ignored: we are at round {rep.round}")
 
-    async def _h_records(self, caller: str, raw: bytes) -> Reply:
+    async def on_records(self, caller: str, raw: bytes) -> Reply:
         p, start = parse_records_request(raw)
         if p not in self.spec:
             return Reply(False, RejectCode.WRONG_FRAGMENT.value, f"fragment {p} does not exist")

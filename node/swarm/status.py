@@ -182,7 +182,7 @@ def _forget(node: Any) -> None:
     for p, st in enumerate(node.syncs):
         cids = {c.cid for c in (*st.pending.values(), *st.queued.values())}
         if cids and st.phase is not Phase.MERGING:
-            node._reset_sync(p, merged=cids)
+            node.reset_sync(p, merged=cids)
             lost[p] = len(cids)
     node.events.emit("forget", t=time.time(), fragments=lost)
 

@@ -281,7 +281,7 @@ class Auditor:
     ) -> float | None:
         """How far ``sr`` lands from its contributions merged again here (inf: it names what they refute);
         None where this node cannot tell (its state does not reach the record's parent). On ``parent`` (the
-        replica as it was before ``sr``; ``Replication._apply`` stepped the momentum of ``sr`` into new tensors,
+        replica as it was before ``sr``; ``Replication.apply`` stepped the momentum of ``sr`` into new tensors,
         so the view's is the parent's still): nothing is walked back, which saved a copy of the fragment
         (147 MB for GPT-2's embedding), and the recompute is the synchroniser's own arithmetic on the same
         state, bit for bit, older bases included. Without it (a held record audited on a ban), the replica is

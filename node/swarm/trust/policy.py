@@ -155,7 +155,7 @@ class TrustPolicy:
                 learner,
             )
 
-    # ------------------------------------------------------------ applying a record (Replication._apply)
+    # ------------------------------------------------------------ applying a record (Replication.apply)
     def vet(self, sr: SignedRecord, rep, pcfg, turn_waited: bool) -> None:
         """Raises for a record of another's this node must not apply: a banned signer (relayed, or fetched
         by catch-up), a chain this node undid, a lie any node can check (first, so it is refused for what it
@@ -194,7 +194,7 @@ class TrustPolicy:
             self.spawn(self.auditor.audit(sr, parent))
         self.auditor.recheck(sr)
 
-    # ------------------------------------------------------------ receiving a record (Replication._h_record)
+    # ------------------------------------------------------------ receiving a record (Replication.on_record)
     def refute(self, sr: SignedRecord, caller: str) -> ProtocolError | None:
         """The lie every node can check in ``sr``, if any: its signer is banned and the record handed on as
         evidence (``Auditor.convict``, the one way a signer is banned for what it signed)."""

@@ -191,7 +191,7 @@ class Receipts:
     and ``events``, which it writes to; ``last_contribution`` (fragment -> our latest (header, encoded)) and
     ``send_again``, which puts that one back in the outbox if it is still the given header
     (``Outbox.send_again``); ``reset_sync``, which starts a fragment's open round over without the
-    given contributions (``Replication._reset_sync``); and ``ban_and_hand_on``, which bans a record's
+    given contributions (``Replication.reset_sync``); and ``ban_and_hand_on``, which bans a record's
     signer and hands the proof on (``Auditor.ban_and_hand_on``).
 
     Its own state: the receipts given, read back from the state folder; the round each fragment renounced
