@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 import torch
 
@@ -36,11 +37,49 @@ LEARNER_THREAD = "ddiloco-learn"  # its name as the OS shows it, to tell its CPU
 RESEND_BEATS = 2  # a blocked learner re-sends what it waits for every this many heartbeats
 
 
+# ------------------------------------------------------------------------------------------- its node
+class _Outbox(Protocol):
+    def post(self, header: ContributionHeader, encoded: object) -> None: ...  # a contribution, to send
+    def resend(self, p: int) -> None: ...  # the last one of fragment p, again (a blocked learner)
+
+
+class _SwarmStep(Protocol):
+    def swarm_step(self) -> float | None: ...  # the swarm's inner step, from the members' records
+
+
+class _Clocks(Protocol):
+    def current(self) -> list: ...  # each fragment's round clock (``protocol.schedule.RoundClock``)
+
+
+class _Events(Protocol):
+    def emit(self, kind: str, **fields) -> None: ...
+
+
+class LearnerHost(Protocol):
+    """What the learner thread uses of the node that hosts it (``node.swarm.agent.Node``): its id, settings
+    (``slowdown``, ``jitter``, ``threads``, ``learner_nice``, ``heartbeat_s``, ``block_timeout_s``), task,
+    learner and unit, whether it blocks (the baselines), its event log, the outbox it hands contributions to,
+    the swarm's step and round clocks it keeps its phase by, and a stop it asks for when it fails."""
+
+    peer_id: str
+    settings: object
+    task: object
+    learner: Learner
+    unit: object | None
+    blocking: bool
+    events: _Events
+    outbox: _Outbox
+    view: _SwarmStep
+    clocks: _Clocks
+
+    def request_stop(self, reason: str) -> None: ...
+
+
 # ------------------------------------------------------------------------------------------- learner thread
 class LearnerLoop(threading.Thread):
     """Trains without pause; hands contributions to the agent and adopts what the agent delivers."""
 
-    def __init__(self, node, learner: Learner) -> None:
+    def __init__(self, node: LearnerHost, learner: Learner) -> None:
         super().__init__(name="learner", daemon=True)
         self.node, self.learner = node, learner
         self.inbox: deque = deque()  # (fragment, round, theta, force, merged)
