@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 KEEP = 64  # cosines kept per learner
 # before any judgement. 8 at first: in the runner (``bench/robust_merge.py --hostile 2 --rules centered-clip
@@ -136,3 +136,18 @@ class AgreementBook:
 
     def status(self) -> dict:
         return {"distrusted": sorted(self.out)}
+
+
+def merged_set(
+    book: AgreementBook, contributions: tuple, distrust: bool, promised: Callable[[], set[str]] = set
+) -> tuple:
+    """The contributions a round merges, the rule a node's synchroniser and the in-process runner share:
+    every one where ``distrust`` is off; else those ``book.keep_trusted`` keeps, and any whose id
+    ``promised()`` names (a receipt this synchroniser gave: leaving it out would prove it a liar, and a
+    robust merge bounds its learner's say anyway). ``promised`` is asked only where someone is left out."""
+    if not distrust:
+        return contributions
+    kept = book.keep_trusted(contributions)
+    if len(kept) < len(contributions) and (ids := promised()):
+        kept = tuple(c for c in contributions if c in kept or c.cid in ids)
+    return kept

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from protocol.agreement import FLOOR, MIN_ROUNDS, PROBATION, RECENT, AgreementBook
+from protocol.agreement import FLOOR, MIN_ROUNDS, PROBATION, RECENT, AgreementBook, merged_set
 from protocol.config import ProtocolConfig
 from protocol.replica import FragmentReplica
 from protocol.robust import agreements
@@ -174,3 +174,24 @@ def test_the_cosines_leave_out_the_anchoring_that_stale_contributions_share():
     cs = [Contribution(f"l{i}", 0, 0, 8, 800, 0.1, d, f"l{i}:0:9") for i, d in enumerate(deltas)]  # base 0
     rec = rep.make_record(2, cs, robust)
     assert all(a > 0.2 for a in rec.agreement[1:3]) and rec.agreement[3] < -0.2, rec.agreement
+
+
+def test_the_merged_set_is_one_rule_for_the_node_and_the_runner():
+    """``merged_set``: everything with distrust off; with it, the distrusted learner's contribution left out
+    unless its id was promised (a receipt given), and the promise asked only where one is left out."""
+    book = AgreementBook()
+    for _ in range(MIN_ROUNDS):
+        book.add(["h0", "h1", "liar"], [0.5, 0.4, -0.6])
+    assert book.distrusted("liar")
+    cs = tuple(SimpleNamespace(learner=x, cid=f"{x}:1") for x in ("h0", "liar", "h1"))
+    asked = []
+
+    def promised(ids):
+        return lambda: asked.append(ids) or set(ids)
+
+    assert merged_set(book, cs, False, promised(["x"])) is cs and asked == []
+    assert [c.learner for c in merged_set(book, cs, True)] == ["h0", "h1"]
+    assert [c.learner for c in merged_set(book, cs, True, promised(["liar:1"]))] == ["h0", "liar", "h1"]
+    assert asked == [["liar:1"]]
+    assert [c.learner for c in merged_set(book, cs[::2], True, promised(["y"]))] == ["h0", "h1"]
+    assert asked == [["liar:1"]]  # nobody left out: no promise asked

@@ -26,7 +26,7 @@ from node.local.dp import run_dp
 from node.local.hostile import hostile_gradient
 from node.local.learner_slot import LearnerSlot, align, keep_in_phase, live_set, swarm_step
 from node.local.run_config import RunConfig, RunResult, jittered
-from protocol.agreement import AgreementBook
+from protocol.agreement import AgreementBook, merged_set
 from protocol.codecs import decode_tensors, encode_tensors, wire_bytes
 from protocol.config import ProtocolConfig
 from protocol.errors import ProtocolError, RejectCode
@@ -303,8 +303,10 @@ class VirtualSwarm:
 
     def _merge(self, p: int, a: Merge, now: float) -> None:
         rep, st, clocks = self.replicas[p], self.syncs[p], self._clocks(now)
-        kept = self.agreement.keep_trusted(a.contributions) if self.cfg.distrust else a.contributions
-        if not kept:  # as a node does (protocol.agreement)
+        kept = merged_set(
+            self.agreement, a.contributions, self.cfg.distrust
+        )  # the node's rule: no receipts here
+        if not kept:  # the round starts over without them, as on a node (``Replication._merge``)
             self.syncs[p] = SyncState(p, rep.round, live=st.live, working=st.working, due_at=st.due_at,
                                       due_every=st.due_every)  # fmt: skip
             return  # the round starts over without them

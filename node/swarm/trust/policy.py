@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from node.swarm.transport import Reply
 from node.swarm.wire import SignedRecord
+from protocol.agreement import merged_set
 from protocol.audit import frozen_view
 from protocol.errors import ProtocolError, RejectCode
 
@@ -127,13 +128,11 @@ class TrustPolicy:
     def merged_set(self, p: int, round_: int, contributions: tuple) -> tuple:
         """The contributions a merge takes: the distrusted left out, but never one this node receipted (a
         robust merge bounds its learner's say, and leaving it out would prove this node a liar)."""
-        if not self.checks.distrust:
-            return contributions
-        kept = self.agreement.keep_trusted(contributions)
-        if len(kept) < len(contributions) and self.checks.receipts:
-            promised = self.receipts.receipted(p, round_)
-            kept = tuple(c for c in contributions if c in kept or c.cid in promised)
-        return kept
+
+        def promised() -> set[str]:
+            return self.receipts.receipted(p, round_) if self.checks.receipts else set()
+
+        return merged_set(self.agreement, contributions, self.checks.distrust, promised)
 
     def may_sign(self, p: int, round_: int, rec, left: list) -> bool:
         """Whether a record just merged may be signed: not where it would break a receipt given for a
