@@ -44,7 +44,7 @@ from node.learner.learner import Learner
 from node.learner.loop import LearnerLoop
 from node.learner.task import load_task
 from node.learner.unit import Unit
-from node.swarm.assembly import held_records, wire_running_parts
+from node.swarm.assembly import held_records, trust_policy, wire_running_parts
 from node.swarm.catch_up import CatchUp
 from node.swarm.clocks import SwarmClocks
 from node.swarm.deadlines import MergeDeadlines
@@ -66,7 +66,6 @@ from node.swarm.trust.audit import Auditor
 from node.swarm.trust.fence import ElectionFence
 from node.swarm.trust.held import HeldRecords
 from node.swarm.trust.peer_scores import PeerScores
-from node.swarm.trust.policy import TrustChecks, TrustPolicy
 from node.swarm.trust.receipts import Receipts
 from node.swarm.trust.vetting import SnapshotVetting
 from node.swarm.trust.work_book import WorkBook
@@ -290,23 +289,7 @@ class Node(Replication):
             self.auditor.ban_and_hand_on,
         )
         # what the accepting, merging and applying paths ask of trust (node.swarm.trust.policy)
-        self.trust = TrustPolicy(
-            TrustChecks.of(s, self.pcfg),
-            self.peer_id,
-            self.peer_scores,
-            self.work,
-            self.agreement,
-            self.fence,
-            self.auditor,
-            self.receipts,
-            self.suspect,
-            self.counters,
-            self.events,
-            step_rate=lambda q: getattr(self.view.members.get(q), "steps_per_s", 0.0),
-            hold_out_of_turn=lambda sr, caller: self.turn_held.hold(sr, caller),
-            hold_unelected=lambda sr, caller: self.unelected_held.hold(sr, caller),
-            spawn=self.spawn,
-        )
+        self.trust = trust_policy(self)  # node.swarm.assembly
         self.started_at = time.time()
         t0 = process_start_time()
         self.startup: dict[str, float] = {

@@ -1,7 +1,8 @@
-"""How a node's parts made when it runs are built and wired, on its event loop: the transport, the record
-push, snapshot vetting, catch-up, the intake and the sender of contributions, the records held for a retry,
-and the table of which part answers each op. Each part is handed the state it shares and the calls of the
-others it uses (``node.swarm.agent`` builds the parts made with the node itself)."""
+"""How a node's parts are built and wired: its trust policy (made with the node), and, on its event loop, the
+parts made when it runs: the transport, the record push, snapshot vetting, catch-up, the intake and the
+sender of contributions, the records held for a retry, and the table of which part answers each op. Each
+part is handed the state it shares and the calls of the others it uses (``node.swarm.agent`` builds the
+parts made with the node itself)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from node.swarm.record_push import RecordPush
 from node.swarm.sender import Sender
 from node.swarm.transport import Reply, Transport, max_frame_bytes
 from node.swarm.trust.held import HeldRecords
+from node.swarm.trust.policy import TrustChecks, TrustPolicy
 from node.swarm.trust.vetting import SnapshotVetting
 from protocol.errors import ProtocolError, RejectCode
 
@@ -203,3 +205,25 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         **common,
     )
     return turn, unelected
+
+
+def trust_policy(node) -> TrustPolicy:
+    """The trust policy the node's accepting, merging and applying paths ask (``node.swarm.trust.policy``),
+    over the trust parts made with the node; its checks from the swarm's kind (``TrustChecks.of``)."""
+    return TrustPolicy(
+        TrustChecks.of(node.settings, node.pcfg),
+        node.peer_id,
+        node.peer_scores,
+        node.work,
+        node.agreement,
+        node.fence,
+        node.auditor,
+        node.receipts,
+        node.suspect,
+        node.counters,
+        node.events,
+        step_rate=lambda q: getattr(node.view.members.get(q), "steps_per_s", 0.0),
+        hold_out_of_turn=lambda sr, caller: node.turn_held.hold(sr, caller),
+        hold_unelected=lambda sr, caller: node.unelected_held.hold(sr, caller),
+        spawn=node.spawn,
+    )
