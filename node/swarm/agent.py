@@ -103,6 +103,7 @@ def process_start_time() -> float:
 EVENTS_KEPT = 50_000  # event records held in memory (hours of a busy node); events.jsonl keeps them all
 TASKS_STOP_S = 20.0  # how long a stopping node waits for its background tasks to end once cancelled
 ALL_LEARNERS = 1 << 16  # the quorum of the baseline systems: every live learner
+DHT_START_S = 60.0  # how long the DHT process and its p2p daemon may take to start (or rpc_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------- the node
@@ -151,7 +152,8 @@ class Node(Replication):
             NodeSettings.split(s.initial_peers),
             None if s.client_mode else (NodeSettings.split(s.announce_maddrs) or None),
             client_mode=s.client_mode,
-            timeout_s=max(30.0, s.rpc_timeout_s),
+            # its own daemons' start alone took over 30 s on a 2-core host busy training (a suite run)
+            timeout_s=max(DHT_START_S, s.rpc_timeout_s),
             swarm=s.swarm,
             admission=self.admission,
         )
