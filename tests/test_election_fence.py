@@ -76,7 +76,7 @@ class _View:
             self.settings, self.peer_id, self.admission, self.work, self.syncs, self.own_cids, self
         )
 
-    def candidates(self, p, dead=(), leases=True, rank_self=True):
+    def candidates(self, p, dead=(), leases=True):
         return []
 
     def chain(self, *records: SignedRecord, watched_s: float = 10.0) -> None:
@@ -242,7 +242,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
                 stopped=lambda: False,
             )
 
-        def candidates(self, p, dead=(), leases=True, rank_self=True):
+        def candidates(self, p, dead=(), leases=True):
             self.leases_asked.append(leases)
             return list(self.order)
 

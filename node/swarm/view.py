@@ -274,16 +274,12 @@ class SwarmView:
         held = [(self.head_key(h), list(h), qs) for h, qs in groups.items() if len(qs) >= 2]
         return min(held)[1:] if held else (None, [])
 
-    def candidates(
-        self, p: int, dead: Collection[str] = (), leases: bool = True, rank_self: bool = True
-    ) -> list[str]:
+    def candidates(self, p: int, dead: Collection[str] = (), leases: bool = True) -> list[str]:
         """Fragment p's synchroniser and its failovers, in order. Eligibility (``dht.records.eligible``) is judged
         without the peers found dead (``dead``, from a sender) or suspected here: a member that claims the
         newest head but takes no contribution (a hung process, or one that answers ``unknown_op``) would
         otherwise stay the only candidate, and the fragment would merge nothing until its record expired.
-        ``leases``: a member that claims the open round's lease goes first (False: the rendezvous order).
-        ``rank_self``: this node last where only its own records credit it (False: its rendezvous place, which
-        the out-of-turn hold judges by: a forger must not move up where this node steps back)."""
+        ``leases``: a member that claims the open round's lease goes first (False: the rendezvous order)."""
         members = self.live_members()
         open_round = self.replicas[p].round + 1
         # Eligibility from what every peer can read: this node's own record as published, not its fresh
@@ -312,7 +308,7 @@ class SwarmView:
         elig = eligible(list(seen.values()), p)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)
-        if rank_self and self.settings.elect_workers and self.self_credited_only(p, order):
+        if self.settings.elect_workers and self.self_credited_only(p, order):
             # no other view elects this node (its own records credit it here alone): it comes last, or it
             # and the member the others elect would each hold a round of their own (sync-diloco's quorum of
             # every learner: neither merged again, a suite run)

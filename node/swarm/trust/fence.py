@@ -98,7 +98,7 @@ class ElectionFence:
             return False  # ours, or it merged another member's work: not a record of the signer's alone
         if not self.stands_aside(sr.record.fragment, self.known()):
             return False
-        first = self.view.candidates(sr.record.fragment, leases=False, rank_self=False)[:1]
+        first = self.view.candidates(sr.record.fragment, leases=False)[:1]
         return bool(first) and first[0] != sr.signer
 
     def signer_electable(self, p: int, signer: str, known) -> bool:
