@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from node.swarm.memory import momentum_lent
 from node.swarm.transport import Reply
-from node.swarm.view import credited_by_others
+from node.swarm.view import credits
 from node.swarm.wire import (
     SignedRecord,
     decode_record,
@@ -89,7 +89,7 @@ class Replication:
         log[rec.round] = replace(sr, raw=raw, record=replace(rec, grad={}, wire=None))
         while len(log) > self.pcfg.history:
             _, old = log.popitem(last=False)  # past a fork's reach: its learners settle as credited
-            self.work.settle(c[0] for c in old.record.contributors if credited_by_others(old.signer, c[0]))
+            self.work.settle(c[0] for c in old.record.contributors if credits(old.signer, c[0], self.peer_id))
         self.deadlines.left_out(sr)  # a round that took our contribution and merged without it
         self.counters["records_applied"] += 1
         self.events.emit(

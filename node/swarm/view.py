@@ -45,12 +45,6 @@ ELECT_CREDITED = 2
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
-def credited_by_others(signer: str, learner: str) -> bool:
-    """Whether a record ``signer`` signed credits ``learner`` in every view on its chain alike: one signed by
-    another member does (what credits settle as, ``WorkBook.settle``)."""
-    return learner != signer
-
-
 def credits(signer: str, learner: str, me: str) -> bool:
     """Whether a record ``signer`` signed credits its contributor ``learner`` in the view of node ``me``: one
     signed by another member does. A member's own records never credit it, or one that signs records naming
@@ -308,11 +302,6 @@ class SwarmView:
         elig = eligible(list(seen.values()), p)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)
-        if self.settings.elect_workers and self.self_credited_only(p, order):
-            # no other view elects this node (its own records credit it here alone): it comes last, or it
-            # and the member the others elect would each hold a round of their own (sync-diloco's quorum of
-            # every learner: neither merged again, a suite run)
-            order = [q for q in order if q != self.peer_id] + [self.peer_id]
         holders = (
             sorted(pid for pid in elig if members[pid].leases.get(str(p)) == open_round) if leases else []
         )
@@ -331,21 +320,6 @@ class SwarmView:
             return seen
         return {q: m for q, m in seen.items() if q in workers}
 
-    def self_credited_only(self, p: int, order: list[str]) -> bool:
-        """Whether this node is in fragment p's ``order`` by the credit of its own records alone, which no
-        other view gives it (``credits``), where this node tells workers already (``workers``) and others
-        are in the order too."""
-        if self.peer_id not in order or len(order) < 2:
-            return False
-        window = ELECT_WATCH_ROUNDS * self.syncs[p].due_every
-        if self.work.workers((), time.monotonic(), window) is None:
-            return False  # every member is electable here yet
-        by_others = {
-            c[0] for log in self.logs for sr in log.values() for c in sr.record.contributors
-            if credited_by_others(sr.signer, c[0])
-        }  # fmt: skip
-        return not self.work.credited_of([self.peer_id], by_others)
-
     def logged_learners(self) -> set[str]:
         """The learners the records this node's logs hold credit (``WorkBook.workers``; ``credits``)."""
         return {
@@ -362,7 +336,7 @@ class SwarmView:
         fork the snapshot resolved to undo."""
         deep = [sr for r, sr in self.logs[st.fragment].items() if r <= st.round - self.pcfg.history]
         learners = (
-            c[0] for sr in deep for c in sr.record.contributors if credited_by_others(sr.signer, c[0])
+            c[0] for sr in deep for c in sr.record.contributors if credits(sr.signer, c[0], self.peer_id)
         )
         self.work.settle(learners, st.merged, st.credited)
 
