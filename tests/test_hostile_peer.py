@@ -5,7 +5,6 @@ contribution changes the model."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 
@@ -18,10 +17,10 @@ from dht.launch import start_dht
 from dht.records import Member
 from dht.swarm import Membership
 from node.local.launcher import wait_ready
-from node.swarm.transport import Transport
 from node.swarm.wire import unpack_signed_contribution
 from protocol.messages import decode_contribution
 from tests.swarm_util import Swarm, wait_until
+from tests.test_old_format_peer import calls
 from tests.test_wire_refusals import _contribution, _spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,15 +43,7 @@ def _one_paused_node_and_a_member(swarm: Swarm, tmp_path, ban_after: str):
 
 def _contribute(dht, peer: str, payload: bytes):
     """One ``contribute`` call from the member's DHT's p2p daemon."""
-
-    async def call():
-        tr = Transport(await dht.replicate_p2p(), timeout_s=20)
-        try:
-            return await tr.call(peer, "contribute", payload)
-        finally:
-            await tr.p2p.shutdown()
-
-    return asyncio.run(call())
+    return calls(dht, peer, [("contribute", payload)])[0]
 
 
 @pytest.mark.slow

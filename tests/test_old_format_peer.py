@@ -25,7 +25,7 @@ from tests.test_wire_refusals import _spec
 pytestmark = pytest.mark.timeout(300)
 
 
-def _calls(dht, node: str, requests: list[tuple[str, bytes]]):
+def calls(dht, node: str, requests: list[tuple[str, bytes]]):
     """Each (op, stored body) in turn from the peer's DHT's p2p daemon; their replies."""
 
     async def run():
@@ -55,7 +55,7 @@ def test_a_node_takes_an_old_format_peers_stored_contribution_and_answers_its_st
         now = get_dht_time()
         member = Member(LEARNER.peer_id, (), "test", now, now + 300, client_mode=True)
         Membership(dht, PEER_SWARM, LEARNER).publish(member)
-        (took,) = _calls(dht, node.peer_id, [("contribute", (GOLDEN / "peer_contribute.bin").read_bytes())])
+        (took,) = calls(dht, node.peer_id, [("contribute", (GOLDEN / "peer_contribute.bin").read_bytes())])
         assert took.ok and took.code == "ok", took
         receipt = read_receipt(PEER_SWARM, node.peer_id, took.body)  # a public swarm's synchroniser signs one
         assert (receipt.learner, receipt.cid, receipt.fragment) == (LEARNER.peer_id, PEER_CID, 0)
@@ -67,7 +67,7 @@ def test_a_node_takes_an_old_format_peers_stored_contribution_and_answers_its_st
         (rec,) = merged()
         assert rec["fragment"] == 0 and rec["round"] == receipt.round and rec["learners"] == [LEARNER.peer_id]
         spec = _spec()
-        records, snapshot = _calls(
+        records, snapshot = calls(
             dht,
             node.peer_id,
             [("records", (GOLDEN / "records_request.json").read_bytes()),  # fragment 0 from round 3
