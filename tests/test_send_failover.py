@@ -9,6 +9,7 @@ test is about how ``_send`` spends its deadline, not about sockets (tests/test_s
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -224,6 +225,37 @@ def test_a_replayed_reply_to_an_own_resend_means_it_landed(monkeypatch):
     s = _send(monkeypatch, ["A", "B"], hung=set(), setup=setup)
     assert [t for t, _ in s.transport.calls] == ["A"]
     assert s.counters["contributions_sent"] == 1 and not s.events.of("drop")
+
+
+def test_a_blocked_resend_of_what_this_nodes_own_role_holds_goes_to_the_next_candidate(monkeypatch):
+    """Two views that each elected their own node (sync-diloco, every learner the quorum) each held one
+    learner's contribution, and neither merged again. A blocked learner's re-send (``resent``) of a
+    contribution its own node already took goes to the next candidate; where that one names us back (views
+    agree on us), our own role takes it again. A first send, and a re-send of what another member took, go
+    to the first candidate as before."""
+    monkeypatch.setattr(sender_mod, "encode_contribution", lambda header, enc: b"raw")
+    monkeypatch.setattr(sender_mod, "sign_contribution", lambda swarm, identity, raw: b"sig")
+    header = SimpleNamespace(fragment=3, cid=CID, step_time_s=0.05)
+
+    async def go() -> None:
+        s = _Sender(["me", "B"], set(), 1.0)
+        await s.sender.send(header, None)
+        assert s.accepted == ["me"] and s.transport.calls == []
+        await s.sender.send(header, None, resent=True)  # the other view's synchroniser gets it
+        assert s.accepted == ["me"] and [t for t, _ in s.transport.calls] == ["B"]
+        s.transport.replies["B"] = Reply(
+            False, "not_synchroniser", "try me", json.dumps({"try": "me"}).encode()
+        )
+        await s.sender.send(header, None, resent=True)  # B's view elects us: back to our own role
+        assert s.accepted == ["me", "me"] and [t for t, _ in s.transport.calls] == ["B", "B"]
+        other = SimpleNamespace(fragment=3, cid="me:3:11:1100", step_time_s=0.05)
+        s.order = ["B", "me"]
+        s.transport.replies.clear()
+        await s.sender.send(other, None, resent=True)  # held by B, not here: B again
+        assert [t for t, _ in s.transport.calls] == ["B", "B", "B"]
+        assert s.counters["contributions_sent"] == 4 and not s.events.of("drop")
+
+    asyncio.run(go())
 
 
 class _ReceiptSender(_Sender):

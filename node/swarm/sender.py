@@ -87,9 +87,10 @@ class Outbox:
         For the blocking baselines: two nodes can each take a round's lease for a moment and accept their
         own learner's contribution, and with every live learner as the quorum neither would merge. The one
         the views settle on gets both when the waiting learners re-send (same cid: at most one copy merges
-        on a chain; the replay guard refuses it once a merge record names it)."""
+        on a chain; the replay guard refuses it once a merge record names it). Where this node's own
+        synchroniser already holds it, the re-send goes to the next candidate (``Sender.send``)."""
         if p in self.last:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, self.last[p])
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (*self.last[p], True))
 
     def send_again(self, header: ContributionHeader) -> None:
         """Put our latest contribution to ``header``'s fragment back in the queue, if ``header`` is still it
@@ -103,8 +104,7 @@ class Outbox:
     ) -> None:
         """Hand each contribution to ``send``, each in a task of its own."""
         while True:
-            header, enc = await self.queue.get()
-            spawn(send(header, enc))
+            spawn(send(*await self.queue.get()))  # (header, encoded), and True for a blocked learner's resend
 
 
 class Sender:
@@ -139,13 +139,21 @@ class Sender:
         self.auditor, self.transport, self.receipts = auditor, transport, receipts
         self.candidates, self.rounds_behind, self.accept = candidates, rounds_behind, accept
         self.watch, self.clock = watch, clock
+        self.held_here: dict[int, str] = {}  # fragment -> the last contribution this node's own role took
 
-    async def send(self, header: ContributionHeader, enc) -> None:
+    async def send(self, header: ContributionHeader, enc, resent: bool = False) -> None:
         """Route one contribution to fragment p's synchroniser, failing over within ``failover_s``.
 
         The request carries the peers this sender found dead, so the next candidate knows it may take the
         round before their membership records expire. A peer that refuses the role names who it thinks
         should have it; we try that one next, else the next candidate.
+
+        ``resent``: a blocked learner's re-send (``Outbox.resend``). Where this node is its own first
+        candidate and already holds the contribution, the next candidate gets it: two views that each
+        elected their own node held one learner's contribution each, and with every learner as the quorum
+        neither merged again (the sync-diloco system test, about 1 run in 10). The other node takes the
+        round in its own view, holds both, and merges; where it does not (views agree on us), it names us
+        and the try ends as a replay here.
         """
         p = header.fragment
         behind = self.rounds_behind(p)
@@ -178,6 +186,14 @@ class Sender:
             if hint is not None and hint not in dead and hint not in refused:
                 order.insert(0, hint)
             hint = None
+            if (
+                resent
+                and order[:1] == [self.peer_id]
+                and len(order) > 1
+                and self.held_here.get(p) == header.cid
+            ):
+                order = order[1:] + order[:1]
+            resent = False  # once: a redirect or a fail-over from there on is the usual path
             if not order:
                 await asyncio.sleep(0.2)
                 refused.clear()
@@ -204,6 +220,8 @@ class Sender:
                     continue
             if reply.ok or reply.code == RejectCode.REPLAYED.value:  # replayed: an earlier attempt landed
                 replayed, rc = reply.code == RejectCode.REPLAYED.value, None
+                if target == self.peer_id:
+                    self.held_here[p] = header.cid
                 if target != self.peer_id and self.receipts.receipts_on():  # node.swarm.trust.receipts
                     if not replayed:
                         rc = self.receipts.check_receipt(target, header, reply.body)
