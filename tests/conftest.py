@@ -83,18 +83,28 @@ def pytest_sessionfinish(session, exitstatus):
             session.exitstatus = 1
 
 
-# The modules whose tests start node processes and run for tens of seconds (``--durations``): collected first,
-# so that the pytest-xdist workers of ``scripts/test.sh`` end on short tests and finish together.
+# The tests marked ``slow`` (node processes, tens of seconds each) are collected first, the longest modules'
+# first (``--durations`` of a suite run), so that the pytest-xdist workers of ``scripts/test.sh`` end on short
+# tests and finish together.
 SLOW_FIRST = (
-    "test_doctor", "test_swarm", "test_hostile_state", "test_chaos", "test_private_swarm", "test_strangers",
-    "test_unit", "test_hostile_peer", "test_unit_fsdp", "test_node_systems", "test_hf", "test_remote_status",
-    "test_operating", "test_robust", "test_wire_refusals", "test_golden",
+    "test_hostile_state", "test_chaos", "test_membership_at_size", "test_sybil_election", "test_swarm",
+    "test_hostile_snapshots", "test_election_fence", "test_hostile_counters", "test_audit", "test_left_out",
+    "test_doctor", "test_distrust", "test_unit_fsdp", "test_unit", "test_hf", "test_wire_refusals",
+    "test_strangers", "test_hostile_peer", "test_robust", "test_node_systems", "test_private_swarm",
+    "test_open_learners", "test_evidence", "test_remote_status", "test_operating", "test_golden",
 )  # fmt: skip
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda it: rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)))
+
+    def key(it) -> tuple[bool, int]:
+        return (
+            it.get_closest_marker("slow") is None,
+            rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)),
+        )
+
+    items.sort(key=key)
 
 
 TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)

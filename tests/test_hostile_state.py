@@ -402,7 +402,7 @@ def test_a_contribution_naming_every_other_node_dead_is_taken_by_one_node_only(t
             if frag0(holder)["round"] == base and frag0(holder)["collecting"]:
                 break
         wait_until(lambda: all(frag0(i)["round"] == base for i in peers), 20, "every node at the held round")
-        time.sleep(12.0)
+        time.sleep(6.0)  # past four due periods
         assert frag0(holder)["round"] == base and frag0(holder)["collecting"]  # below its quorum: still open
         assert all(frag0(i)["synchroniser"] == peers[holder] for i in peers)
         t0 = time.time()
