@@ -11,6 +11,7 @@ import time
 from node.swarm.catch_up import CatchUp
 from node.swarm.dispatch import OPS
 from node.swarm.intake import Intake
+from node.swarm.links import LinkRates
 from node.swarm.record_push import RecordPush
 from node.swarm.sender import Sender
 from node.swarm.transport import Reply, Transport, max_frame_bytes
@@ -32,7 +33,12 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
     s = node.settings
     budget, most = int(s.peer_inflight_mib * (1 << 20)), max_frame_bytes(node.plan)
     node.transport = Transport(
-        p2p, most, timeout_s=s.rpc_timeout_s, admit=node.view.admit, peer_budget=budget
+        p2p,
+        most,
+        timeout_s=s.rpc_timeout_s,
+        admit=node.view.admit,
+        peer_budget=budget,
+        links=LinkRates(s.link_floor_mbps * 1e6 / 8),
     )
     if node.admission is not None and node.admission.sealed:
         from node.swarm.sealed import SealedTransport

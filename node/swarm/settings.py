@@ -45,7 +45,20 @@ class NodeSettings:
     failover_s: float = field(
         default=8.0, metadata={"help": "bound on re-routing a contribution after its synchroniser died"}
     )
-    rpc_timeout_s: float = field(default=10.0, metadata={"help": "deadline of one request to a peer"})
+    rpc_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "deadline of one request to a peer for its round trips and handler; a body it carries "
+            "is allowed 2x its time at the rate measured on that peer's link on top (node.swarm.links)"
+        },
+    )
+    link_floor_mbps: float = field(
+        default=1.0,
+        metadata={
+            "help": "the slowest link rate (Mbit/s) a body's time is counted at, before this node has "
+            "measured the peer's link and whatever it measures"
+        },
+    )
     checkpoint_every_s: float = field(
         default=60.0, metadata={"help": "checkpoint period, the first 10 s after joining (0: only at exit)"}
     )
@@ -266,6 +279,7 @@ class NodeSettings:
             "ttl_s",
             "failover_s",
             "rpc_timeout_s",
+            "link_floor_mbps",
             "unit_timeout_s",
             "block_timeout_s",
             "ban_after",

@@ -13,6 +13,11 @@ unbanned member?) after the header and before it answers GO, so a stranger's bod
 keeps at most ``peer_budget`` bytes of request bodies in flight per peer (declared sizes, held from GO until
 the handler is done), refusing a request over that with ``peer_busy``.
 
+Deadlines: a request's deadline (``timeout_s``) covers its round trips and the handler; a body, once the
+other side has said GO (or announced a reply body), is allowed its time at the rate measured on that peer's
+link on top (``node.swarm.links``), so a large body on a thin link arrives, and a dead peer still costs the
+deadline alone.
+
 Errors: every refusal is a ``Reply(ok=False, code, message)`` with a code from ``protocol.errors.RejectCode``
 ; transport failures raise ``TransportError`` saying which peer and op.
 """
@@ -31,13 +36,14 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
+from node.swarm.links import LinkRates
 from protocol.errors import DDiLoCoError, ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_NAME = "ddiloco/rpc/1"
 GO, STOP = b"\x01", b"\x00"  # after the request header: send the body / a refusal follows
-CHUNK = 1 << 20
+CHUNK = 256 << 10  # a piece of a body: the unit of its progress (``idle_s``)
 MAX_HEADER = 64 * 1024
 
 
@@ -67,12 +73,18 @@ def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> No
     writer.write(struct.pack("<I", len(raw)) + raw)
 
 
-async def _write_body(writer: asyncio.StreamWriter, body: bytes) -> None:
+async def _moved(step: Awaitable, idle_s: float | None):
+    """``step`` (one piece of a body), failing with TimeoutError if it takes longer than ``idle_s``."""
+    return await (step if idle_s is None else asyncio.wait_for(step, idle_s))
+
+
+async def _write_body(writer: asyncio.StreamWriter, body: bytes, idle_s: float | None = None) -> None:
+    """``idle_s``: the longest one piece may wait for the link (a peer that stopped mid-body)."""
     view = memoryview(body)  # slices of a view: no copy of each chunk
     for i in range(0, len(body), CHUNK):
         writer.write(view[i : i + CHUNK])
-        await writer.drain()
-    await writer.drain()
+        await _moved(writer.drain(), idle_s)
+    await _moved(writer.drain(), idle_s)
 
 
 def header_size(prefix: bytes) -> int:
@@ -110,10 +122,12 @@ async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[di
     return parse_header(await reader.readexactly(n), max_bytes)
 
 
-async def _read_body(reader: asyncio.StreamReader, nbytes: int, progress: dict | None = None) -> bytes:
+async def _read_body(
+    reader: asyncio.StreamReader, nbytes: int, progress: dict | None = None, idle_s: float | None = None
+) -> bytes:
     chunks, left = [], nbytes
     while left:
-        c = await reader.readexactly(min(CHUNK, left))
+        c = await _moved(reader.readexactly(min(CHUNK, left)), idle_s)
         chunks.append(c)
         left -= len(c)
         if progress is not None:  # a call in flight (``Transport.transfers``): bytes so far, last byte when
@@ -151,8 +165,10 @@ class Transport:
         timeout_s: float = 30.0,
         admit: Admit | None = None,
         peer_budget: int = 512 << 20,
+        links: LinkRates | None = None,
     ) -> None:
         self.p2p = p2p
+        self.links = LinkRates(1e6 / 8) if links is None else links  # 1 Mbit/s before a link is measured
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.admit = admit
@@ -180,7 +196,19 @@ class Transport:
             }
             for c in list(self._calls.values())
         ]
-        return {"in_flight": live, "recent": list(self._done)}
+        return {"in_flight": live, "recent": list(self._done), "link_bps": self.links.snapshot()}
+
+    def idle_s(self, peer: str, timeout_s: float, ahead: int) -> float:
+        """The longest one piece of a body may take on the link with ``peer``, behind the ``ahead`` bytes of
+        other bodies on it, before the transfer counts as stalled: a body is allowed its bytes' time, but a
+        peer that stops mid-body costs this, not the whole body's allowance."""
+        return timeout_s + self.links.allowance_s(peer, CHUNK + ahead)
+
+    def queued(self, peer: str) -> int:
+        """Bytes of bodies on the link with ``peer`` now: requests of ours being sent to it, and of its being
+        read here (each direction's bytes share the peers' one connection with the next request's)."""
+        out = sum(c.get("out", 0) for c in list(self._calls.values()) if c["peer"] == peer)
+        return out + self.in_flight.get(peer, 0)
 
     def register(self, op: str, handler: Handler) -> None:
         self.handlers[op] = handler
@@ -199,8 +227,9 @@ class Transport:
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         caller = info.peer_id.to_base58()
         sent_go = False
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s) as deadline:
                 try:
                     header, nbytes = await _read_header(reader, self.max_bytes)
                     handler = self.handlers.get(str(header.get("op")))
@@ -219,7 +248,11 @@ class Transport:
                     sent_go = True
                     self.in_flight[caller] = held + nbytes
                     try:
-                        payload = await _read_body(reader, nbytes)
+                        began = loop.time()
+                        deadline.reschedule(began + self.timeout_s + self.links.allowance_s(caller, nbytes))
+                        idle = self.idle_s(caller, self.timeout_s, self.queued(caller) - nbytes)
+                        payload = await _read_body(reader, nbytes, idle_s=idle)
+                        self.links.observe(caller, nbytes, loop.time() - began)
                         self.bytes_in += len(payload)
                         reply = await handler(caller, payload)
                     finally:
@@ -241,6 +274,10 @@ class Transport:
                     if reply.code != RejectCode.NOT_SYNCHRONISER.value:  # a routing redirect, not abuse
                         self.count_refusal(reply.code)
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
+                if reply.body:  # a snapshot or records served: its bytes' time on the link, on top
+                    deadline.reschedule(
+                        loop.time() + self.timeout_s + self.links.allowance_s(caller, len(reply.body))
+                    )
                 await _write_frame(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
                 )
@@ -259,10 +296,17 @@ class Transport:
         deadline = self.timeout_s if timeout_s is None else timeout_s
         now = time.time()
         key = next(self._ids)
+        # bodies already on the link with this peer, either way, go first on its one connection: their
+        # time is allowed to this request's round trips too
+        ahead = self.queued(peer_id)
         track = self._calls[key] = {"peer": peer_id, "op": op, "since": now, "last": now, "bytes": 0}
+        track["out"] = len(payload)
         outcome = "broken"
+        loop = asyncio.get_running_loop()
+        moving = 0  # the bytes of the body in flight when the deadline passed (0: none was)
+        allowed = self.links.allowance_s(peer_id, ahead)  # seconds on top of the deadline
         try:
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(deadline + allowed) as cm:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer_id), PROTOCOL_NAME
                 )
@@ -271,10 +315,23 @@ class Transport:
                     await writer.drain()
                     sent = await reader.readexactly(1) == GO
                     if sent:
-                        await _write_body(writer, payload)
+                        began, moving = loop.time(), len(payload)
+                        allowed = self.links.allowance_s(
+                            peer_id, self.queued(peer_id)
+                        )  # this body, and those ahead
+                        cm.reschedule(began + deadline + allowed)
+                        await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead))
                     header, nbytes = await _read_header(reader, self.max_bytes)
+                    if sent:  # from GO to the reply: the upload and the handler, a rate on the safe side
+                        self.links.observe(peer_id, len(payload), loop.time() - began)
                     track["last"] = time.time()
-                    body = await _read_body(reader, nbytes, track)
+                    track["out"], began, moving = 0, loop.time(), nbytes
+                    allowed = self.links.allowance_s(peer_id, nbytes + self.queued(peer_id))
+                    cm.reschedule(began + deadline + allowed)
+                    idle = self.idle_s(peer_id, deadline, self.queued(peer_id))
+                    body = await _read_body(reader, nbytes, track, idle)
+                    self.links.observe(peer_id, nbytes, loop.time() - began)
+                    moving = 0
                     outcome = "ok" if header.get("ok") else str(header.get("code"))
                     self.bytes_out += len(payload) if sent else 0
                     self.bytes_in += len(body)
@@ -282,6 +339,12 @@ class Transport:
                     writer.close()
         except TimeoutError as e:
             outcome = "timeout"
+            if moving:  # the link is slower than this node counted on: twice the time, the next try
+                self.links.overran(peer_id)
+                raise TransportError(
+                    f"{op} to {peer_id}: no reply within {deadline:.1f}s and {allowed:.1f}s for its "
+                    f"{moving}-byte body"
+                ) from e
             raise TransportError(f"{op} to {peer_id}: no reply within {deadline:.1f}s") from e
         except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
             raise TransportError(f"{op} to {peer_id}: stream broke ({type(e).__name__}: {e})") from e

@@ -1,0 +1,156 @@
+"""The rate measured on each peer's link and a body's allowance on it (``node.swarm.links``). The
+transport's deadlines that follow it are tested on a capped link between real nodes (``tests/test_wan.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from node.swarm.links import MIN_SAMPLE, SLACK, LinkRates
+
+
+def test_a_bodys_allowance_follows_the_measured_rate_never_below_the_floor():
+    links = LinkRates(floor_bps=1000.0)
+    assert links.allowance_s("a", 0) == 0.0
+    assert links.allowance_s("a", 10_000) == pytest.approx(SLACK * 10.0)  # unmeasured: the floor
+    links.observe("a", MIN_SAMPLE - 1, 0.001)  # a small body measures the round trip: not a sample
+    assert links.rates == {}
+    links.observe("a", 1 << 20, 1.0)
+    assert links.rate("a") == pytest.approx(1 << 20)
+    links.observe("a", 1 << 20, 0.5)  # a moving average, not the last sample
+    assert (1 << 20) < links.rate("a") < (2 << 20)
+    links.observe("b", 1 << 20, 10_000.0)  # slower than the floor: counted at the floor
+    assert links.rate("b") == 1000.0
+    assert links.allowance_s("b", 1 << 20) == pytest.approx(SLACK * (1 << 20) / 1000.0)
+    assert set(links.snapshot()) == {"a", "b"}
+
+
+def test_a_body_past_its_allowance_halves_the_rate_down_to_the_floor():
+    links = LinkRates(floor_bps=1000.0)
+    links.observe("a", 1 << 20, 1.0)
+    before = links.allowance_s("a", 1 << 20)
+    links.overran("a")
+    assert links.allowance_s("a", 1 << 20) == pytest.approx(2 * before)
+    for _ in range(40):
+        links.overran("a")
+    assert links.rate("a") == 1000.0
+    links.overran("never-measured")
+    assert links.rate("never-measured") == 1000.0
+
+
+@pytest.mark.parametrize("floor", [0.0, -1.0, float("nan")])
+def test_a_floor_that_is_not_a_positive_rate_is_refused(floor):
+    with pytest.raises(ValueError, match="must be positive"):
+        LinkRates(floor)
+
+
+def test_a_link_floor_that_is_not_positive_is_a_config_error():
+    from node.swarm.settings import NodeSettings
+    from protocol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="link_floor_mbps"):
+        NodeSettings(link_floor_mbps=0.0)
+
+
+# ------------------------------------------------------------------ the transport's deadlines on a slow link
+class _SlowLink:
+    """Two ``Transport``s joined by TCP on loopback through a relay that forwards each direction at ``bps``
+    bytes/s (the p2p daemons stood in for: they only carry the streams). The server's p2p stand-in hands
+    each relayed connection to the served transport's stream handler."""
+
+    def __init__(self, bps: float) -> None:
+        self.bps = bps
+        self.handler = None
+
+    async def add_binary_stream_handler(self, name, handler) -> None:
+        self.handler = handler
+
+    async def remove_binary_stream_handler(self, name) -> None:
+        self.handler = None
+
+    async def start(self) -> None:
+        async def served(reader, writer):
+            info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
+            await self.handler(info, reader, writer)
+
+        self.inner = await asyncio.start_server(served, "127.0.0.1", 0)
+        self.relay = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+
+    async def _pump(self, reader, writer) -> None:
+        try:
+            while chunk := await reader.read(4096):
+                await asyncio.sleep(len(chunk) / self.bps)
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _relay(self, reader, writer) -> None:
+        port = self.inner.sockets[0].getsockname()[1]
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.gather(self._pump(reader, w2), self._pump(r2, writer))
+
+    async def call_binary_stream_handler(self, peer, name):
+        port = self.relay.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return None, reader, writer
+
+    def close(self) -> None:
+        self.inner.close()
+        self.relay.close()
+
+
+def test_a_body_several_times_the_deadline_on_a_slow_link_arrives_and_a_stalled_one_fails(monkeypatch):
+    """A 200 KB body over a 100 KB/s link takes 2 s against a 0.5 s deadline. It arrives, both ways (the
+    request, and the reply that echoes it), within its allowance at the link's floor; the link's rate is
+    measured from it; under a fixed deadline the same call runs out. A handler that takes the body and never
+    answers fails the call a deadline after the body, not never."""
+    from node.swarm import transport as tmod
+    from node.swarm.transport import Reply, Transport, TransportError
+
+    monkeypatch.setattr(tmod.PeerID, "from_base58", staticmethod(lambda s: s))
+
+    async def go() -> None:
+        link = _SlowLink(bps=100_000)
+        server = Transport(link, timeout_s=0.5, links=LinkRates(50_000))
+        caller = Transport(link, timeout_s=0.5, links=LinkRates(50_000))
+
+        async def echo(who: str, payload: bytes) -> Reply:
+            return Reply(True, body=payload)
+
+        stuck = asyncio.Event()
+
+        async def hang(who: str, payload: bytes) -> Reply:
+            await stuck.wait()
+            return Reply(True)
+
+        server.register("echo", echo)
+        server.register("hang", hang)
+        await server.start()
+        await link.start()
+        try:
+            body = bytes(range(256)) * 800  # 204,800 bytes: about 2 s each way
+            t0 = asyncio.get_running_loop().time()
+            reply = await caller.call("server", "echo", body)
+            took = asyncio.get_running_loop().time() - t0
+            assert reply.ok and reply.body == body and took > 3.0  # both ways, each past the deadline
+            assert 50_000 < caller.links.rate("server") < 150_000  # measured, near the link's rate
+            assert server.links.rates.get("caller", 0) > 50_000
+            # without the allowance (a fixed deadline), the same call runs out
+            fixed = Transport(link, timeout_s=0.5, links=LinkRates(1e12))
+            with pytest.raises(TransportError, match="no reply within"):
+                await fixed.call("server", "echo", body)
+            # a server that takes the body and never answers: the deadline after it, not forever
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(TransportError, match="no reply within|stream broke"):
+                await caller.call("server", "hang", body)  # (the server's own deadline may close it first)
+            assert asyncio.get_running_loop().time() - t0 < 2 * SLACK * len(body) / 50_000
+        finally:
+            stuck.set()
+            link.close()
+
+    asyncio.run(go())
