@@ -165,7 +165,7 @@ def status_doc(node: Any) -> dict:  # node: the running node.swarm.agent.Node (w
         "bytes_sent": t.bytes_out if t else 0,
         "bytes_received": t.bytes_in if t else 0,
         "refused": dict(t.refused) if t else {},
-        "transfers": t.transfers(now) if t else {"in_flight": [], "recent": []},
+        "transfers": t.transfers(now) if t else {"in_flight": [], "recent": [], "link_bps": {}},
         "guard": node.peer_scores.status(),
         "distrusted": node.agreement.status()["distrusted"],  # left out of this node's merges
         "counters": dict(node.counters),
