@@ -14,13 +14,14 @@ Before the first sample, and never below it, the rate is ``floor_bps``: the slow
 
 from __future__ import annotations
 
+FLOOR_BPS = 1e6 / 8  # 1 Mbit/s: the floor where none is given (``--link-floor-mbps``)
 MIN_SAMPLE = 64 << 10  # bytes: a body this large or larger measures the link
 SLACK = 2.0  # a body may take this many times its time at the measured rate
 WEIGHT = 0.3  # of a new sample in the moving average
 
 
 class LinkRates:
-    def __init__(self, floor_bps: float) -> None:
+    def __init__(self, floor_bps: float = FLOOR_BPS) -> None:
         if not floor_bps > 0:
             raise ValueError(f"a link floor of {floor_bps} bytes/s: it must be positive")
         self.floor_bps = float(floor_bps)
@@ -33,6 +34,11 @@ class LinkRates:
     def allowance_s(self, peer: str, nbytes: int) -> float:
         """The seconds a body of ``nbytes`` may take to or from ``peer``, past the request's deadline."""
         return SLACK * nbytes / self.rate(peer) if nbytes > 0 else 0.0
+
+    def until(self, now: float, deadline_s: float, peer: str, nbytes: int) -> float:
+        """The moment a request whose body of ``nbytes`` (with those ahead of it) starts at ``now`` runs out:
+        its deadline, and the body's allowance on top."""
+        return now + deadline_s + self.allowance_s(peer, nbytes)
 
     def observe(self, peer: str, nbytes: int, seconds: float) -> None:
         """A body of ``nbytes`` moved in ``seconds`` (from GO to the reply, or as read)."""

@@ -168,7 +168,7 @@ class Transport:
         links: LinkRates | None = None,
     ) -> None:
         self.p2p = p2p
-        self.links = LinkRates(1e6 / 8) if links is None else links  # 1 Mbit/s before a link is measured
+        self.links = LinkRates() if links is None else links
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.admit = admit
@@ -249,7 +249,7 @@ class Transport:
                     self.in_flight[caller] = held + nbytes
                     try:
                         began = loop.time()
-                        deadline.reschedule(began + self.timeout_s + self.links.allowance_s(caller, nbytes))
+                        deadline.reschedule(self.links.until(began, self.timeout_s, caller, nbytes))
                         idle = self.idle_s(caller, self.timeout_s, self.queued(caller) - nbytes)
                         payload = await _read_body(reader, nbytes, idle_s=idle)
                         self.links.observe(caller, nbytes, loop.time() - began)
@@ -276,7 +276,7 @@ class Transport:
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
                 if reply.body:  # a snapshot or records served: its bytes' time on the link, on top
                     deadline.reschedule(
-                        loop.time() + self.timeout_s + self.links.allowance_s(caller, len(reply.body))
+                        self.links.until(loop.time(), self.timeout_s, caller, len(reply.body))
                     )
                 await _write_frame(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
@@ -316,9 +316,7 @@ class Transport:
                     sent = await reader.readexactly(1) == GO
                     if sent:
                         began, moving = loop.time(), len(payload)
-                        allowed = self.links.allowance_s(
-                            peer_id, self.queued(peer_id)
-                        )  # this body, and those ahead
+                        allowed = self.links.allowance_s(peer_id, self.queued(peer_id))  # it, and those ahead
                         cm.reschedule(began + deadline + allowed)
                         await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead))
                     header, nbytes = await _read_header(reader, self.max_bytes)
