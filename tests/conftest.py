@@ -98,14 +98,7 @@ SLOW_FIRST = (
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-
-    def key(it) -> tuple[bool, int]:
-        return (
-            it.get_closest_marker("slow") is None,
-            rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)),
-        )
-
-    items.sort(key=key)
+    items.sort(key=lambda it: rank.get(it.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
 
 TINY_MODEL = ModelConfig(dim=32, layers=2, heads=2, seq_len=32)

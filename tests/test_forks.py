@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,38 @@ def test_a_forked_node_has_its_own_group_environment_and_a_kill_is_reported(fork
     finally:
         kill_group(c)
     assert not os.path.exists(c.tmp)
+
+
+_HOLD = """
+import pathlib, sys, time
+from hivemind.utils.mpfuture import MPFuture
+if __name__ == '__main__':
+    if sys.argv[1] == "hold":
+        MPFuture._update_lock.acquire()  # as a DHT process does to send its node a result
+        pathlib.Path("held").write_text("")
+        time.sleep(600)
+    sys.exit(0 if MPFuture._update_lock.acquire(timeout=10) else 1)
+"""
+
+
+def test_a_child_killed_holding_a_hivemind_lock_leaves_the_next_child_its_own(forks, tmp_path):
+    """hivemind makes its multiprocessing locks at import, in the server: a child killed while it held one
+    (a DHT process sends every result to its node under one) left it held for every child forked after it,
+    and each of their DHTs hung at start. A child has locks of its own, as a fresh process has."""
+    script = tmp_path / "hold.py"
+    script.write_text(_HOLD)
+    log = str(tmp_path / "hold.log")
+    holder = forks.spawn(["hold"], dict(os.environ), log, cwd=str(tmp_path), script=str(script))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "held").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, Path(log).read_text()
+            time.sleep(0.05)
+    finally:
+        holder.kill()
+    assert holder.wait(timeout=30) == -signal.SIGKILL
+    after = forks.spawn(["take"], dict(os.environ), log, cwd=str(tmp_path), script=str(script))
+    assert after.wait(timeout=60) == 0, Path(log).read_text()
 
 
 def test_a_bad_request_is_refused_and_the_server_keeps_serving(forks, tmp_path):

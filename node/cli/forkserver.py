@@ -102,6 +102,9 @@ def _serve() -> dict:
                 pid = os.fork()
                 if pid == 0:
                     return dict(req, threads=threads)
+                _exited.pop(
+                    pid, None
+                )  # a pid the kernel gave again: the code of its earlier child is not its
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)  # as the child does: whichever runs first
                 answer = {"pid": pid}
@@ -112,6 +115,23 @@ def _serve() -> dict:
         out.write(json.dumps(answer).encode() + b"\n")
         out.flush()
     exit_without_teardown(0)  # its launcher closed the pipe: the teardown of torch took 10-20 s
+
+
+def own_process_locks() -> None:
+    """In a forked child: new multiprocessing locks in place of those hivemind made at import (in the
+    server), which every child forked from the server would otherwise share. They are POSIX semaphores in
+    shared memory: a node killed while one of its processes held one (a DHT process sends every result to its
+    node under ``MPFuture._update_lock``) left it held for ever, and every node forked after it hung starting
+    its DHT (a suite run: three in a row, "not ready within 60 s"). A fresh ``python -m node`` makes its own
+    at import; so does this, before any hivemind object exists in the child."""
+    import multiprocessing as mp
+
+    from hivemind.utils import asyncio as hm_asyncio
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # MPFuture's initialisation and update locks, SharedBytes' lock
+    hm_asyncio._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+    hm_asyncio._AsyncContextWrapper.EXECUTOR_PID = None
 
 
 def _become_node(req: dict) -> int:
@@ -143,6 +163,7 @@ def _become_node(req: dict) -> int:
     os.environ.update(req["env"])
     tempfile.tempdir = None  # read TMPDIR again
     lifetime._PARENT = os.getppid()
+    own_process_locks()
     agent.IMPORTED_AT = time.time()  # nothing left to import
     random.seed()
     torch.seed()
