@@ -139,7 +139,7 @@ def test_a_refused_record_is_tried_once_more_a_heartbeat_later_and_applied_if_it
                 None,
                 self.replicas,
                 SignedFiles(tmp_path / "records"),
-                wait_s=lambda: self.settings.heartbeat_s,
+                wait_s=lambda sr: self.settings.heartbeat_s,
                 retry=lambda sr, caller: self.apply(sr),
                 refused=refused,
                 on_held=lambda: None,
@@ -204,13 +204,13 @@ def test_the_fence_stands_aside_where_anyone_is_elected_or_nobody_can_tell_yet()
 def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_and_applied_only_if_still_moot(
     wire, tmp_path
 ):
-    """A swarm's first rounds (nobody credited yet): a pushed record of its signer's work alone whose signer is
-    not first in this node's rendezvous order is held ``failover_s``, not applied: a member signing a record
-    for every round the moment the one before it lands (``forge-signed``) won every race there. The first candidate's record is
-    applied at once, and moots the held one; a held record that still follows the head then is applied (its
-    first candidate never delivered). Held as signed bytes, one per signer and fragment: a newer record of
-    the signer replaces the older. Leases do not put a signer first here: a lease is its own word. Once the
-    fence decides (members credited), nothing is held."""
+    """A swarm's first rounds (nobody credited yet): a pushed record of its signer's work alone whose signer
+    is not first in this node's rendezvous order is held a ``failover_s`` for each candidate before it, not
+    applied: a member signing a record for every round the moment the one before it lands (``forge-signed``)
+    won every race there. The first candidate's record is applied at once, and moots the held one; a held
+    record that still follows the head then is applied (its first candidate never delivered). Held as signed
+    bytes, one per signer and fragment: a newer record of the signer replaces the older. Leases do not put a
+    signer first here: a lease is its own word. Once the fence decides (members credited), nothing is held."""
     applied, later, waited = [], [], []
 
     class _Turn(_View):
@@ -231,7 +231,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
                 None,
                 self.replicas,
                 SignedFiles(tmp_path / "records"),
-                wait_s=lambda: self.settings.failover_s,
+                wait_s=lambda sr: self.settings.failover_s * max(1, self.fence.places_before(sr)),
                 retry=lambda sr, caller: self.take_record(sr, caller, waited=True),
                 refused=lambda e, caller: None,
                 on_held=lambda: self.counters.__setitem__(
@@ -265,10 +265,10 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     v.members = {"first": None, "forger": None}
     forged, honest = pushed("forger"), pushed("first")
     assert "held" in v.take_record(forged, "forger").message
-    assert applied == [] and v.counters["out_of_turn_held"] == 1 and v.leases_asked == [False]
+    assert applied == [] and v.counters["out_of_turn_held"] == 1 and set(v.leases_asked) == {False}
     assert isinstance(v.turn_held.held[(0, "forger")].raw, SignedFile)  # in a file of the state folder
     v.take_record(forged, "forger")  # pushed again (a relay): held once
-    assert len(later) == 1 and later[0][0] == 6.0
+    assert len(later) == 1 and later[0][0] == 6.0  # one candidate before it: one failover
     assert v.take_record(honest, "first").ok and applied == [honest]  # the first candidate's: at once
     run_retries()
     assert applied == [honest] and len(v.turn_held) == 0  # moot: it no longer follows the head
@@ -283,6 +283,15 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
     assert applied == [honest, newer] and len(v.turn_held) == 0
     # judged as the fence stood when it came (it may have closed on an honest signer meanwhile)
     assert waited == [False, True]
+    # ranked third: two failovers, the time senders take to pass both candidates before it
+    v.replicas[0] = SimpleNamespace(round=2, hash="h2")
+    v.order = ["first", "second", "forger"]
+    later.clear()
+    v.take_record(pushed("forger", "-3"), "forger")
+    assert [w for w, _, _ in later] == [12.0]
+    v.order = ["first", "forger"]
+    later.clear()
+    v.turn_held.held.clear()
     # at most HELD_CAP signers' records held at once
     v.replicas[0] = SimpleNamespace(round=2, hash="h2")
     for i in range(HELD_CAP + 3):

@@ -169,8 +169,9 @@ def wire_running_parts(node, p2p, addrs: list[str]) -> dict:
 
 
 def held_records(node) -> tuple[HeldRecords, HeldRecords]:
-    """The records held out of turn (tried again a ``failover_s`` later, judged as the fence stood when
-    they came), and those the fence refused (tried once more a heartbeat later)."""
+    """The records held out of turn (tried again a ``failover_s`` later for each candidate ranked before
+    their signer, judged as the fence stood when they came), and those the fence refused (tried once more a
+    heartbeat later)."""
     s, c = node.settings, node.counters
 
     def turn_refused(e: ProtocolError, caller: str) -> None:
@@ -190,7 +191,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         node.spec,
         node.replicas,
         node.signed_files,
-        wait_s=lambda: s.failover_s,
+        wait_s=lambda sr: s.failover_s * max(1, node.fence.places_before(sr)),
         retry=lambda sr, caller: node.take_record(sr, caller, waited=True),
         refused=turn_refused,
         on_held=count("out_of_turn_held"),
@@ -203,7 +204,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         node.spec,
         node.replicas,
         node.signed_files,
-        wait_s=lambda: s.heartbeat_s,
+        wait_s=lambda sr: s.heartbeat_s,
         retry=lambda sr, caller: node.apply(sr),
         refused=still_unelected,
         on_held=lambda: None,

@@ -41,7 +41,7 @@ NODE_COUNTERS = (
     "audits",  # records this node recomputed from their contributions (node.swarm.trust.audit)
     "audits_unfetched",  # audits whose signed contributions could not be fetched
     "audits_unproven",  # of those, records whose signer did not serve them either: the signer passed over here
-    "out_of_turn_held",  # records pushed out of turn while nobody is credited yet, held a failover_s (public)
+    "out_of_turn_held",  # records pushed out of turn while nobody is credited yet, held (public)
     "unelected_refused",  # records refused: signed by a member no view on this chain elects (public swarm)
     "rounds_undone",  # records undone: a convicted one, with the rounds on top of it
     "distrusted_left_out",  # contributions this synchroniser left out: their learner opposes the rest

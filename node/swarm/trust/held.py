@@ -2,9 +2,10 @@
 decoded record's gradient is a whole fp32 fragment). The node holds two kinds, each a ``HeldRecords``:
 
 - out of turn (``ElectionFence.out_of_turn``): while nobody is credited yet, a record of its signer's work
-  alone from a signer this node's view does not put first is tried again ``failover_s`` later, the time a
-  sender takes to re-route past a synchroniser that died; by then the first candidate's record has usually
-  landed, and this one is moot;
+  alone from a signer this node's view does not put first is tried again a ``failover_s`` later for each
+  candidate the view puts before it (``ElectionFence.places_before``), the time senders take to re-route
+  past those synchronisers had they died; by then the first candidate's record has usually landed, and this
+  one is moot;
 - refused by the election fence: tried once more a heartbeat later. Each fragment's chain moves on its own,
   so the record that credits a newly elected member (in another fragment) can reach this node a moment after
   that member's first record; it is refused for good only if its signer is still not credited then.
@@ -34,7 +35,7 @@ class Held:
 
 
 class HeldRecords:
-    """``wait_s()``: how long a record waits; ``retry(record, caller)``: what is done with one that still
+    """``wait_s(record)``: how long a record waits; ``retry(record, caller)``: what is done with one that still
     follows the head then; ``refused(error, caller)``: a retry that raised; ``on_held()`` and ``on_full()``: a
     record newly held, and one dropped because ``cap`` are held; ``call_later(seconds, fn, *args)``: the
     node's loop's; ``stopped()``: whether the node is stopping (nothing is retried then)."""
@@ -47,7 +48,7 @@ class HeldRecords:
         replicas: list,
         signed_files,
         *,
-        wait_s: Callable[[], float],
+        wait_s: Callable[[SignedRecord], float],
         retry: Callable[[SignedRecord, str], object],
         refused: Callable[[ProtocolError, str], None],
         on_held: Callable[[], None],
@@ -78,7 +79,7 @@ class HeldRecords:
         # on disk, where it can be (a disk that refuses the write leaves the bytes in memory)
         raw = self.signed_files.keep(bytes(sr.raw), f"held-{rec.fragment}-{rec.round}")
         self.held[key] = Held(rec.round, rec.new_hash, raw, caller)
-        self.call_later(self.wait_s(), self._retry, key, rec.new_hash)
+        self.call_later(self.wait_s(sr), self._retry, key, rec.new_hash)
 
     def _retry(self, key: tuple[int, str], new_hash: str) -> None:
         held = self.held.get(key)
