@@ -221,11 +221,21 @@ class FragmentReplica:
         return [(_grad_of(self._past[r][0]), *self._past[r][1:]) for r in range(self.round, round_, -1)]
 
     def check_delta(
-        self, delta: Mapping[str, torch.Tensor | Encoded], cfg: ProtocolConfig | None = None
+        self,
+        delta: Mapping[str, torch.Tensor | Encoded],
+        cfg: ProtocolConfig | None = None,
+        learner: str | None = None,
     ) -> float:
         """Shape, name and finiteness checks of an outer gradient against this fragment (fp32 tensors, or
         their wire form, decoded here one tensor at a time), and with ``cfg`` its norm against ``max_rms``
-        and ``refuse_factor`` times the learners' typical one. Returns its global norm (the same pass)."""
+        and ``refuse_factor`` times the learners' typical one. Returns its global norm (the same pass).
+
+        ``learner``: whose it is. A size refused against the reference is still that learner's size now, and
+        is entered in the norm book as such: the book otherwise learnt only from what was merged, and a book
+        seeded by a swarm's first contributions (a few steps at the start of the lr warm-up, 1,000-15,000x
+        smaller than a minute later) refused every honest contribution after them, learnt nothing more, and
+        its node banned every honest peer (a ``ddiloco up`` run in a suite). The reference is the median over
+        learners of each one's median: a liar's refused sizes raise its own median alone."""
         if set(delta) != set(self.theta):
             raise ProtocolError(
                 RejectCode.WRONG_SHAPE,
@@ -252,6 +262,8 @@ class FragmentReplica:
             )
         ref = self.norm_reference() if cfg.refuse_factor > 0 else None
         if ref is not None and n > cfg.refuse_factor * ref:
+            if learner is not None:
+                self.norms.add(learner, rms)
             raise ProtocolError(
                 RejectCode.TOO_LARGE,
                 f"outer gradient norm {n:.3g} is {n / ref:.0f}x the fragment's recent median {ref:.3g} "

@@ -46,6 +46,38 @@ def test_robust_merge_clips_one_outlier_and_refuses_absurd_sizes():
     assert e.value.code is RejectCode.TOO_LARGE and "max_rms" in str(e.value)
 
 
+def test_a_book_seeded_by_tiny_first_sizes_learns_the_sizes_it_refuses_and_a_liar_stays_refused():
+    """A swarm's first contributions can be 1,000x and more smaller than a minute later's (a few steps at the
+    start of the lr warm-up): a book that learnt only from merges refused every honest contribution after
+    them, for good, and its node banned every honest peer (a suite run of ``ddiloco up``). A refused size is
+    its learner's size now: each honest learner is refused a few times, fewer than a ban takes, and then
+    taken; a liar sending 10,000x theirs raises only its own median, and is refused every time."""
+    cfg = ProtocolConfig(fragments=1, sync_every=4, overlap=1, merge="mean", record_codec="fp32", outer_lr=1.0,
+                         outer_momentum=0.0, max_rms=0)  # fmt: skip
+    rep = _rep(NormBook())
+    tiny = [
+        Contribution(f"l{i}", 0, 0, 1, 100, 1.0, {"w": torch.full((100,), 1e-7)}, f"t{i}") for i in range(3)
+    ]
+    rep.apply_record(rep.make_record(1, tiny, cfg), cfg)
+    refused = {f"l{i}": 0 for i in range(3)} | {"bad": 0}
+    for r in range(12):
+        taken = []
+        for name, size in [(f"l{i}", 1e-3 * (1 + 0.1 * i)) for i in range(3)] + [("bad", 10.0)]:
+            delta = {"w": torch.full((100,), size)}
+            try:
+                n = rep.check_delta(delta, cfg, name)
+            except ProtocolError as e:
+                assert e.code is RejectCode.TOO_LARGE
+                refused[name] += 1
+                continue
+            taken.append(Contribution(name, 0, rep.round, 4, 400, 1.0, delta, f"{name}-{r}", n))
+        if taken:
+            rep.apply_record(rep.make_record(rep.round + 1, taken, cfg), cfg)
+    honest = [refused[f"l{i}"] for i in range(3)]
+    assert sum(honest) > 0 and max(honest) <= 5, refused  # refused at first; ban_after is 10 refusals
+    assert refused["bad"] == 12, refused
+
+
 def test_guard_bans_after_hostile_refusals_only_and_remembers_merged_ids():
     g = PeerScores(ban_after=3, ban_s=10)
     for _ in range(5):

@@ -269,7 +269,7 @@ class VirtualSwarm:
             if self.cfg.distrust and self.agreement.refuse(name):  # as a node does (protocol.agreement)
                 raise ProtocolError(RejectCode.DISTRUSTED, f"{name}'s outer gradients oppose the rest")
             delta = decode_tensors(enc)
-            n = self.replicas[p].check_delta(delta, self.cfg)
+            n = self.replicas[p].check_delta(delta, self.cfg, name)
             c = Contribution(name, p, base_round, c_steps, c_tokens, step_s, delta, cid, n)
             self._decide(p, on_contribution(self.cfg, self.syncs[p], c, now), now)
             slot = self.slots[self._index[name]]

@@ -105,7 +105,11 @@ class Intake:
             # decodes each tensor a range at a time, checks it, lets it go: off the loop (GPT-2's embedding
             # took the loop for a second a contribution); on a view whose norm book is a copy read here
             view = frozen_view(self.replicas[p], merge=True)
-            n = await asyncio.to_thread(view.check_delta, delta, self.pcfg)
+            try:
+                n = await asyncio.to_thread(view.check_delta, delta, self.pcfg, h.learner)
+            finally:  # a size refused as an outlier is still its learner's size now (``check_delta``)
+                for learner, rms in view.norms.added:
+                    self.replicas[p].norms.add(learner, rms)
             # after every check of the message: a bad one is refused for what it is, merging or not
             rep = self.replicas[p]
             if h.base_round < rep.round and not rep.keeps(h.base_round):
