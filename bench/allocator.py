@@ -47,7 +47,7 @@ def _loop(size: str, threads: int):
 
 
 def _set(mib: float) -> None:
-    from node.swarm.memory import release_free_memory, tune_allocator
+    from node.common.heap import release_free_memory, tune_allocator
 
     tune_allocator(int(mib * (1 << 20)))
     release_free_memory()

@@ -39,7 +39,7 @@ def _reset_hwm() -> None:
 
 
 def one(fragment: str, rule: str, role: str, learners: int, repeats: int) -> dict:
-    from node.swarm.memory import AUTO_MMAP_MIB, tune_allocator
+    from node.common.heap import AUTO_MMAP_MIB, tune_allocator
     from protocol.audit import audit_gap, frozen_view
     from protocol.config import ProtocolConfig
     from protocol.replica import FragmentReplica

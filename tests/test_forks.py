@@ -19,8 +19,10 @@ from tests.swarm_util import TINY
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def forks():
+    """One server for the module's tests (each start imports for 6-10 s); each test's children are its own,
+    and the server still serves after each (the bad-request test shows it)."""
     server = ForkServer()
     try:
         yield server

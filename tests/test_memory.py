@@ -257,7 +257,7 @@ def test_checkpoints_and_evaluations_come_no_more_often_than_their_cpu_share_all
 
 _MALLINFO = """
 import ctypes, sys
-from node.swarm.memory import steady_allocator, tune_allocator
+from node.common.heap import steady_allocator, tune_allocator
 
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -359,7 +359,7 @@ _THREAD_STEPS = """
 import ctypes, resource, sys, threading
 if sys.argv[1] == "entry":
     import node.__main__  # what `python -m node` and `ddiloco` import before anything else
-from node.swarm.memory import steady_allocator
+from node.common.heap import steady_allocator
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -37,7 +37,7 @@ def test_elect_auto_elects_anyone_where_an_authority_certifies_synchronisers():
 
 
 def test_the_allocator_threshold_follows_the_model_unless_set():
-    from node.swarm.memory import AUTO_MMAP_PARAMS, mmap_threshold
+    from node.common.heap import AUTO_MMAP_PARAMS, mmap_threshold
 
     assert NodeSettings().malloc_mmap_mib == -1
     assert mmap_threshold(-1, AUTO_MMAP_PARAMS) == 256 << 10  # a model of GPT-2 small's size

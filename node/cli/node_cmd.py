@@ -45,9 +45,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import torch.multiprocessing as torch_mp
 
     from node.cli.config import build_config, describe
+    from node.common.heap import mmap_threshold, steady_allocator, tune_allocator
     from node.learner.unit import Unit, run_rank
     from node.swarm.agent import Node
-    from node.swarm.memory import mmap_threshold, steady_allocator, tune_allocator
 
     # hivemind (imported above) puts torch's shared memory on the file_system strategy, whose helper
     # process, torch_shm_manager, outlives the node and aborts ("terminate called after throwing an

@@ -37,6 +37,7 @@ import torch
 
 from dht.identity import Identity
 from node.common.events import EventLog
+from node.common.heap import release_free_memory
 from node.common.lifetime import cancel_until_done
 from node.common.priority import lower_network_priority, lower_own_thread_priority, paced_wait
 from node.common.status_client import write_control_token
@@ -51,7 +52,6 @@ from node.swarm.deadlines import MergeDeadlines
 from node.swarm.dispatch import Dispatcher
 from node.swarm.history import History
 from node.swarm.intake import Intake
-from node.swarm.memory import release_free_memory
 from node.swarm.metrics import NODE_COUNTERS
 from node.swarm.persistence import Persistence
 from node.swarm.record_push import RecordPush

@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from node.common.heap import release_free_memory
 from node.common.priority import paced_wait
 from node.swarm.checkpoint import PendingCheckpoint, export_model, export_pretrained, load_latest
-from node.swarm.memory import momentum_lent, release_free_memory
+from node.swarm.memory import momentum_lent
 from node.swarm.wire import SNAPSHOT_IDS_MAX
 from protocol.synchroniser import SyncState
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from node.common.heap import AUTO_MMAP_PARAMS
 from node.learner.learner import InnerConfig
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig
-from node.swarm.memory import AUTO_MMAP_PARAMS
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.systems import SYSTEMS
