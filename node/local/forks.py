@@ -5,7 +5,8 @@ A node spends about 6 CPU-seconds importing torch (and ``torch._dynamo``, which 
 starts many nodes on a small machine (the test suite starts about a hundred) spends most of its CPU there. A
 ``ForkServer`` is a process, started once, that makes those imports and then forks a node for each request:
 the child sets up what a fresh ``python -m node node ...`` would have (its argv, environment, working folder,
-log on stdout and stderr, its own process group, fresh random seeds, an empty signal table) and runs the
+log on stdout and stderr, its own process group, fresh random seeds, an empty signal table, and
+multiprocessing locks of its own where hivemind made them at import: ``own_process_locks``) and runs the
 same ``node.cli.main.main``. Each node is still a process of its own, with its own DHT process, p2p daemon
 and sockets; only the imports are shared, copy-on-write.
 
