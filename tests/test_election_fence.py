@@ -231,7 +231,7 @@ def test_while_the_fence_stands_aside_a_record_out_of_turn_is_held_a_failover_an
                 None,
                 self.replicas,
                 SignedFiles(tmp_path / "records"),
-                wait_s=lambda sr: self.settings.failover_s * max(1, self.fence.places_before(sr)),
+                wait_s=self.fence.turn_wait_s,
                 retry=lambda sr, caller: self.take_record(sr, caller, waited=True),
                 refused=lambda e, caller: None,
                 on_held=lambda: self.counters.__setitem__(

@@ -102,9 +102,8 @@ def _serve() -> dict:
                 pid = os.fork()
                 if pid == 0:
                     return dict(req, threads=threads)
-                _exited.pop(
-                    pid, None
-                )  # a pid the kernel gave again: the code of its earlier child is not its
+                # a pid the kernel gave again: the exit code of its earlier child is not this one's
+                _exited.pop(pid, None)
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)  # as the child does: whichever runs first
                 answer = {"pid": pid}

@@ -191,7 +191,7 @@ def held_records(node) -> tuple[HeldRecords, HeldRecords]:
         node.spec,
         node.replicas,
         node.signed_files,
-        wait_s=lambda sr: s.failover_s * max(1, node.fence.places_before(sr)),
+        wait_s=node.fence.turn_wait_s,
         retry=lambda sr, caller: node.take_record(sr, caller, waited=True),
         refused=turn_refused,
         on_held=count("out_of_turn_held"),

@@ -101,14 +101,15 @@ class ElectionFence:
         first = self.view.candidates(sr.record.fragment, leases=False)[:1]
         return bool(first) and first[0] != sr.signer
 
-    def places_before(self, sr: SignedRecord) -> int:
-        """How many candidates this node's view puts before ``sr``'s signer for its fragment's open round (by
-        the rendezvous order, as ``out_of_turn``; all of them where the signer is not one): a record held out of
-        turn waits a ``failover_s`` for each, the time a sender takes to fail over past each of them. With
-        one ``failover_s`` for any place, a forger ranked last got a record in whenever the first
-        candidate's round took longer than that (a loaded 2-core host, a suite run)."""
+    def turn_wait_s(self, sr: SignedRecord) -> float:
+        """How long a record held out of turn (``out_of_turn``) waits: a ``failover_s`` for each candidate this
+        node's view puts before its signer for the fragment's open round (by the rendezvous order; all of them
+        where the signer is not one), the time senders take to fail over past each of them. With one
+        ``failover_s`` for any place, a forger ranked last got a record in whenever the first candidate's
+        round took longer than that (a loaded 2-core host, a suite run)."""
         order = self.view.candidates(sr.record.fragment, leases=False)
-        return order.index(sr.signer) if sr.signer in order else len(order)
+        before = order.index(sr.signer) if sr.signer in order else len(order)
+        return self.settings.failover_s * max(1, before)
 
     def signer_electable(self, p: int, signer: str, known) -> bool:
         """The election fence of a public swarm (``elect`` workers): whether a view on the chain this node

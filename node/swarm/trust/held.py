@@ -3,7 +3,7 @@ decoded record's gradient is a whole fp32 fragment). The node holds two kinds, e
 
 - out of turn (``ElectionFence.out_of_turn``): while nobody is credited yet, a record of its signer's work
   alone from a signer this node's view does not put first is tried again a ``failover_s`` later for each
-  candidate the view puts before it (``ElectionFence.places_before``), the time senders take to re-route
+  candidate the view puts before it (``ElectionFence.turn_wait_s``), the time senders take to re-route
   past those synchronisers had they died; by then the first candidate's record has usually landed, and this
   one is moot;
 - refused by the election fence: tried once more a heartbeat later. Each fragment's chain moves on its own,
