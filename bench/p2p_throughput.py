@@ -120,7 +120,10 @@ async def _transport(nbytes: int, n_servers: int) -> float:
         replies = await asyncio.gather(*(tc.call(s.peer_id.to_base58(), "blob") for s in servers))
         dt = time.perf_counter() - t
         got = sum(len(r.body) for r in replies)
-        assert all(r.ok for r in replies) and got == share * n_servers, got
+        assert all(r.ok for r in replies) and got == share * n_servers, (
+            got,
+            [(r.code, r.message) for r in replies],
+        )
         return got / dt / 1e6
     finally:
         await client.shutdown()
