@@ -4,11 +4,14 @@ refusal, so an op handler holds only its op."""
 from __future__ import annotations
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from node.swarm.dispatch import OPS, Dispatcher
 from node.swarm.transport import Reply
+from node.swarm.view import SwarmView
 from protocol.errors import ProtocolError, RejectCode
 
 
@@ -69,3 +72,37 @@ def test_a_handler_for_an_op_with_no_rule_is_a_bug_caught_at_start():
     node = _Node()
     with pytest.raises(ValueError, match="no rule for ops"):
         Dispatcher(node.known, node.penalise, {"fetch_everything": node.handler("x")})
+
+
+class _SlowView:
+    """What ``SwarmView.look_up`` reads: the view, its settings and clock, and a DHT re-read that ``delay_s``
+    holds up (a loaded host's DHT) before it adds ``joined`` to the view."""
+
+    look_up = SwarmView.look_up
+
+    def __init__(self, delay_s: float, joined: str) -> None:
+        self.settings = SimpleNamespace(heartbeat_s=10.0, rpc_timeout_s=0.4)
+        self.clock = time.monotonic
+        self.members: dict = {}
+        self._unknown_asked: dict = {}
+        self.delay_s, self.joined, self.reads = delay_s, joined, 0
+
+    async def refresh(self) -> None:
+        self.reads += 1
+        await asyncio.sleep(self.delay_s)
+        self.members[self.joined] = object()
+
+
+def test_a_stranger_is_answered_within_its_deadline_while_a_slow_dht_read_goes_on():
+    async def run(view: _SlowView, caller: str) -> tuple[bool, bool, bool]:
+        first = await view.look_up(caller)
+        done = view._unknown_asked[caller][1].done()  # the re-read, still going on or not
+        await asyncio.sleep(view.delay_s)  # it goes on and ends; a request within the heartbeat reads no more
+        return first, done, await view.look_up(caller)
+
+    # a re-read that takes 5x the request's deadline: the stranger is refused from the view as it stands
+    slow = _SlowView(2.0, joined="someone else")
+    assert asyncio.run(run(slow, "stranger")) == (False, False, False) and slow.reads == 1
+    # a joiner whose record the quick re-read finds is admitted on that read
+    quick = _SlowView(0.05, joined="joiner")
+    assert asyncio.run(run(quick, "joiner"))[0] is True and quick.reads == 1

@@ -7,6 +7,7 @@ clock, its addresses, the catch-up's reconcile) are handed over by ``start``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -452,7 +453,11 @@ class SwarmView:
         """Whether ``peer``, not in our view, has just joined: re-read the view (no DHT write), at most once a
         heartbeat per peer, so a peer we do not know cannot make us hammer the DHT. Its requests that come
         while that re-read runs wait for it: a restarted node asks for every fragment at once, and all but
-        the first were refused as ``unknown_peer``, which put the whole catch-up back by a heartbeat."""
+        the first were refused as ``unknown_peer``, which put the whole catch-up back by a heartbeat.
+
+        A request waits for that re-read at most half its deadline (``rpc_timeout_s``), then is answered from the
+        view as it stands: a DHT slowed by the host's load once held a stranger's request past its deadline,
+        and the caller got a broken stream instead of ``unknown_peer``. The re-read itself goes on."""
         now = self.clock()
         asked, read = self._unknown_asked.get(peer, (float("-inf"), None))
         if now - asked >= self.settings.heartbeat_s:
@@ -461,7 +466,8 @@ class SwarmView:
             read = asyncio.ensure_future(self.refresh())
             self._unknown_asked[peer] = (now, read)
         if read is not None and not read.done():
-            await asyncio.shield(read)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(read), self.settings.rpc_timeout_s / 2)
         return peer in self.members
 
     async def admit(self, caller: str, op: str) -> None:
