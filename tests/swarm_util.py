@@ -180,6 +180,20 @@ def assert_eval_held(swarm: Swarm, since: float, nodes=None, factor: float = 1.0
     return held
 
 
+def processes_naming(text: str) -> list[int]:
+    """The pids of the processes whose command line holds ``text`` (a node's state folder names its
+    torchrun and every rank of its unit)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if text.encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     last = None

@@ -226,7 +226,7 @@ def test_a_node_that_lost_what_it_gave_receipts_for_hands_its_round_on_and_nobod
                 swarm.control(i, "forget")
             return found
 
-        i, e = wait_until(renounced, 90, "a round renounced", interval_s=2.0)[0]
+        i, e = wait_until(renounced, 90, "a round renounced", interval_s=0.5)[0]
         p, r = e["fragment"], e["round"]
 
         def merged_by_another(j: int) -> bool:

@@ -125,18 +125,18 @@ def _final_loss(task, scale: float, **defence) -> float:
     pcfg = ProtocolConfig(fragments=4, sync_every=8, overlap=2, **defence)
     plans = (LearnerPlan(), LearnerPlan(), LearnerPlan(), LearnerPlan(scale=scale))
     run = RunConfig(
-        learners=4, token_budget=4 * 80 * task.tokens_per_batch, eval_points=2, seed=3, plans=plans
+        learners=4, token_budget=4 * 48 * task.tokens_per_batch, eval_points=2, seed=3, plans=plans
     )
     return run_system(task, run, pcfg, InnerConfig(), EventLog()).evals[-1][2]
 
 
-@pytest.mark.timeout(900)  # three runs of 320 steps: minutes on a loaded machine, bounded by steps, not time
+@pytest.mark.timeout(900)  # three runs of 192 steps: minutes on a loaded machine, bounded by steps, not time
 @pytest.mark.slow
 def test_a_learner_sending_1000x_updates_is_neutralised(tiny_task):
     honest = _final_loss(tiny_task, 1.0)
     attacked = _final_loss(tiny_task, 1000.0)
     undefended = _final_loss(tiny_task, 1000.0, clip_factor=0.0, refuse_factor=0.0, max_rms=0.0)
-    assert attacked <= 1.02 * honest  # within 2% of the honest run (or better: its work is refused)
+    assert attacked <= 1.02 * honest  # within 2% of the honest run (1.0045x here; its work is refused)
     assert undefended > 2 * honest  # and without the defence the same attack ruins the model
 
 

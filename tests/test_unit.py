@@ -119,27 +119,6 @@ def test_two_process_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     assert done["unit"]["mismatches"] == 0 and done["unit"]["checks"] > unit["checks"]
 
 
-def _running_with(text: str) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if text.encode() in fh.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
-@pytest.mark.slow
-def test_kill9_of_a_unit_node_leaves_no_rank_behind(swarm):
-    swarm.start_many(1, extra={0: ["--nproc", "2"]})
-    state = str(swarm.children[0].state_dir)
-    wait_until(lambda: len(_running_with(state)) >= 3, 60, "torchrun and both ranks running")
-    swarm.kill9(0)
-    wait_until(lambda: not _running_with(state), 30, "every rank of the killed node to be gone")
-
-
 def _state(pid: int) -> str:
     """The process's state letter ('' once it is gone); a killed orphan may stay a zombie ('Z')."""
     try:

@@ -3,7 +3,8 @@
 The first test runs the sharded exchange in two spawned processes: STATE, steps whose due fragments are
 gathered into contributions, an adoption, a rank whose slice goes wrong (found and repaired), and a
 checkpoint that a second, fresh pair of processes restores. The swarm test runs a 2-node swarm whose node 0
-is ``--nproc 2 --shard``. The last tests check the clear errors for what cannot be sharded.
+is ``--nproc 2 --shard`` and node 1 ``--nproc 2``, and kills node 1 with -9. The last tests check the clear
+errors for what cannot be sharded.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.swarm_util import Swarm, assert_unit_trained_and_converged, exit_now, wait_until
+from tests.swarm_util import (
+    Swarm,
+    assert_unit_trained_and_converged,
+    exit_now,
+    processes_naming,
+    wait_until,
+)
 
 
 def _setup(rank: int, init_file: str, seed: int):
@@ -238,8 +245,11 @@ def swarm(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
-    swarm.start_many(2, extra={0: ["--nproc", "2", "--shard"]})
+def test_a_sharded_unit_and_a_ddp_unit_train_in_a_swarm_converge_and_a_kill_leaves_no_rank(swarm):
+    """Node 0 is a sharded unit (``--nproc 2 --shard``), node 1 a DDP unit (``--nproc 2``): both merge, the
+    swarm converges, a kill -9 of node 1 leaves none of its processes behind (torchrun and both ranks), and
+    node 0 then stops cleanly with its final checkpoint and export."""
+    swarm.start_many(2, extra={0: ["--nproc", "2", "--shard"], 1: ["--nproc", "2"]})
     unit_peer, other = swarm.children[0].peer_id, swarm.children[1].peer_id
 
     def both_merged():
@@ -254,11 +264,18 @@ def test_sharded_unit_trains_in_a_swarm_and_the_swarm_converges(swarm):
     st = swarm.status()
     unit = st[0]["learner"]["unit"]
     assert unit["world"] == 2 and unit["mode"] == "fsdp" and unit["mismatches"] == 0
-    assert st[0]["learner"]["tokens_per_step"] == 2 * st[1]["learner"]["tokens_per_step"]
+    assert st[1]["learner"]["unit"]["world"] == 2 and st[1]["learner"]["unit"]["mode"] != "fsdp"
+    # a unit's step counts both ranks' tokens: 2 x batch 8 x 32 tokens (tests.swarm_util.TINY)
+    assert st[0]["learner"]["tokens_per_step"] == st[1]["learner"]["tokens_per_step"] == 2 * 8 * 32
     assert_unit_trained_and_converged(swarm, st[0]["learner"]["tokens_per_step"])
+    # kill -9 of a unit node's process group: no rank outlives it
+    state = str(swarm.children[1].state_dir)
+    assert len(processes_naming(state)) >= 3, "torchrun and both ranks of node 1 running"
+    swarm.kill9(1)
+    wait_until(lambda: not processes_naming(state), 30, "every process of the killed unit node to be gone")
+    del swarm.children[1]
     swarm.stop()
-    for c in swarm.children.values():
-        assert c.proc.returncode == 0, (c.index, c.proc.returncode, c.tail(80))
+    assert swarm.children[0].proc.returncode == 0, swarm.children[0].tail(80)
     done = json.loads((swarm.children[0].state_dir / "final.json").read_text())
     assert done["unit"]["mode"] == "fsdp" and done["unit"]["mismatches"] == 0
     assert done["stop_reason"] and "failed" not in done["stop_reason"]  # final checkpoint and export made
