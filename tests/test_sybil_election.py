@@ -72,8 +72,8 @@ def test_members_whose_work_is_never_merged_are_not_elected_in_a_public_swarm(tm
                 )
 
             wait_until(in_view, 120, "every view to hold the member and its Sybils")
-            # past the watch (3 of a fragment's periods; 8 waited here) since the nodes' first merges: every view
-            # now tells a worker from an identity whose work was never merged
+            # past the watch (``node.swarm.view.WORKING_ROUNDS``: 8 of a fragment's periods) since the nodes'
+            # first merges: every view now tells a worker from an identity whose work was never merged
             every_fragment_merges(swarm, 8, "while the views fill")
             t0, sent = time.time(), bad.calls.get("contribute", 0)
             seen: set = set()
