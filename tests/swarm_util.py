@@ -21,7 +21,7 @@ from node.local.launcher import Child, kill_group, poll, start_node, stop_all, w
 TINY = [
     "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "8",
     "--eval-batches", "4", "--fragments", "4", "--sync-every", "8", "--eval-every-s", "4",
-    "--heartbeat-s", "0.5", "--ttl-s", "3", "--failover-s", "6", "--rpc-timeout-s", "5",
+    "--heartbeat-s", "1.0", "--ttl-s", "3", "--failover-s", "6", "--rpc-timeout-s", "5",
     "--threads", "1", "--step-delay-s", "0.15", "--checkpoint-every-s", "3", "--test-hooks",
 ]  # fmt: skip
 
