@@ -20,7 +20,7 @@ from node.local.launcher import Child, kill_group, poll, start_node, stop_all, w
 # suite took 20 minutes, not 35, with the two pytest workers no longer starving each other's nodes.
 TINY = [
     "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "8",
-    "--eval-batches", "4", "--fragments", "4", "--sync-every", "8", "--eval-every-s", "4",
+    "--eval-batches", "4", "--fragments", "4", "--sync-every", "8", "--eval-every-s", "8",
     "--heartbeat-s", "1.0", "--ttl-s", "3", "--failover-s", "6", "--rpc-timeout-s", "5",
     "--threads", "1", "--step-delay-s", "0.15", "--checkpoint-every-s", "3", "--test-hooks",
 ]  # fmt: skip
