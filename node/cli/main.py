@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "doctor": ("doctor", None),
     "keygen": ("keygen", None),
     "sim": ("sim", None),
+    "plan": ("plan", None),
     "chaos": ("chaos", None),
 }
 
