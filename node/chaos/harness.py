@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from node.chaos.config import ChaosConfig
 from node.chaos.plan import Fault, draw_plan
-from node.chaos.report import Outage, run_report
+from node.chaos.report import WINDOW_FILE, Outage, run_report
 from node.common.events import read_events
 from node.common.status_client import StatusError, fetch_status, read_control_token, send_control
 from node.local.launcher import Child, kill_group, start_node, wait_ready
@@ -309,7 +309,21 @@ class ChaosRun:
             self.log("interrupted: continuing paused nodes and stopping every node")
         finally:
             self.teardown()
-        return self.report()
+        rep = self.report()
+        self.write_window()
+        return rep
+
+    def write_window(self) -> None:
+        """``RUN_DIR/chaos.json``: what only the harness knows of the run (its measured window, the nodes' peer
+        ids and every kill and pause), for ``ddiloco replay`` to score the nodes' tapes as this report did."""
+        doc = {
+            "t0": self.t0,
+            "t1": self.t1,
+            "peer_ids": {str(i): p for i, p in sorted(self.peer_ids.items())},
+            "outages": [vars(o) for o in self.outages],
+            "interrupted": self.interrupted,
+        }
+        (self.cfg.run_dir / WINDOW_FILE).write_text(json.dumps(doc, indent=1) + "\n")
 
     def finish(self) -> None:
         """Heal, continue paused nodes, let restarts come up; pause learners; wait for one model hash."""

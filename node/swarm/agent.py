@@ -472,7 +472,23 @@ class Node(Replication):
             rounds=[r.round for r in self.replicas],
             startup=self.startup,
             credited=len(self.work.credited_tags),  # learners credited by its checkpoint or snapshot (elect)
+            swarm=self.settings.swarm,
+            settings=self.tape_settings(),
         )
+
+    def tape_settings(self) -> dict:
+        """What ``ddiloco replay`` needs to re-decide this node's rounds: the schedule and quorum rules, the
+        codecs, and how long a silent member stays live."""
+        p, s = self.pcfg, self.settings
+        keep = ("sync_every", "overlap", "quorum", "grace", "grace_gamma", "ema_beta", "carry", "codec",
+                "codec_block", "record_codec", "history")  # fmt: skip
+        return {
+            **{k: getattr(p, k) for k in keep},
+            "fragments": len(self.shares),
+            "system": s.system,
+            "ttl_s": s.ttl_s,
+            "heartbeat_s": s.heartbeat_s,
+        }
 
     async def _until_stopped(self, work) -> bool:
         """Run ``work`` unless a stop is asked for first: then it is cancelled and False returned. A stop asked
