@@ -315,12 +315,14 @@ class ChaosRun:
 
     def write_window(self) -> None:
         """``RUN_DIR/chaos.json``: what only the harness knows of the run (its measured window, the nodes' peer
-        ids and every kill and pause), for ``ddiloco replay`` to score the nodes' tapes as this report did."""
+        ids, every kill and pause, and the plan), for ``ddiloco replay`` to score the nodes' tapes as this
+        report did, and for ``--plan`` to run the same faults again."""
         doc = {
             "t0": self.t0,
             "t1": self.t1,
             "peer_ids": {str(i): p for i, p in sorted(self.peer_ids.items())},
             "outages": [vars(o) for o in self.outages],
+            "plan": [vars(f) for f in self.plan or []],
             "interrupted": self.interrupted,
         }
         (self.cfg.run_dir / WINDOW_FILE).write_text(json.dumps(doc, indent=1) + "\n")

@@ -116,11 +116,14 @@ def plan_to_json(plan: list[Fault]) -> str:
 
 
 def plan_from_json(text: str) -> list[Fault]:
-    """A plan written by hand or by ``plan_to_json``; ConfigError names what is wrong."""
+    """A plan written by hand or by ``plan_to_json``, or the ``chaos.json`` a chaos run left in its folder
+    (its ``plan``: the same faults again); ConfigError names what is wrong."""
     try:
         raw = json.loads(text)
     except ValueError as e:
         raise ConfigError(f"failure plan is not JSON: {e}") from e
+    if isinstance(raw, dict) and isinstance(raw.get("plan"), list):
+        raw = raw["plan"]
     if not isinstance(raw, list):
         raise ConfigError("failure plan must be a JSON list of faults {at_s, kind, node, fragment, hold_s}")
     out = []

@@ -205,9 +205,7 @@ def _window(folder: Path, tapes: list[NodeTape], notes: list[str]) -> tuple[floa
 def learner_tapes(run: Run) -> list[LearnerTape]:
     out = []
     for n in run.nodes:
-        steps = tuple(
-            (r["step"], r["t0"], r["t1"]) for r in n.records if r.get("kind") == "step"
-        )
+        steps = tuple((r["step"], r["t0"], r["t1"]) for r in n.records if r.get("kind") == "step")
         kills = tuple(o.t0 for o in run.outages if o.node == n.index and o.kind == "kill")
         outs = []
         joins = sorted(r["t"] for r in n.records if r.get("kind") == "join")
@@ -317,7 +315,9 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
     sent = [r for recs in events.values() for r in recs
             if r.get("kind") == "contribute" and run.t0 <= r["t"] <= run.t1]  # fmt: skip
     m = len(peer_ids)
-    ratio = bytes_per_value(pcfg.record_codec, pcfg.codec_block) / bytes_per_value(pcfg.codec, pcfg.codec_block)
+    ratio = bytes_per_value(pcfg.record_codec, pcfg.codec_block) / bytes_per_value(
+        pcfg.codec, pcfg.codec_block
+    )
     payload = sum(contrib_b[r["fragment"]] for r in sent) + sum(
         contrib_b[r["fragment"]] * ratio * (m - 1) for r in inside
     )
@@ -383,10 +383,13 @@ def _value(key: str, val: str):
 
 
 def describe(alt: dict) -> str:
-    return " ".join(
-        f"{k}={'on' if v is True else 'off' if v is False else ('+' if k == 'learners' else '') + str(v)}"
-        for k, v in alt.items()
-    ) or "own settings"
+    return (
+        " ".join(
+            f"{k}={'on' if v is True else 'off' if v is False else ('+' if k == 'learners' else '') + str(v)}"
+            for k, v in alt.items()
+        )
+        or "own settings"
+    )
 
 
 def replay(run: Run, alt: dict | None = None) -> dict:
@@ -407,8 +410,12 @@ def replay(run: Run, alt: dict | None = None) -> dict:
         src = learners[i % base]
         learners.append(LearnerTape(f"extra-{i}", src.steps))
     if pcfg.quorum > len(learners):
-        raise ConfigError(f"what-if {describe(alt)} is invalid: K={pcfg.quorum} exceeds the {len(learners)} learners")
-    bpv = bytes_per_value(pcfg.codec, pcfg.codec_block) / bytes_per_value(run.protocol.codec, run.protocol.codec_block)
+        raise ConfigError(
+            f"what-if {describe(alt)} is invalid: K={pcfg.quorum} exceeds the {len(learners)} learners"
+        )
+    bpv = bytes_per_value(pcfg.codec, pcfg.codec_block) / bytes_per_value(
+        run.protocol.codec, run.protocol.codec_block
+    )
     cfg = ReplayConfig(pcfg, tuple(run.shares), run.t0, run.t1, measured_links(run), run.ttl_s, bpv,
                        start_state(run))  # fmt: skip
     res = Replay(cfg, learners).run()

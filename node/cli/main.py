@@ -7,6 +7,10 @@
   ddiloco data prepare   tokenise a corpus once into the token cache its nodes read
   ddiloco doctor         why a node is not contributing (or will not start): checks with evidence and fixes
   ddiloco keygen         create a node identity and print its peer id
+  ddiloco sim            goodput at scale from the discrete-event simulator (no training)
+  ddiloco plan           the schedule and link a run across sites needs, before it starts
+  ddiloco replay         a finished run's tapes re-decided in virtual time, with its settings and what-ifs
+  ddiloco chaos          a local swarm under a seeded failure plan, scored from the nodes' tapes
 
 Run ``ddiloco SUBCOMMAND --help`` for the flags. ``main(argv)`` returns an exit code so tests can call it.
 ``train-local`` and ``node`` import torch (2-3 s); they are imported only when they run or are asked for
@@ -37,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "keygen": ("keygen", None),
     "sim": ("sim", None),
     "plan": ("plan", None),
+    "replay": ("replay", None),
     "chaos": ("chaos", None),
 }
 
