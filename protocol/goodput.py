@@ -70,9 +70,12 @@ class Goodput:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in d.items()}
 
 
-def compute_goodput(records: Iterable[dict]) -> Goodput:
+def compute_goodput(records: Iterable[dict], detail: dict | None = None) -> Goodput:
+    """``detail``, if given, is filled with each step's verdict: (learner, step) -> (t0, t1, the share of
+    its time counted useful, the share dropped); the rest of it is pending."""
     run = None
     steps: dict[str, list[tuple[int, float]]] = defaultdict(list)  # learner -> [(step, duration)]
+    spans: dict[tuple[str, int], tuple[float, float]] = {}
     contribs: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(
         list
     )  # (learner, p) -> [(step, cid)]
@@ -88,6 +91,8 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             run = r
         elif kind == "step":
             steps[r["learner"]].append((r["step"], r["t1"] - r["t0"]))
+            if detail is not None:
+                spans[(r["learner"], r["step"])] = (r["t0"], r["t1"])
         elif kind == "contribute":
             contribs[(r["learner"], r["fragment"])].append((r["step"], r["cid"]))
         elif kind == "merge":
@@ -120,6 +125,7 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
             ow = sorted(overwrites.get((learner, p), []), key=lambda x: x[0])
             ow_steps = [s for s, _, _ in ow]
             for step, dur in lst:
+                before_useful, before_lost = useful, sum(lost.values())
                 i = bisect.bisect_left(keys, step)  # first contribution at or after the step
                 k = bisect.bisect_left(ow_steps, step)  # first overwrite at or after it
                 j = (
@@ -142,6 +148,12 @@ def compute_goodput(records: Iterable[dict]) -> Goodput:
                         lost["killed" if ow[k][2] else "unsent"] += dur * share
                 else:
                     pending += dur * share
+                if detail is not None and dur > 0:
+                    t0, t1 = spans.get((learner, step), (0.0, 0.0))
+                    _, _, u, d = detail.get((learner, step), (t0, t1, 0.0, 0.0))
+                    u += (useful - before_useful) / dur
+                    d += (sum(lost.values()) - before_lost) / dur
+                    detail[(learner, step)] = (t0, t1, u, d)
         n_steps += len(lst)
     allocated = (run["t1"] - run["t0"]) * len(run["learners"]) - pending
     return Goodput(

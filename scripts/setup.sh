@@ -44,9 +44,9 @@ fi
 STAMP=.venv/.ddiloco-installed
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "setup: installing ddiloco (editable) with test tools and the [hf] and [remote] extras" >&2
+  echo "setup: installing ddiloco (editable) with test tools and the [hf], [remote] and [plot] extras" >&2
   # torch is already in .venv at this point, and transformers does not require it, so pip keeps that build.
-  install -e ".[dev,hf,remote]"
-  "$VPY" -c "import torch, transformers, tokenizers, pyarrow, libp2p" # fail here, not in the tests, if one is missing
+  install -e ".[dev,hf,remote,plot]"
+  "$VPY" -c "import torch, transformers, tokenizers, pyarrow, libp2p, matplotlib" # fail here, not in the tests, if one is missing
   echo "$WANT" > "$STAMP"
 fi

@@ -142,6 +142,11 @@ def test_the_command_prints_the_real_run_beside_its_replays(tmp_path, capsys):
     assert main(["replay", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "goodput" in out and "rounds merged" in out and "merged with every live learner in" in out
+    png = tmp_path / "timeline.png"
+    assert main(["replay", str(folder), "--what-if", "grace=off", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["replay", str(folder), "--plot", str(tmp_path / "timeline.jpg")]) == 2
+    assert "give a .png file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from node.chaos.replay import read_run, real_figures, replay
 from node.local.launcher import wait_ready
 from tests.swarm_util import TINY, Swarm, wait_until
 
@@ -251,6 +252,14 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
             held["theta/0/tok_emb.weight[0:128]"].shape == (128, 32)
             and "theta/1/tok_emb.weight[128:256]" in held
         )
+    # the run's tapes replay (ddiloco replay): its own settings re-decided on its step times come near it
+    run = read_run(tmp_path / "up")
+    assert run.protocol.sync_every == 8 and not run.notes  # the settings came from the tapes
+    real, own = real_figures(run), replay(run)
+    assert real["rounds_merged"] > 0 and real["contributions"] > 0
+    assert abs(own["goodput"] - real["goodput"]) < 0.08, (real, own)
+    assert abs(own["learners_per_merge"] - real["learners_per_merge"]) < 0.4, (real, own)
+    assert own["rounds_merged"] == pytest.approx(real["rounds_merged"], rel=0.25), (real, own)
 
 
 @pytest.mark.slow

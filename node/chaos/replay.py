@@ -25,7 +25,7 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from node.chaos.report import WINDOW_FILE, Outage, goodput_records
@@ -292,10 +292,22 @@ def contribution_bytes(run: Run) -> list[float]:
 
 
 # ---------------------------------------------------------------- figures
+@dataclass
+class Trace:
+    """What a timeline draws of one run (real or replayed): each step's verdict, the merges, the outages."""
+
+    steps: dict = field(default_factory=dict)  # (learner, step) -> (t0, t1, useful share, dropped share)
+    merges: list[tuple[float, int]] = field(default_factory=list)  # (time, learners merged)
+    down: list[tuple[str, float, float]] = field(default_factory=list)  # (learner, from, to)
+    learners: list[str] = field(default_factory=list)
+
+
 def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], pcfg: ProtocolConfig,
-            contrib_b: list[float], outages: list[Outage]) -> dict:  # fmt: skip
-    """Goodput, rounds merged per fragment, learners per merge and payload bytes sent, for the window."""
-    g = compute_goodput(goodput_records(events, peer_ids, outages, run.t0, run.t1))
+            contrib_b: list[float], outages: list[Outage], trace: Trace | None = None) -> dict:  # fmt: skip
+    """Goodput, rounds merged per fragment, learners per merge and payload bytes sent, for the window;
+    ``trace``, if given, is filled for a timeline."""
+    scored = goodput_records(events, peer_ids, outages, run.t0, run.t1)
+    g = compute_goodput(scored, None if trace is None else trace.steps)
     lost = {
         r["ours"] if r.get("winner") == "theirs" else r["theirs"]
         for recs in events.values()
@@ -323,6 +335,16 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
     )
     steps = sum(1 for recs in events.values() for r in recs
                 if r.get("kind") == "step" and run.t0 <= r["t1"] <= run.t1)  # fmt: skip
+    if trace is not None:
+        trace.learners = [peer_ids[i] for i in sorted(peer_ids)]
+        trace.merges = sorted((r["t"], len(set(r.get("learners") or r["cids"]))) for r in inside)
+        down_at: dict[str, float] = {}
+        for r in scored:
+            if r.get("kind") == "down":
+                down_at[r["learner"]] = r["t"]
+            elif r.get("kind") == "up" and r["learner"] in down_at:
+                trace.down.append((r["learner"], down_at.pop(r["learner"]), r["t"]))
+        trace.down += [(n, t, run.t1) for n, t in down_at.items()]
     return {
         "goodput": round(g.goodput, 4),
         "strict_goodput": round(g.strict, 4),
@@ -336,8 +358,8 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
     }
 
 
-def real_figures(run: Run) -> dict:
-    return figures(run, run.events, run.peer_ids, run.protocol, contribution_bytes(run), run.outages)
+def real_figures(run: Run, trace: Trace | None = None) -> dict:
+    return figures(run, run.events, run.peer_ids, run.protocol, contribution_bytes(run), run.outages, trace)
 
 
 def parse_what_if(text: str) -> list[dict]:
@@ -392,7 +414,7 @@ def describe(alt: dict) -> str:
     )
 
 
-def replay(run: Run, alt: dict | None = None) -> dict:
+def replay(run: Run, alt: dict | None = None, trace: Trace | None = None) -> dict:
     """The figures of the run re-decided with its own settings changed by ``alt`` (a ``parse_what_if``
     alternative), and the synchronisers' decisions counted."""
     alt = alt or {}
@@ -438,6 +460,6 @@ def replay(run: Run, alt: dict | None = None) -> dict:
     first = min(events)
     events[first] = [*events[first], *res.merges]
     contrib_b = [b * bpv for b in contribution_bytes(run)]
-    out = figures(run, events, peer_ids, pcfg, contrib_b, run.outages)
+    out = figures(run, events, peer_ids, pcfg, contrib_b, run.outages, trace)
     out["decisions"] = res.decisions.as_dict()
     return out

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from protocol.goodput import Goodput, compute_goodput
 
 SEGMENT = 10**9  # step numbers of a node's k-th segment become k * SEGMENT + step
-WINDOW_FILE = "chaos.json"  # in a chaos run's folder: its window, peer ids and outages (``ChaosRun.write_window``)
+WINDOW_FILE = (
+    "chaos.json"  # in a chaos run's folder: its window, peer ids and outages (``ChaosRun.write_window``)
+)
 
 
 @dataclass(frozen=True)

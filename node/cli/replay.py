@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from protocol.errors import ConfigError
+
 ROWS = (
     ("goodput", "goodput", "{:.1%}"),
     ("strict_goodput", "strict goodput", "{:.1%}"),
@@ -46,16 +48,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"repeatable. Keys: {keys}",
     )
     sp.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    sp.add_argument(
+        "--plot", metavar="PNG", help="also draw each run's timeline (useful, dropped, down, merges) into PNG"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from node.chaos.replay import describe, parse_what_if, read_run, real_figures, replay
+    from node.chaos.replay import Trace, describe, parse_what_if, read_run, real_figures, replay
 
     alts = [a for text in args.what_if for a in parse_what_if(text)]  # every bad key refused before the work
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"plot={args.plot!r} is invalid: give a .png file")
     run_ = read_run(args.run_dir)
-    real = real_figures(run_)
-    own = replay(run_)
-    rows = [{"what": describe(a), "settings": a, **replay(run_, a)} for a in alts]
+    traces = [Trace() for _ in range(2 + len(alts))] if args.plot else [None] * (2 + len(alts))
+    real = real_figures(run_, traces[0])
+    own = replay(run_, None, traces[1])
+    rows = [{"what": describe(a), "settings": a, **replay(run_, a, tr)} for a, tr in zip(alts, traces[2:])]
     doc = {
         "run_dir": str(run_.folder),
         "window_s": round(run_.t1 - run_.t0, 1),
@@ -70,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         "replay": own,
         "what_if": rows,
     }
+    if args.plot:
+        from node.chaos.timeline import draw
+
+        figs = [("real", real), ("replay", own), *((r["what"], r) for r in rows)]
+        draw(args.plot, run_.t0, run_.t1, [(name, f, tr) for (name, f), tr in zip(figs, traces)])
+        doc["plot"] = args.plot
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     sys.stdout.flush()
     return 0
@@ -85,17 +99,21 @@ def render(doc: dict) -> str:
         "",
     ]
     cols = [("real", doc["real"]), ("replay", doc["replay"]), *((r["what"], r) for r in doc["what_if"])]
-    width = max(12, *(len(name) + 2 for name, _ in cols))
-    lines.append(f"{'':<20}" + "".join(f"{name:>{width}}" for name, _ in cols))
-    for key, label, fmt in ROWS:
-        cells = []
+    table = [[name for name, _ in cols]]
+    for key, _, fmt in ROWS:
+        row = []
         for i, (_, fig) in enumerate(cols):
             cell = fmt.format(fig[key])
-            if i >= 2 and isinstance(fig[key], (int, float)):  # a what-if: its difference from the replay
+            if i >= 2:  # a what-if: its difference from the replay of the run's own settings
                 d = fig[key] - doc["replay"][key]
-                cell += f" ({d:+.1%})" if fmt.endswith("%}") else f" ({d:+.3g})"
-            cells.append(f"{cell:>{width}}")
-        lines.append(f"{label:<20}" + "".join(cells))
+                cell += f" ({d * 100:+.1f} pt)" if fmt.endswith("%}") else f" ({d:+.3g})"
+            row.append(cell)
+        table.append(row)
+    widths = [max(len(r[i]) for r in table) + 3 for i in range(len(cols))]
+    labels = ["", *(label for _, label, _ in ROWS)]
+    for label, row in zip(labels, table):
+        lines.append(f"{label:<18}" + "".join(f"{c:>{w}}" for c, w in zip(row, widths)))
+    lines.append("(a what-if's difference is against the replay: both re-decided by the same rules)")
     lines += ["", "what the synchronisers decided (replays):"]
     for name, fig in cols[1:]:
         d = fig["decisions"]
