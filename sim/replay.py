@@ -178,7 +178,8 @@ class Replay:
                     self._push(a + self.cfg.ttl_s, _MEMBERS, (lt.name, False))
                     if math.isfinite(b):
                         self._push(b, _MEMBERS, (lt.name, True))
-        self._push(self.cfg.t0, _START, None)
+        if not self.started:
+            self._push(self.cfg.t0, _START, None)
         handlers = (self._start, self._step, self._arrive, self._wake, self._merged, self._record,
                     self._membership)  # fmt: skip
         while self.heap:

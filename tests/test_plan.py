@@ -80,7 +80,7 @@ def test_a_hugging_face_config_is_counted():
             hf_params(str(path))
 
 
-def test_the_command_prints_a_plan_and_json(capsys):
+def test_the_command_prints_a_plan_and_json(capsys, tmp_path):
     assert main(["plan", "--params", "12e9", "--learners", "4", "--link-gbps", "2.5", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {
@@ -98,6 +98,10 @@ def test_the_command_prints_a_plan_and_json(capsys):
     assert main(["plan", "--params", "1e8", "--learners", "2", "--link-gbps", "10"]) == 0
     out = capsys.readouterr().out
     assert "schedule" in out and "sync-diloco" in out and "what binds" in out
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--params", "1e8", "--learners", "2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["plan", "--params", "1e8", "--learners", "2", "--plot", str(tmp_path / "plan.svg")]) == 2
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--fragments", type=int, help="P: fix it rather than choose it")
     sp.add_argument("--quorum", "-K", type=int, help="K: fix it rather than choose it")
     sp.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    sp.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw each system's step on the link and goodput by quorum into PNG",
+    )
 
 
 def hf_params(path: str) -> float:
@@ -133,7 +138,15 @@ def run(args: argparse.Namespace) -> int:
         fragments=args.fragments,
         quorum=args.quorum,
     )
+    if args.plot:
+        from node.common.plots import png_path
+
+        png_path(args.plot)
     p = plan(site)
+    if args.plot:
+        from node.common.plots import draw_plan
+
+        draw_plan(args.plot, p)
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
     else:

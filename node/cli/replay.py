@@ -13,8 +13,6 @@ import argparse
 import json
 import sys
 
-from protocol.errors import ConfigError
-
 ROWS = (
     ("goodput", "goodput", "{:.1%}"),
     ("strict_goodput", "strict goodput", "{:.1%}"),
@@ -57,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
     from node.chaos.replay import Trace, describe, parse_what_if, read_run, real_figures, replay
 
     alts = [a for text in args.what_if for a in parse_what_if(text)]  # every bad key refused before the work
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ConfigError(f"plot={args.plot!r} is invalid: give a .png file")
+    if args.plot:
+        from node.common.plots import png_path
+
+        png_path(args.plot)  # a bad name refused before the work
     run_ = read_run(args.run_dir)
     traces = [Trace() for _ in range(2 + len(alts))] if args.plot else [None] * (2 + len(alts))
     real = real_figures(run_, traces[0])
@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
         "what_if": rows,
     }
     if args.plot:
-        from node.chaos.timeline import draw
+        from node.common.plots import draw_timeline
 
         figs = [("real", real), ("replay", own), *((r["what"], r) for r in rows)]
-        draw(args.plot, run_.t0, run_.t1, [(name, f, tr) for (name, f), tr in zip(figs, traces)])
+        draw_timeline(args.plot, run_.t0, run_.t1, [(name, f, tr) for (name, f), tr in zip(figs, traces)])
         doc["plot"] = args.plot
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     sys.stdout.flush()

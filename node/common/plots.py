@@ -1,8 +1,14 @@
-"""Timelines of a run and its replays as one PNG (``ddiloco replay --plot``): one panel a run, one band a
+"""The commands' plots, as PNG files; they need matplotlib (the ``plot`` extra; ``scripts/setup.sh`` installs it).
+
+``draw_timeline`` (``ddiloco replay --plot``): a run and its replays, one panel a run, one band a
 learner, each step coloured by what ``protocol.goodput`` made of it (useful: 90% of it or more; dropped:
 half or more; partly dropped; or still pending when the window closed), its node's outages in grey, and the merges as ticks above the bands (taller: more
 learners in the merge). Panels share the time axis, so where an alternative differs from the run is where
-their colours and ticks part. Needs matplotlib (the ``plot`` extra; ``scripts/setup.sh`` installs it)."""
+their colours and ticks part.
+
+``draw_plan`` (``ddiloco plan --plot``): what one inner step costs each system on the planned link (compute,
+and the time a learner blocks on the link), and the simulated goodput of each quorum tried, the chosen one
+marked."""
 
 from __future__ import annotations
 
@@ -26,12 +32,24 @@ def _pyplot():
     return plt
 
 
-def draw(path: str | Path, t0: float, t1: float, panels: list[tuple[str, dict, object]]) -> Path:
-    """``panels``: (title, figures, ``node.chaos.replay.Trace``) in the order drawn, top to bottom."""
-    plt = _pyplot()
+def png_path(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ConfigError(f"plot={str(path)!r} is invalid: give a .png file")
+    return path
+
+
+def _save(fig, plt, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def draw_timeline(path: str | Path, t0: float, t1: float, panels: list[tuple[str, dict, object]]) -> Path:
+    """``panels``: (title, figures, ``node.chaos.replay.Trace``) in the order drawn, top to bottom."""
+    path = png_path(path)
+    plt = _pyplot()
     rows = max(len(tr.learners) for _, _, tr in panels)
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(12, 1.0 + (0.3 * rows + 0.6) * len(panels)), sharex=True, squeeze=False
@@ -85,7 +103,43 @@ def draw(path: str | Path, t0: float, t1: float, panels: list[tuple[str, dict, o
     fig.legend(handles, ["useful", "partly dropped", "dropped", "pending at the end", "node out"],
                loc="upper right", ncol=5, fontsize=8)  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, path)
+
+
+def draw_plan(path: str | Path, plan) -> Path:
+    """``plan``: a ``sim.plan.Plan``."""
+    path = png_path(path)
+    plt = _pyplot()
+    s = plan.site
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    systems = [("decoupled (ours)", 0.0, plan.traffic.sent_per_step_B)]
+    systems += [(b.system, b.blocked_per_step_s, b.sent_per_step_B) for b in plan.baselines]
+    ys = range(len(systems))
+    left.barh(ys, [s.step_s] * len(systems), color=USEFUL, label="compute")
+    left.barh(ys, [w for _, w, _ in systems], left=[s.step_s] * len(systems), color=DROPPED,
+              label="blocked on the link")  # fmt: skip
+    for y, (_, w, sent) in zip(ys, systems):
+        size = f"{sent / 1e9:.3g} GB" if sent >= 1e9 else f"{sent / 1e6:.3g} MB"
+        left.text(s.step_s + w, y, f"  {size} sent a step", va="center", fontsize=8)
+    left.set_yticks(list(ys), [n for n, _, _ in systems], fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("seconds of one inner step")
+    left.set_xlim(0, max(s.step_s + w for _, w, _ in systems) * 1.6)
+    left.legend(fontsize=8, loc="lower right")
+    left.set_title(
+        f"{s.params / 1e9:.3g}B parameters, M = {s.learners}, {s.link_bps / 1e9:g} Gbit/s, "
+        f"RTT {s.rtt_s * 1e3:g} ms",
+        fontsize=9,
+        loc="left",
+    )
+    ks = sorted(plan.goodput_by_quorum)
+    right.bar([str(k) for k in ks], [plan.goodput_by_quorum[k] for k in ks],
+              color=[USEFUL if k == plan.quorum else PENDING for k in ks])  # fmt: skip
+    right.set_ylim(min(plan.goodput_by_quorum.values()) * 0.98, 1.0)
+    right.set_xlabel("quorum K (the chosen one in green)")
+    right.set_ylabel("simulated goodput")
+    right.set_title(
+        f"P = {plan.fragments}, H = {plan.sync_every}, tau = {plan.overlap}", fontsize=9, loc="left"
+    )
+    fig.tight_layout()
+    return _save(fig, plt, path)
