@@ -260,6 +260,8 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
     assert abs(own["goodput"] - real["goodput"]) < 0.08, (real, own)
     assert abs(own["learners_per_merge"] - real["learners_per_merge"]) < 0.4, (real, own)
     assert own["rounds_merged"] == pytest.approx(real["rounds_merged"], rel=0.25), (real, own)
+    # and ddiloco plan's byte model, at this run's M, P, H and codecs, is what the nodes' counters recorded
+    assert real["plan_kb_per_step"] == pytest.approx(real["payload_kb_per_step"], rel=0.15), real
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from protocol.codecs import CODECS
 from protocol.config import ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.goodput import compute_goodput
-from sim.plan import bytes_per_value
+from sim.plan import Site, bytes_per_value, traffic
 from sim.replay import LearnerTape, Links, Replay, ReplayConfig
 
 SETTING_KEYS = ("sync_every", "overlap", "quorum", "grace", "grace_gamma", "ema_beta", "carry", "codec",
@@ -359,7 +359,19 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
 
 
 def real_figures(run: Run, trace: Trace | None = None) -> dict:
-    return figures(run, run.events, run.peer_ids, run.protocol, contribution_bytes(run), run.outages, trace)
+    out = figures(run, run.events, run.peer_ids, run.protocol, contribution_bytes(run), run.outages, trace)
+    out["plan_kb_per_step"] = round(planned_bytes_per_step(run) / 1e3, 2)
+    return out
+
+
+def planned_bytes_per_step(run: Run) -> float:
+    """What ``ddiloco plan``'s byte model (``sim.plan.traffic``) says a node of this run sends per inner
+    step: the model's size read back from the contributions' bytes, at the run's M, P, H and codecs."""
+    pc = run.protocol
+    values = sum(contribution_bytes(run)) / bytes_per_value(pc.codec, pc.codec_block)
+    site = Site(params=max(1.0, values), learners=len(run.nodes), codec=pc.codec, record_codec=pc.record_codec,
+                block=pc.codec_block)  # fmt: skip
+    return traffic(site, len(run.shares), pc.sync_every).sent_per_step_B
 
 
 def parse_what_if(text: str) -> list[dict]:

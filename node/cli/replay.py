@@ -114,6 +114,10 @@ def render(doc: dict) -> str:
     for label, row in zip(labels, table):
         lines.append(f"{label:<18}" + "".join(f"{c:>{w}}" for c, w in zip(row, widths)))
     lines.append("(a what-if's difference is against the replay: both re-decided by the same rules)")
+    lines.append(
+        f"ddiloco plan's byte model for this run's M, P, H and codecs: {doc['real']['plan_kb_per_step']:.1f} KB "
+        "a step (payload, as above)"
+    )
     lines += ["", "what the synchronisers decided (replays):"]
     for name, fig in cols[1:]:
         d = fig["decisions"]
