@@ -121,7 +121,7 @@ def read_run(folder: str | Path) -> Run:
     folder = Path(folder)
     notes: list[str] = []
     tapes = []
-    for i, nf in enumerate(_node_folders(folder)):
+    for nf in _node_folders(folder):
         recs = _read_tape(nf / "events.jsonl")
         runs = [r for r in recs if r.get("kind") == "run"]
         joins = [r for r in recs if r.get("kind") == "join"]
@@ -133,7 +133,7 @@ def read_run(folder: str | Path) -> Run:
                 else f"{nf / 'events.jsonl'}: no 'join' record (not a node's tape)"
             )
         settings = joins[-1].get("settings")
-        tapes.append(NodeTape(int(nf.name.split("-")[1]) if nf.name[5:].isdigit() else i, nf, recs,
+        tapes.append(NodeTape(int(nf.name.split("-")[1]), nf, recs,
                               joins[-1]["learner"], runs[-1], settings))  # fmt: skip
     _check_one_run(tapes)
     known = [t for t in tapes if t.settings is not None]
@@ -237,7 +237,6 @@ def measured_links(run: Run) -> Links:
             seen.setdefault(key, []).append(r["t"])
             if r.get("signer") == n.peer:
                 own[key] = r["t"]
-    merges = {r_key: t for r_key, t in own.items()}
     lat, fan = [], []
     cids_of = {
         (r["fragment"], r["round"], r.get("hash")): r["cids"]
@@ -245,7 +244,7 @@ def measured_links(run: Run) -> Links:
         for r in n.records
         if r.get("kind") == "merge"
     }
-    for key, t in merges.items():
+    for key, t in own.items():
         ts = [sent[c] for c in cids_of.get(key, []) if c in sent]
         if ts:
             lat.append(max(0.0, t - max(ts)))
