@@ -83,6 +83,7 @@ def test_a_checkpoint_that_fails_on_a_full_disk_holds_no_tensor_after(tmp_path, 
     old = weakref.ref(node.replicas[0].theta["w"])
     logged = []
     monkeypatch.setattr(persistence.logger, "error", lambda msg, *a: logged.append(msg % a))
+    answering = []
 
     async def main():
         node.settings.checkpoint_every_s, node.settings.checkpoint_cpu_share = 0.01, 0.0
@@ -90,7 +91,8 @@ def test_a_checkpoint_that_fails_on_a_full_disk_holds_no_tensor_after(tmp_path, 
         if alive:
             while not node.learner_loop.requests:
                 await asyncio.sleep(0.01)
-            threading.Thread(target=node.learner_loop.answer).start()
+            answering.append(threading.Thread(target=node.learner_loop.answer))
+            answering[0].start()
         while not logged:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -100,6 +102,8 @@ def test_a_checkpoint_that_fails_on_a_full_disk_holds_no_tensor_after(tmp_path, 
     try:
         monkeypatch.setattr(persistence, "FIRST_CHECKPOINT_S", 0.0)
         asyncio.run(main())
+        for th in answering:  # the learner's side of the exchange has let go of what it handed over
+            th.join(30)
         node.replicas[0].theta = {"w": torch.randn(256, 256)}  # a record moved the replica on
         assert "No space left on device" in logged[0]
         assert old() is None, "a failed checkpoint still holds the replica's tensors (reference cycle)"

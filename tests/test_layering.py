@@ -21,7 +21,7 @@ ALLOWED = {
     "node.learner": {"protocol", "node.common"},
     "node.swarm": {"protocol", "dht", "node.common", "node.learner"},
     "node.local": {"protocol", "node.common", "node.learner"},
-    "node.chaos": {"protocol", "node.common", "node.local"},
+    "node.chaos": {"protocol", "sim", "node.common", "node.local"},
     "node.cli": {
         "protocol",
         "dht",

@@ -252,12 +252,14 @@ def test_up_runs_a_local_swarm_and_reports_equal_hashes(tmp_path):
             held["theta/0/tok_emb.weight[0:128]"].shape == (128, 32)
             and "theta/1/tok_emb.weight[128:256]" in held
         )
-    # the run's tapes replay (ddiloco replay): its own settings re-decided on its step times come near it
+    # the run's tapes replay (ddiloco replay): its own settings re-decided on its step times come near it.
+    # Looser than over minutes (docs/replay.md): the replay starts every learner on the newest rounds at the
+    # window's start, and in a window of 15 s the joiners' first seconds weigh (4 s of 40% dropped, once).
     run = read_run(tmp_path / "up")
     assert run.protocol.sync_every == 8 and not run.notes  # the settings came from the tapes
     real, own = real_figures(run), replay(run)
     assert real["rounds_merged"] > 0 and real["contributions"] > 0
-    assert abs(own["goodput"] - real["goodput"]) < 0.08, (real, own)
+    assert abs(own["goodput"] - real["goodput"]) < 0.12, (real, own)
     assert abs(own["learners_per_merge"] - real["learners_per_merge"]) < 0.4, (real, own)
     assert own["rounds_merged"] == pytest.approx(real["rounds_merged"], rel=0.25), (real, own)
     # and ddiloco plan's byte model, at this run's M, P, H and codecs, is what the nodes' counters recorded

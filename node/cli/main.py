@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "keygen": ("keygen", None),
     "sim": ("sim", None),
     "plan": ("plan", None),
-    "replay": ("replay", None),
+    "replay": ("replay", "replay a finished run's tapes in virtual time, with its own settings and what-ifs"),
     "chaos": ("chaos", None),
 }
 
