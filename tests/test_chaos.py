@@ -174,6 +174,16 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
     text = render(rep)
     assert "goodput" in text and "one model hash across 3 survivors" in text
 
+    # The folder replays (ddiloco replay): chaos.json gives the window and the kills, the real run scores as
+    # this report did, and the node killed for good (no 'run' record) is read as killed, not as cut short.
+    from node.chaos.replay import read_run, real_figures, replay
+
+    folder = read_run(tmp_path / "chaos")
+    assert [o.kind for o in folder.outages] == ["kill", "kill"]
+    assert real_figures(folder)["goodput"] == pytest.approx(rep["goodput"]["goodput"], abs=1e-4)
+    own = replay(folder)
+    assert own["rounds_merged"] > 0 and 0.0 < own["goodput"] <= 1.0
+
 
 # ------------------------------------------------------------------------------------------ namespaces
 def test_netns_lab_links_nodes_partitions_and_leaves_nothing_behind():

@@ -114,6 +114,21 @@ def test_a_killed_learner_replays_to_its_own_figures_and_its_unsent_steps_are_lo
     assert everyone["learners_per_merge"] > own["learners_per_merge"] - 0.2
 
 
+def test_a_node_killed_for_good_is_read_as_killed_and_without_the_harness_as_cut_short(tmp_path):
+    folder = write_run(tmp_path / "run", kill=(2, 20.0, 40.0))
+    f = folder / "node-2" / "events.jsonl"
+    recs = [json.loads(x) for x in f.read_text().splitlines()]
+    # the node never came back: its tape ends at the kill, with no second life and no 'run' record
+    kept = [r for r in recs if r.get("t", r.get("t1", 0.0)) <= T0 + 20.0 and r["kind"] != "run"]
+    f.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    run = read_run(folder)  # chaos.json says it was killed: accepted
+    assert real_figures(run)["goodput"] < 0.87  # one learner of four down from 20 s of 60 to the end
+    assert replay(run)["rounds_merged"] > 0
+    (folder / WINDOW_FILE).unlink()
+    with pytest.raises(TapeError, match=r"node-2/events.jsonl: truncated \(no 'run' record"):
+        read_run(folder)
+
+
 def test_what_ifs_move_the_figures_the_way_their_rule_says(tmp_path):
     run = read_run(write_run(tmp_path, slow=1.6))
     own = replay(run)

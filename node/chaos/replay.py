@@ -59,7 +59,7 @@ class NodeTape:
     folder: Path
     records: list[dict]
     peer: str
-    run: dict
+    run: dict | None  # None: killed for good (the harness's chaos.json says so), it never stopped
     settings: dict | None  # None: the node's tape predates the settings in its join record
 
 
@@ -121,20 +121,18 @@ def read_run(folder: str | Path) -> Run:
     folder = Path(folder)
     notes: list[str] = []
     tapes = []
+    unstopped = []
     for nf in _node_folders(folder):
         recs = _read_tape(nf / "events.jsonl")
         runs = [r for r in recs if r.get("kind") == "run"]
         joins = [r for r in recs if r.get("kind") == "join"]
-        if not runs or not joins:
-            raise TapeError(
-                f"{nf / 'events.jsonl'}: truncated (no 'run' record: the node did not stop cleanly, or the "
-                "tape was cut short)"
-                if joins
-                else f"{nf / 'events.jsonl'}: no 'join' record (not a node's tape)"
-            )
+        if not joins:
+            raise TapeError(f"{nf / 'events.jsonl'}: no 'join' record (not a node's tape)")
+        if not runs:
+            unstopped.append(len(tapes))
         settings = joins[-1].get("settings")
-        tapes.append(NodeTape(int(nf.name.split("-")[1]), nf, recs,
-                              joins[-1]["learner"], runs[-1], settings))  # fmt: skip
+        tapes.append(NodeTape(int(nf.name.split("-")[1]), nf, recs, joins[-1]["learner"],
+                              runs[-1] if runs else None, settings))  # fmt: skip
     _check_one_run(tapes)
     known = [t for t in tapes if t.settings is not None]
     if known:
@@ -157,8 +155,19 @@ def read_run(folder: str | Path) -> Run:
     else:
         pcfg, ttl = ProtocolConfig(), 8.0
         notes.append("the tapes carry no settings (written before they did): the defaults are assumed")
-    shares = list(tapes[0].run["shares"])
     t0, t1, outages = _window(folder, tapes, notes)
+    for i in unstopped:  # no 'run' record: fine for a node the harness killed for good, else cut short
+        t = tapes[i]
+        last = max((r.get("t", r.get("t1", 0.0)) for r in t.records), default=0.0)
+        if not any(o.node == t.index and o.kind == "kill" and o.t0 >= last - 1.0 for o in outages):
+            raise TapeError(
+                f"{t.folder / 'events.jsonl'}: truncated (no 'run' record: the node did not stop cleanly, or "
+                "the tape was cut short)"
+            )
+    stopped = [t for t in tapes if t.run is not None]
+    if not stopped:
+        raise TapeError(f"{folder}: no node stopped cleanly (no tape has a 'run' record)")
+    shares = list(stopped[0].run["shares"])
     return Run(folder, tapes, t0, t1, outages, pcfg, shares, ttl, notes)
 
 
