@@ -12,7 +12,9 @@ more learners), through the same pure rules the node runs:
 - at the end of each step a learner sends the fragments whose slot is up (``protocol.schedule.due_fragments``
   on every fragment's clock, ``swarm_clocks`` before a fragment's first record, its own step count before
   any), counted from its last contribution or overwriting adoption of that fragment;
-- a contribution reaches fragment p's synchroniser ``contrib_s`` after the step that made it
+- a contribution reaches fragment p's synchroniser as long after the step that made it as the same
+  contribution of the run took (its ``accept`` against its ``contribute``), or as its learner's took on the
+  median where the run made no such contribution (another H, say)
   (``protocol.synchroniser``, one ``SyncState`` a fragment, decides when and with whom), a merge's record is
   written on the node's rule (``record_timing``: the round's slot and the swarm's period) and reaches the
   learners ``fanout_s`` later, and each adopts it at its next step end;
@@ -88,6 +90,12 @@ class Links:
     """a merge to its record's arrival at the other nodes"""
     floor_s: float = 0.0
     """the fixed part of both (round trips, signing): the rest is taken as bytes in transit"""
+    merge_s: float = 0.0
+    """a merge's own work: from the synchroniser's decision to its record"""
+    delays: dict = field(default_factory=dict)
+    """(learner, fragment, step) -> seconds from that contribution's step end to its acceptance, as measured"""
+    by_learner: dict = field(default_factory=dict)
+    """learner -> the median of its contributions' delays (for a contribution the run did not make)"""
 
 
 @dataclass(frozen=True)
@@ -142,8 +150,10 @@ class Replay:
         )
         scale = cfg.bytes_scale
         lk = cfg.links
-        self.contrib_s = lk.floor_s + max(0.0, lk.contrib_s - lk.floor_s) * scale
-        self.fanout_s = lk.floor_s + max(0.0, lk.fanout_s - lk.floor_s) * scale
+        self.scale = scale
+        self.contrib_s = self._scaled(lk.contrib_s)
+        self.fanout_s = self._scaled(lk.fanout_s)
+        self.merge_s = lk.merge_s
         names = [lt.name for lt in learners]
         self.syncs = [SyncState(fragment=p, live=frozenset()) for p in range(n_frag)]
         self.clocks: list[RoundClock | None] = [None] * n_frag
@@ -163,6 +173,17 @@ class Replay:
         self.heap: list = []
         self.seq = itertools.count()
         self.started = not cfg.start  # with no start state, the replay decides from the tapes' first step
+
+    def _scaled(self, s: float) -> float:
+        floor = self.cfg.links.floor_s
+        return min(s, floor) + max(0.0, s - floor) * self.scale
+
+    def _delay(self, name: str, p: int, step: int) -> float:
+        lk = self.cfg.links
+        d = lk.delays.get((name, p, step))
+        if d is None:
+            d = lk.by_learner.get(name)
+        return self.contrib_s if d is None else self._scaled(d)
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
@@ -251,7 +272,7 @@ class Replay:
             )  # fmt: skip
             self.out.contributions += 1
             c = Contribution(name, p, self.based[name][p], c_steps, c_steps, step_s, None, cid)
-            self._push(b + self.contrib_s, _ARRIVE, c)
+            self._push(b + self._delay(name, p, step), _ARRIVE, c)
         # then what reached it during the step: adopted at this step's end
         for p in range(n_frag):
             r = self.arrived[name][p]
@@ -317,7 +338,8 @@ class Replay:
     def _merged(self, t: float, p: int) -> None:
         c = self.clocks[p]
         due = None if c is None else (c.first, c.every)
-        self._decide(p, on_merged(self.cfg.protocol, self.syncs[p], t, self.fanout_s, due), t)
+        sync_s = self.merge_s + self.fanout_s
+        self._decide(p, on_merged(self.cfg.protocol, self.syncs[p], t, sync_s, due), t)
 
     def _decide(self, p: int, d: Decision, t: float) -> None:
         before = self.syncs[p]
@@ -347,7 +369,7 @@ class Replay:
         self.out.merges.append(
             {
                 "kind": "merge",
-                "t": t,
+                "t": t + self.merge_s,
                 "fragment": p,
                 "round": a.round,
                 "hash": f"replay:{p}:{a.round}",
@@ -357,5 +379,5 @@ class Replay:
                 "period": period,
             }
         )
-        self._push(t + self.fanout_s, _RECORD, (p, a.round))
-        self._push(t + self.fanout_s, _MERGED, p)
+        self._push(t + self.merge_s + self.fanout_s, _RECORD, (p, a.round))
+        self._push(t + self.merge_s + self.fanout_s, _MERGED, p)

@@ -13,6 +13,7 @@ import pytest
 from node.chaos.replay import (
     TapeError,
     learner_tapes,
+    measured_links,
     parse_what_if,
     read_run,
     real_figures,
@@ -31,9 +32,12 @@ T0 = 1_000.0
 
 
 def write_run(folder: Path, m: int = 4, seconds: float = 60.0, seed: int = 0, kill: tuple | None = None,
-              slow: float = 1.0, quorum: int = 1) -> Path:  # fmt: skip
+              slow: float = 1.0, quorum: int = 1, accepts: bool = True, slow_link_s: float | None = None
+              ) -> Path:  # fmt: skip
     """A run folder of ``m`` nodes whose rounds were decided by the replay's rules: each learner steps about
-    every 0.25 s (the last one ``slow`` times slower); ``kill``: (node, at_s, back_s), a kill -9 and restart."""
+    every 0.25 s (the last one ``slow`` times slower); ``kill``: (node, at_s, back_s), a kill -9 and restart;
+    ``accepts``: the synchronisers recorded when they took each contribution in (tapes before they did not);
+    ``slow_link_s``: the last learner's contributions take this long to arrive."""
     rng = random.Random(seed)
     pcfg = ProtocolConfig(sync_every=H, fragments=P, quorum=quorum)
     names = [f"peer{i}" for i in range(m)]
@@ -58,7 +62,9 @@ def write_run(folder: Path, m: int = 4, seconds: float = 60.0, seed: int = 0, ki
         tapes.append(LearnerTape(name, tuple(steps), outs, kills))
         steps_of[name] = steps
         del life_steps
-    cfg = ReplayConfig(pcfg, tuple(SHARES), T0 + 0.05 * (m - 1), T0 + seconds, LINKS, 8.0, 1.0, (None,) * P)
+    slowest = {} if slow_link_s is None else {names[-1]: slow_link_s}
+    links = Links(LINKS.contrib_s, LINKS.fanout_s, LINKS.floor_s, by_learner=slowest)
+    cfg = ReplayConfig(pcfg, tuple(SHARES), T0 + 0.05 * (m - 1), T0 + seconds, links, 8.0, 1.0, (None,) * P)
     res = Replay(cfg, tapes).run()
     settings = {k: getattr(pcfg, k) for k in ("sync_every", "overlap", "quorum", "grace", "grace_gamma",
                                                 "ema_beta", "carry", "codec", "codec_block", "record_codec",
@@ -74,6 +80,12 @@ def write_run(folder: Path, m: int = 4, seconds: float = 60.0, seed: int = 0, ki
         recs += [{"kind": "step", "learner": name, "step": s, "t0": a, "t1": b} for s, a, b in steps_of[name]]
         for r in res.records[name]:
             recs.append({**r, **({"bytes": 1000 * (r["fragment"] + 1)} if r["kind"] == "contribute" else {})})
+            if (
+                accepts and r["kind"] == "contribute"
+            ):  # on its synchroniser's tape, in truth: any tape will do
+                recs.append({"kind": "accept", "t": r["t"] + slowest.get(name, LINKS.contrib_s),
+                             "fragment": r["fragment"],
+                             "learner": name, "cid": r["cid"], "base": 0})  # fmt: skip
         for r in res.merges:
             signer = r["learners"][0]
             t = r["t"] if signer == name else r["t"] + LINKS.fanout_s
@@ -92,6 +104,9 @@ def write_run(folder: Path, m: int = 4, seconds: float = 60.0, seed: int = 0, ki
 def test_a_run_decided_by_these_rules_replays_to_its_own_figures(tmp_path):
     run = read_run(write_run(tmp_path))
     assert run.protocol.sync_every == H and run.protocol.quorum == 1 and not run.notes
+    links = measured_links(run)  # each contribution's own delay, from its accept
+    assert links.contrib_s == pytest.approx(LINKS.contrib_s) and links.merge_s == pytest.approx(0.0, abs=1e-9)
+    assert len(links.delays) > 100 and links.fanout_s == pytest.approx(LINKS.fanout_s)
     real, own = real_figures(run), replay(run)
     assert real["rounds_merged"] > 4 * P  # it merged
     for key in ("goodput", "rounds_merged", "rounds_per_fragment", "learners_per_merge", "contributions",
@@ -99,8 +114,26 @@ def test_a_run_decided_by_these_rules_replays_to_its_own_figures(tmp_path):
         assert own[key] == pytest.approx(real[key], rel=1e-6), key
 
 
+def test_a_learner_on_a_slow_link_replays_with_its_own_delays(tmp_path):
+    """One learner's contributions take 0.4 s, more than its grace window allows: it misses rounds. Replayed
+    with each contribution's measured delay the run gives its own figures; with one delay for all it would
+    not."""
+    run = read_run(write_run(tmp_path, slow_link_s=0.4))
+    links = measured_links(run)
+    assert links.by_learner["peer3"] == pytest.approx(0.4) and links.by_learner["peer0"] == pytest.approx(
+        0.05
+    )
+    real, own = real_figures(run), replay(run)
+    fast = replay(run, {"learners": 1})  # an added learner steps as peer0 does, on peer0's kind of link
+    for key in ("goodput", "rounds_merged", "learners_per_merge", "contributions"):
+        assert own[key] == pytest.approx(real[key], rel=1e-6), key
+    assert real["learners_per_merge"] < 3.9  # the slow link shows
+    assert fast["learners_per_merge"] > own["learners_per_merge"]
+
+
 def test_a_killed_learner_replays_to_its_own_figures_and_its_unsent_steps_are_lost(tmp_path):
-    run = read_run(write_run(tmp_path, kill=(2, 20.0, 40.0)))
+    run = read_run(write_run(tmp_path, kill=(2, 20.0, 40.0), accepts=False))  # a tape of before 'accept'
+    assert not measured_links(run).delays
     assert [o.kind for o in run.outages] == ["kill"] and "chaos.json" in run.notes[0]
     tapes = {t.name: t for t in learner_tapes(run)}
     assert tapes["peer2"].kills == (T0 + 20.0,)

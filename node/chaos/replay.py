@@ -231,39 +231,60 @@ def learner_tapes(run: Run) -> list[LearnerTape]:
 
 
 def measured_links(run: Run) -> Links:
-    """Latencies from the tapes: a merge's moment on its signer against the last of its contributions'
-    step ends (the round merged on that contribution's arrival when every live learner was in: the lower
-    quartile, so rounds that waited out a grace window do not count), and the other nodes' moments of the
-    same record against the signer's."""
-    sent = {r["cid"]: r["t"] for n in run.nodes for r in n.records if r.get("kind") == "contribute"}
+    """Latencies from the tapes. Each contribution's: from its ``contribute`` (its step's end) to the
+    synchroniser's ``accept``, kept per contribution and as each learner's median. A merge's own work: its
+    record on its signer against the last ``accept`` among its contributions (the lower quartile: a round
+    that waited out a grace window does not count). A record's way out: the other nodes' moments of it
+    against its signer's (the median). Tapes written before nodes recorded ``accept`` give one figure for
+    the first two: the merge against its last contribution's step end."""
+    contributes = {r["cid"]: r for n in run.nodes for r in n.records if r.get("kind") == "contribute"}
+    accepted = {r["cid"]: r["t"] for n in run.nodes for r in n.records if r.get("kind") == "accept"}
     own: dict[tuple, float] = {}
     seen: dict[tuple, list[float]] = {}
+    cids_of: dict[tuple, list[str]] = {}
     for n in run.nodes:
         for r in n.records:
             if r.get("kind") != "merge":
                 continue
             key = (r["fragment"], r["round"], r.get("hash"))
             seen.setdefault(key, []).append(r["t"])
+            cids_of[key] = r["cids"]
             if r.get("signer") == n.peer:
                 own[key] = r["t"]
-    lat, fan = [], []
-    cids_of = {
-        (r["fragment"], r["round"], r.get("hash")): r["cids"]
-        for n in run.nodes
-        for r in n.records
-        if r.get("kind") == "merge"
-    }
+    fan = [x - t for key, t in own.items() for x in seen[key] if x > t]
+    fanout = statistics.median(fan) if fan else 0.0
+    delays: dict[tuple, float] = {}
+    per: dict[str, list[float]] = {}
+    for cid, t in accepted.items():
+        c = contributes.get(cid)
+        if c is not None:
+            d = max(0.0, t - c["t"])
+            delays[(c["learner"], c["fragment"], c["step"])] = d
+            per.setdefault(c["learner"], []).append(d)
+    if delays:
+        work = []
+        for key, t in own.items():
+            took = [accepted[c] for c in cids_of[key] if c in accepted]
+            if took:
+                work.append(max(0.0, t - max(took)))
+        all_d = list(delays.values())
+        return Links(
+            contrib_s=statistics.median(all_d),
+            fanout_s=fanout,
+            floor_s=min(min(all_d), fanout) if fan else min(all_d),
+            merge_s=_quantile(work, 0.25) if work else 0.0,
+            delays=delays,
+            by_learner={k: statistics.median(v) for k, v in per.items()},
+        )
+    lat = []
     for key, t in own.items():
-        ts = [sent[c] for c in cids_of.get(key, []) if c in sent]
+        ts = [contributes[c]["t"] for c in cids_of.get(key, []) if c in contributes]
         if ts:
             lat.append(max(0.0, t - max(ts)))
-        others = [x - t for x in seen[key] if x > t]
-        fan.extend(others)
     if not lat:
         raise TapeError(f"{run.folder}: no merge whose contributions are on the tapes (nothing was merged)")
-    contrib = _quantile(lat, 0.25)
-    fanout = statistics.median(fan) if fan else 0.0
-    return Links(contrib_s=contrib, fanout_s=fanout, floor_s=min(min(lat), fanout) if fan else min(lat))
+    return Links(contrib_s=_quantile(lat, 0.25), fanout_s=fanout,
+                 floor_s=min(min(lat), fanout) if fan else min(lat))  # fmt: skip
 
 
 def start_state(run: Run) -> tuple[tuple[int, float, float] | None, ...]:

@@ -143,6 +143,9 @@ class Intake:
         self.trust.accepted(caller)
         self.leases[p] = self.replicas[p].round + 1
         self.counters["contributions_accepted"] += 1
+        # when the synchroniser took it in: against the learner's 'contribute', what the link and the checks
+        # cost it (``ddiloco replay`` replays each contribution with its own)
+        self.events.emit("accept", t=time.time(), fragment=p, learner=h.learner, cid=h.cid, base=h.base_round)
         self.decide(p, d)
         return Reply(True, body=receipt)
 

@@ -36,7 +36,7 @@ CACHE_S = 0.5  # the status document served is at most this old, unless a rarer 
 # Records of ordinary training, many a second: they leave the cached document in place. Any other record
 # (join, reject, ban, failover, fork, resync, drop, relink, checkpoint, ...) marks it stale, so a reader
 # sees such a change at once while a flood of readers still costs at most one build per CACHE_S.
-FREQUENT = frozenset({"step", "contribute", "adopt", "merge", "eval", "align", "block"})
+FREQUENT = frozenset({"step", "contribute", "accept", "adopt", "merge", "eval", "align", "block"})
 SAMPLE_S = 5.0  # how often the goodput curve of /history gets a point
 DASHBOARD = Path(__file__).with_name("dashboard")
 ASSETS = {"/": ("index.html", "text/html"), "/dashboard.js": ("dashboard.js", "text/javascript")}
