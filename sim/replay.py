@@ -16,8 +16,9 @@ more learners), through the same pure rules the node runs:
   contribution of the run took (its ``accept`` against its ``contribute``), or as its learner's took on the
   median where the run made no such contribution (another H, say)
   (``protocol.synchroniser``, one ``SyncState`` a fragment, decides when and with whom), a merge's record is
-  written on the node's rule (``record_timing``: the round's slot and the swarm's period) and reaches the
-  learners ``fanout_s`` later, and each adopts it at its next step end;
+  written on the node's rule (``record_timing``: the round's slot and the swarm's period) and reaches each
+  learner as long after as one of the run's records reached that learner's node (a draw from its
+  measured delays, seeded: one replay gives one answer), and each adopts it at its next step end;
 - a learner whose node was out longer than a membership record lives (``ttl_s``) leaves the live sets, and
   is waited for on fragment p again from its first contribution of p (as ``sim.decoupled`` does); a killed
   learner's next life starts its schedule and counters afresh.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -95,7 +97,9 @@ class Links:
     delays: dict = field(default_factory=dict)
     """(learner, fragment, step) -> seconds from that contribution's step end to its acceptance, as measured"""
     by_learner: dict = field(default_factory=dict)
-    """learner -> the median of its contributions' delays (for a contribution the run did not make)"""
+    """learner -> its contributions' delays, measured (one is drawn for a contribution the run did not make)"""
+    fanout_by: dict = field(default_factory=dict)
+    """learner -> how long after its signer's each record of others reached its node (one is drawn a record)"""
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ class Replay:
         self.contrib_s = self._scaled(lk.contrib_s)
         self.fanout_s = self._scaled(lk.fanout_s)
         self.merge_s = lk.merge_s
+        self.rng = random.Random(0)  # the draws of measured delays: one replay, one answer
         names = [lt.name for lt in learners]
         self.syncs = [SyncState(fragment=p, live=frozenset()) for p in range(n_frag)]
         self.clocks: list[RoundClock | None] = [None] * n_frag
@@ -181,8 +186,8 @@ class Replay:
     def _delay(self, name: str, p: int, step: int) -> float:
         lk = self.cfg.links
         d = lk.delays.get((name, p, step))
-        if d is None:
-            d = lk.by_learner.get(name)
+        if d is None and lk.by_learner.get(name):
+            d = self.rng.choice(lk.by_learner[name])
         return self.contrib_s if d is None else self._scaled(d)
 
     def _push(self, t: float, kind: int, payload) -> None:
@@ -286,9 +291,8 @@ class Replay:
                     last[p] = step
 
     def _record(self, t: float, payload) -> None:
-        p, round_ = payload
-        for got in self.arrived.values():  # a stopped node reads it when it wakes, a restarted one on joining
-            got[p] = max(got[p], round_)
+        p, round_, name = payload  # a stopped node reads it when it wakes, a restarted one on joining
+        self.arrived[name][p] = max(self.arrived[name][p], round_)
 
     def _membership(self, t: float, payload) -> None:
         name, up = payload
@@ -379,5 +383,8 @@ class Replay:
                 "period": period,
             }
         )
-        self._push(t + self.merge_s + self.fanout_s, _RECORD, (p, a.round))
-        self._push(t + self.merge_s + self.fanout_s, _MERGED, p)
+        fan = self.cfg.links.fanout_by
+        for name in self.arrived:
+            way = self._scaled(self.rng.choice(fan[name])) if fan.get(name) else self.fanout_s
+            self._push(t + self.merge_s + way, _RECORD, (p, a.round, name))
+        self._push(t + self.merge_s, _MERGED, p)  # as the node: its round is over once its record is made

@@ -232,10 +232,10 @@ def learner_tapes(run: Run) -> list[LearnerTape]:
 
 def measured_links(run: Run) -> Links:
     """Latencies from the tapes. Each contribution's: from its ``contribute`` (its step's end) to the
-    synchroniser's ``accept``, kept per contribution and as each learner's median. A merge's own work: its
+    synchroniser's ``accept``, kept per contribution and per learner. A merge's own work: its
     record on its signer against the last ``accept`` among its contributions (the lower quartile: a round
     that waited out a grace window does not count). A record's way out: the other nodes' moments of it
-    against its signer's (the median). Tapes written before nodes recorded ``accept`` give one figure for
+    against its signer's, per node (and their median). Tapes written before nodes recorded ``accept`` give one figure for
     the first two: the merge against its last contribution's step end."""
     contributes = {r["cid"]: r for n in run.nodes for r in n.records if r.get("kind") == "contribute"}
     accepted = {r["cid"]: r["t"] for n in run.nodes for r in n.records if r.get("kind") == "accept"}
@@ -251,8 +251,28 @@ def measured_links(run: Run) -> Links:
             cids_of[key] = r["cids"]
             if r.get("signer") == n.peer:
                 own[key] = r["t"]
-    fan = [x - t for key, t in own.items() for x in seen[key] if x > t]
+    fan, fanout_by = [], {}
+    slack = 2 * run.ttl_s
+    for n in run.nodes:
+        joins = sorted(r["t"] for r in n.records if r.get("kind") == "join")
+        away = [(j, j + slack) for j in joins]
+        for o in run.outages:
+            if o.node == n.index:
+                end = o.t1 if o.kind == "pause" else next((j for j in joins if j > o.t0), None)
+                away.append((o.t0, (math.inf if end is None else end) + slack))
+        for r in n.records:
+            if r.get("kind") == "merge" and r.get("signer") != n.peer:
+                t = own.get((r["fragment"], r["round"], r.get("hash")))
+                # a record a node took in while out or catching up after (a kill's restart, a pause, its
+                # join) says how long it was out, not how long a record takes: left out of the draws
+                if t is not None and r["t"] >= t and not any(a <= t <= b for a, b in away):
+                    fan.append(r["t"] - t)
+                    fanout_by.setdefault(n.peer, []).append(r["t"] - t)
     fanout = statistics.median(fan) if fan else 0.0
+    # and one that took ten times the median, or a second past it, was caught up (a re-sync, a node behind),
+    # not sent: what a replay draws from is the way records go out
+    cut = max(10 * fanout, fanout + 1.0)
+    fanout_by = {k: [x for x in v if x <= cut] for k, v in fanout_by.items()}
     delays: dict[tuple, float] = {}
     per: dict[str, list[float]] = {}
     for cid, t in accepted.items():
@@ -274,7 +294,8 @@ def measured_links(run: Run) -> Links:
             floor_s=min(min(all_d), fanout) if fan else min(all_d),
             merge_s=_quantile(work, 0.25) if work else 0.0,
             delays=delays,
-            by_learner={k: statistics.median(v) for k, v in per.items()},
+            by_learner={k: tuple(v) for k, v in per.items()},
+            fanout_by={k: tuple(v) for k, v in fanout_by.items()},
         )
     lat = []
     for key, t in own.items():
@@ -284,7 +305,8 @@ def measured_links(run: Run) -> Links:
     if not lat:
         raise TapeError(f"{run.folder}: no merge whose contributions are on the tapes (nothing was merged)")
     return Links(contrib_s=_quantile(lat, 0.25), fanout_s=fanout,
-                 floor_s=min(min(lat), fanout) if fan else min(lat))  # fmt: skip
+                 floor_s=min(min(lat), fanout) if fan else min(lat),
+                 fanout_by={k: tuple(v) for k, v in fanout_by.items()})  # fmt: skip
 
 
 def start_state(run: Run) -> tuple[tuple[int, float, float] | None, ...]:
