@@ -15,6 +15,10 @@ MERGE_METHODS = ("rda", "mean")
 
 
 DEFAULT_FRAGMENTS = 24
+# The settings a node writes into its tape's ``join`` record: what ``ddiloco replay`` needs to re-decide its
+# rounds with the same rules (the schedule, the quorum and grace, carry, the codecs, the history kept).
+TAPE_SETTINGS = ("sync_every", "overlap", "quorum", "grace", "grace_gamma", "ema_beta", "carry", "codec",
+                 "codec_block", "record_codec", "history")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from node.chaos.replay import (
 )
 from node.chaos.report import WINDOW_FILE
 from node.cli.main import main
-from protocol.config import ProtocolConfig
+from protocol.config import TAPE_SETTINGS, ProtocolConfig
 from protocol.errors import ConfigError
 from sim.replay import Links, Replay, ReplayConfig
 
@@ -68,9 +68,7 @@ def write_run(folder: Path, m: int = 4, seconds: float = 60.0, seed: int = 0, ki
     )
     cfg = ReplayConfig(pcfg, tuple(SHARES), T0 + 0.05 * (m - 1), T0 + seconds, links, 8.0, 1.0, (None,) * P)
     res = Replay(cfg, tapes).run()
-    settings = {k: getattr(pcfg, k) for k in ("sync_every", "overlap", "quorum", "grace", "grace_gamma",
-                                                "ema_beta", "carry", "codec", "codec_block", "record_codec",
-                                                "history")}  # fmt: skip
+    settings = {k: getattr(pcfg, k) for k in TAPE_SETTINGS}
     settings.update(fragments=P, system="decoupled", ttl_s=8.0, heartbeat_s=2.0)
     for i, name in enumerate(names):
         d = folder / f"node-{i}"

@@ -30,14 +30,12 @@ from pathlib import Path
 
 from node.chaos.report import WINDOW_FILE, Outage, goodput_records
 from protocol.codecs import CODECS
-from protocol.config import ProtocolConfig
+from protocol.config import TAPE_SETTINGS, ProtocolConfig
 from protocol.errors import ConfigError
 from protocol.goodput import compute_goodput
 from sim.plan import Site, bytes_per_value, traffic
 from sim.replay import LearnerTape, Links, Replay, ReplayConfig
 
-SETTING_KEYS = ("sync_every", "overlap", "quorum", "grace", "grace_gamma", "ema_beta", "carry", "codec",
-                "codec_block", "record_codec", "history")  # fmt: skip
 WHAT_IF = {
     "quorum": "K, the learners a round waits for (an integer >= 1)",
     "grace": "the adaptive grace window: on | off",
@@ -138,7 +136,7 @@ def read_run(folder: str | Path) -> Run:
     if known:
         first = known[0].settings
         for t in known[1:]:
-            diff = [k for k in SETTING_KEYS if t.settings.get(k) != first.get(k)]
+            diff = [k for k in TAPE_SETTINGS if t.settings.get(k) != first.get(k)]
             if diff:
                 raise TapeError(
                     f"{t.folder.name} and {known[0].folder.name} ran with different settings ({', '.join(diff)}): "
@@ -150,7 +148,7 @@ def read_run(folder: str | Path) -> Run:
                 f"{known[0].folder.name} ran system={system}: replay re-decides Decoupled DiLoCo runs (the "
                 "baselines' learners block on the swarm, which a replay of their step times cannot re-decide)"
             )
-        pcfg = ProtocolConfig(**{k: first[k] for k in SETTING_KEYS if k in first})
+        pcfg = ProtocolConfig(**{k: first[k] for k in TAPE_SETTINGS if k in first})
         ttl = float(first.get("ttl_s", 8.0))
     else:
         pcfg, ttl = ProtocolConfig(), 8.0

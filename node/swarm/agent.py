@@ -72,6 +72,7 @@ from node.swarm.trust.work_book import WorkBook
 from node.swarm.view import SwarmView
 from node.swarm.wire import SignedRecord
 from protocol.agreement import AgreementBook
+from protocol.config import TAPE_SETTINGS
 from protocol.errors import RejectCode
 from protocol.hashing import model_hash
 from protocol.norms import NormBook
@@ -480,10 +481,8 @@ class Node(Replication):
         """What ``ddiloco replay`` needs to re-decide this node's rounds: the schedule and quorum rules, the
         codecs, and how long a silent member stays live."""
         p, s = self.pcfg, self.settings
-        keep = ("sync_every", "overlap", "quorum", "grace", "grace_gamma", "ema_beta", "carry", "codec",
-                "codec_block", "record_codec", "history")  # fmt: skip
         return {
-            **{k: getattr(p, k) for k in keep},
+            **{k: getattr(p, k) for k in TAPE_SETTINGS},
             "fragments": len(self.shares),
             "system": s.system,
             "ttl_s": s.ttl_s,
