@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from node.chaos.report import WINDOW_FILE, Outage, goodput_records
+from node.chaos.report import WINDOW_FILE, Outage, goodput_records, lost_to_forks
 from protocol.codecs import CODECS
 from protocol.config import TAPE_SETTINGS, ProtocolConfig
 from protocol.errors import ConfigError
@@ -357,12 +357,7 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
     ``trace``, if given, is filled for a timeline."""
     scored = goodput_records(events, peer_ids, outages, run.t0, run.t1)
     g = compute_goodput(scored, None if trace is None else trace.steps)
-    lost = {
-        r["ours"] if r.get("winner") == "theirs" else r["theirs"]
-        for recs in events.values()
-        for r in recs
-        if r.get("kind") == "fork"
-    }
+    lost = lost_to_forks(events)
     first: dict[tuple, dict] = {}
     for recs in events.values():
         for r in recs:

@@ -54,6 +54,16 @@ def _joins(records: list[dict]) -> list[float]:
     return sorted(r["t"] for r in records if r.get("kind") == "join")
 
 
+def lost_to_forks(events: dict[int, list[dict]]) -> set[str]:
+    """The hashes of the records that lost a split brain (the losing side of each ``fork`` record)."""
+    return {
+        r["ours"] if r.get("winner") == "theirs" else r["theirs"]
+        for recs in events.values()
+        for r in recs
+        if r.get("kind") == "fork"
+    }
+
+
 def goodput_records(
     events: dict[int, list[dict]],
     peer_ids: dict[int, str],
@@ -79,12 +89,7 @@ def goodput_records(
         }
     ]
     # A record that lost a split brain is not in the model the swarm kept: its merge does not count.
-    lost = {
-        r["ours"] if r.get("winner") == "theirs" else r["theirs"]
-        for recs in events.values()
-        for r in recs
-        if r.get("kind") == "fork"
-    }
+    lost = lost_to_forks(events)
     for i, recs in events.items():
         learner = peer_ids[i]
         kills = sorted(o.t0 for o in outages if o.node == i and o.kind == "kill")
