@@ -138,7 +138,6 @@ class ReplayResult:
     records: dict[str, list[dict]]  # learner -> its contribute and adopt records, in time order
     merges: list[dict]  # one merge record each, in time order
     decisions: Decisions
-    contributions: int = 0
 
 
 _START, _STEP, _ARRIVE, _WAKE, _MERGED, _RECORD, _MEMBERS = range(7)
@@ -275,7 +274,6 @@ class Replay:
                 {"kind": "contribute", "t": b, "learner": name, "fragment": p, "step": step, "cid": cid,
                  "c_steps": c_steps}
             )  # fmt: skip
-            self.out.contributions += 1
             c = Contribution(name, p, self.based[name][p], c_steps, c_steps, step_s, None, cid)
             self._push(b + self._delay(name, p, step), _ARRIVE, c)
         # then what reached it during the step: adopted at this step's end

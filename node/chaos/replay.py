@@ -21,6 +21,7 @@ traffic are not in either.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -80,6 +81,23 @@ class Run:
     @property
     def events(self) -> dict[int, list[dict]]:
         return {n.index: n.records for n in self.nodes}
+
+    # What the tapes measured, read once however many what-ifs are replayed on them
+    @functools.cached_property
+    def links(self) -> Links:
+        return measured_links(self)
+
+    @functools.cached_property
+    def contribution_bytes(self) -> list[float]:
+        return contribution_bytes(self)
+
+    @functools.cached_property
+    def learners(self) -> tuple[LearnerTape, ...]:
+        return tuple(learner_tapes(self))
+
+    @functools.cached_property
+    def start(self) -> tuple[tuple[int, float, float] | None, ...]:
+        return start_state(self)
 
 
 def _node_folders(folder: Path) -> list[Path]:
@@ -403,7 +421,7 @@ def figures(run: Run, events: dict[int, list[dict]], peer_ids: dict[int, str], p
 
 
 def real_figures(run: Run, trace: Trace | None = None) -> dict:
-    out = figures(run, run.events, run.peer_ids, run.protocol, contribution_bytes(run), run.outages, trace)
+    out = figures(run, run.events, run.peer_ids, run.protocol, run.contribution_bytes, run.outages, trace)
     out["plan_kb_per_step"] = round(planned_bytes_per_step(run) / 1e3, 2)
     return out
 
@@ -412,7 +430,7 @@ def planned_bytes_per_step(run: Run) -> float:
     """What ``ddiloco plan``'s byte model (``sim.plan.traffic``) says a node of this run sends per inner
     step: the model's size read back from the contributions' bytes, at the run's M, P, H and codecs."""
     pc = run.protocol
-    values = sum(contribution_bytes(run)) / bytes_per_value(pc.codec, pc.codec_block)
+    values = sum(run.contribution_bytes) / bytes_per_value(pc.codec, pc.codec_block)
     site = Site(params=max(1.0, values), learners=len(run.nodes), codec=pc.codec, record_codec=pc.record_codec,
                 block=pc.codec_block)  # fmt: skip
     return traffic(site, len(run.shares), pc.sync_every).sent_per_step_B
@@ -481,7 +499,7 @@ def replay(run: Run, alt: dict | None = None, trace: Trace | None = None) -> dic
         pcfg = replace(run.protocol, **changes)
     except ConfigError as e:
         raise ConfigError(f"what-if {describe(alt)} is invalid: {e}") from e
-    learners = learner_tapes(run)
+    learners = list(run.learners)
     extra = int(alt.get("learners", 0))
     base = len(learners)
     for i in range(extra):
@@ -494,8 +512,7 @@ def replay(run: Run, alt: dict | None = None, trace: Trace | None = None) -> dic
     bpv = bytes_per_value(pcfg.codec, pcfg.codec_block) / bytes_per_value(
         run.protocol.codec, run.protocol.codec_block
     )
-    cfg = ReplayConfig(pcfg, tuple(run.shares), run.t0, run.t1, measured_links(run), run.ttl_s, bpv,
-                       start_state(run))  # fmt: skip
+    cfg = ReplayConfig(pcfg, tuple(run.shares), run.t0, run.t1, run.links, run.ttl_s, bpv, run.start)
     res = Replay(cfg, learners).run()
     # the tape's steps (and the harness's outages) with the replay's decisions, scored as the real run is
     events: dict[int, list[dict]] = {}
@@ -515,7 +532,7 @@ def replay(run: Run, alt: dict | None = None, trace: Trace | None = None) -> dic
         events[i] = recs
     first = min(events)
     events[first] = [*events[first], *res.merges]
-    contrib_b = [b * bpv for b in contribution_bytes(run)]
+    contrib_b = [b * bpv for b in run.contribution_bytes]
     out = figures(run, events, peer_ids, pcfg, contrib_b, run.outages, trace)
     out["decisions"] = res.decisions.as_dict()
     return out
