@@ -176,7 +176,8 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
 
     # The folder replays (ddiloco replay): chaos.json gives the window and the kills, the real run scores as
     # this report did, and the node killed for good (no 'run' record) is read as killed, not as cut short.
-    from node.chaos.replay import read_run, real_figures, replay
+    from node.chaos.replay import real_figures, replay
+    from node.chaos.tape import read_run
 
     folder = read_run(tmp_path / "chaos")
     assert [o.kind for o in folder.outages] == ["kill", "kill"]

@@ -1,4 +1,4 @@
-"""``ddiloco replay`` (``sim.replay``, ``node.chaos.replay``): a run folder's tapes read, refused by name where
+"""``ddiloco replay`` (``sim.replay``, ``node.chaos.tape``, ``node.chaos.replay``): a run folder's tapes read, refused by name where
 they cannot be trusted, and re-decided. The tapes here are written by the replay's own rules (what a node of
 those rules would have recorded), so replaying them with the same settings must give the same figures; the
 what-ifs must move them the way the rule they change says. A real swarm's tapes are replayed in
@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from node.chaos.replay import (
-    TapeError,
-    learner_tapes,
-    measured_links,
-    parse_what_if,
-    read_run,
-    real_figures,
-    replay,
-)
+from node.chaos.replay import parse_what_if, real_figures, replay
 from node.chaos.report import WINDOW_FILE
+from node.chaos.tape import TapeError, learner_tapes, measured_links, read_run
 from node.cli.main import main
 from protocol.config import TAPE_SETTINGS, ProtocolConfig
 from protocol.errors import ConfigError

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from node.chaos.replay import read_run, real_figures, replay
+from node.chaos.replay import real_figures, replay
+from node.chaos.tape import read_run
 from node.local.launcher import wait_ready
 from tests.swarm_util import TINY, Swarm, wait_until
 

@@ -4,7 +4,8 @@
     ddiloco replay runs/up-20261207-101500 --what-if quorum=3,grace=off,sync_every=48 --json
     ddiloco replay RUN_DIR --what-if "quorum=2 grace=off"   # one alternative of two changes
 
-How it reads the tapes and what it assumes: docs/replay.md (``sim/replay.py``, ``node/chaos/replay.py``).
+How it reads the tapes and what it assumes: docs/replay.md (``sim/replay.py``, ``node/chaos/tape.py``,
+``node/chaos/replay.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from node.chaos.replay import Trace, describe, parse_what_if, read_run, real_figures, replay
+    from node.chaos.replay import Trace, describe, parse_what_if, real_figures, replay
+    from node.chaos.tape import read_run
 
     alts = [a for text in args.what_if for a in parse_what_if(text)]  # every bad key refused before the work
     if args.plot:
