@@ -238,12 +238,16 @@ class Replay:
         self._update_live_all(t)
 
     # ---- learners
+    def _measure(self, name: str, a: float, b: float) -> None:
+        """A step from ``a`` to ``b``: the learner's reported step time and its measured pace, as on a node."""
+        self.step_s[name] = averaged_step_s(self.step_s[name], b - a, restart=len(self.ends[name]) == 1)
+        self.ends[name].append(b)
+
     def _step(self, t: float, payload) -> None:
         name, step, a, b, life = payload
         pc, n_frag = self.cfg.protocol, len(self.cfg.shares)
         if not self.started:  # before the window: only the learner's pace is measured
-            self.step_s[name] = averaged_step_s(self.step_s[name], b - a, restart=len(self.ends[name]) == 1)
-            self.ends[name].append(b)
+            self._measure(name, a, b)
             self.life[name] = life
             return
         last = self.last[name]
@@ -259,8 +263,7 @@ class Replay:
         for p in range(n_frag):
             if last[p] is None:
                 last[p] = step - 1
-        self.step_s[name] = averaged_step_s(self.step_s[name], b - a, restart=len(self.ends[name]) == 1)
-        self.ends[name].append(b)
+        self._measure(name, a, b)
         step_s = self.step_s[name] or (b - a)
         due = due_fragments(self.slots[name], self._clocks(b), self.plan.due(step), b, step_s)
         rec = self.out.records[name]
