@@ -52,6 +52,8 @@ class WanConfig:
     start_timeout_s: float = 300.0
     settle_s: float = 60.0
     """bound on the nodes' quiet period (one model hash) after the window"""
+    idle_s: float = 10.0
+    """seconds of link bytes measured after the quiet period, learners paused: the swarm's background"""
     gloo_timeout_s: float = 300.0
     cpu_per_node: float = 0.0
     """CPU cores each node (or DP worker) may use, a cgroup quota; 0: none (they share the machine)"""

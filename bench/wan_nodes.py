@@ -34,16 +34,18 @@ def window(
     say: Callable[[str], None],
     progress: Callable[[], str],
     pids: list[int],
-    payload: Callable[[], list[int]] | None = None,
+    payload: Callable[[], list[dict]] | None = None,
 ) -> dict:
     """Warm-up, then the measured window: wall times, every link's counters and the CPU time of every
-    process tree in ``pids`` at both ends (and, for nodes, ``payload``: the bytes their transports sent,
-    without DHT traffic or framing)."""
+    process tree in ``pids`` at both ends (and, for nodes, ``payload``: each node's status document, whose
+    transport counts the bytes it sent, by op, without DHT traffic or libp2p's framing; and their TCP
+    sockets' bytes, which hold both)."""
     end = time.monotonic() + cfg.warm_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(5.0, left))
         say(f"warm-up  {progress()}")
     p_a = payload() if payload else None
+    tcp_a = [lab.tcp_bytes(i) for i in range(cfg.nodes)] if payload else None
     c_a = [cpu_seconds(p) for p in pids]
     a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
     end = time.monotonic() + cfg.duration_s
@@ -52,13 +54,25 @@ def window(
         say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
     b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
     c_b = [cpu_seconds(p) for p in pids]
+    tcp_b = [lab.tcp_bytes(i) for i in range(cfg.nodes)] if payload else None
     p_b = payload() if payload else None
+    both = bool(p_a and p_b)
+    by_op: dict[str, int] = {}
+    for x, y in zip(p_a, p_b) if both else ():
+        old = x["transfers"].get("by_op", {})
+        for op, row in y["transfers"].get("by_op", {}).items():
+            by_op[op] = by_op.get(op, 0) + row["sent"] - old.get(op, {}).get("sent", 0)
     return {
         "t_a": t_a,
         "t_b": t_b,
         "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
         "received_B": [y[1] - x[1] for x, y in zip(a, b)],
-        "payload_sent_B": [y - x for x, y in zip(p_a, p_b)] if p_a and p_b else None,
+        "payload_sent_B": [y["bytes_sent"] - x["bytes_sent"] for x, y in zip(p_a, p_b)] if both else None,
+        # every node's transport, summed: bytes sent by op (headers included, both ends of each call)
+        "by_op_sent_B": by_op if both else None,
+        # every node's TCP sockets, summed: bytes written (DHT and transport, libp2p framing included)
+        "tcp_sent_B": sum(y["bytes_sent"] - x["bytes_sent"] for x, y in zip(tcp_a, tcp_b)) if both else None,
+        "tcp_segs_out": sum(y["segs_out"] - x["segs_out"] for x, y in zip(tcp_a, tcp_b)) if both else None,
         # CPU seconds in the window per process tree (node: its process, DHT process and p2pd; DP: a worker),
         # and of its busiest thread (the training thread)
         "cpu_s": [b[0] - a[0] for a, b in zip(c_a, c_b)],
@@ -107,7 +121,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         rounds = max((d.get("rounds_merged", 0) for d in docs), default=0)
         return f"steps {steps}  ~{tps:,.0f} tok/s  rounds {rounds}"
 
-    settled = False
+    settled, idle_sent = False, None
     try:
         say(f"starting {cfg.nodes} nodes ({' '.join(flags)})")
         # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
@@ -152,9 +166,9 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
                 check,
             )
 
-        def payload() -> list[int]:
+        def payload() -> list[dict]:
             docs = [status(c) for c in children]
-            return [d["bytes_sent"] for d in docs] if all(docs) else []
+            return docs if all(docs) else []
 
         win = window(cfg, lab, say, progress, [c.proc.pid for c in children], payload)
         tokens_per_step = children[0].last["learner"]["tokens_per_step"]
@@ -168,6 +182,11 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
             time.sleep(1.0)
         settled = streak >= 2
         say("paused; one model hash" if settled else f"paused; hashes still differ after {cfg.settle_s:g} s")
+        if cfg.idle_s > 0:  # the learners paused: what membership, heartbeats and the DHT cost alone
+            a, t0 = [lab.link_bytes(i) for i in range(cfg.nodes)], time.monotonic()
+            time.sleep(cfg.idle_s)
+            b, span = [lab.link_bytes(i) for i in range(cfg.nodes)], time.monotonic() - t0
+            idle_sent = [(y[0] - x[0]) / span for x, y in zip(a, b)]
         for c in children:
             if not control(c, "stop"):
                 c.proc.send_signal(signal.SIGTERM)
@@ -202,6 +221,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         **win,
         "learners": learners,
         "settled": settled,
+        "idle_sent_B_per_s": idle_sent,
         "tokens_per_step": tokens_per_step,
         "t_start": t_start,
     }

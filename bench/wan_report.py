@@ -85,6 +85,23 @@ def analyze(raw: dict, nodes: int) -> dict:
         "payload_B_per_step_per_node": sum(raw["payload_sent_B"]) / nodes / steps
         if raw.get("payload_sent_B") and steps
         else None,
+        # nodes only: of the link bytes, what each op's calls put on the transport (both ends), and what the
+        # TCP sockets carried (libp2p's framing and the DHT's traffic on top of the transport's)
+        "by_op_B_per_step_per_node": {
+            op: n / nodes / steps for op, n in sorted(raw["by_op_sent_B"].items(), key=lambda kv: -kv[1])
+        }
+        if raw.get("by_op_sent_B") and steps
+        else None,
+        # link bytes a node sends a second with every learner paused (membership, heartbeats, the DHT)
+        "idle_sent_B_per_s_per_node": sum(raw["idle_sent_B_per_s"]) / nodes
+        if raw.get("idle_sent_B_per_s")
+        else None,
+        "tcp_B_per_step_per_node": raw["tcp_sent_B"] / nodes / steps
+        if raw.get("tcp_sent_B") and steps
+        else None,
+        "tcp_segs_per_step_per_node": raw["tcp_segs_out"] / nodes / steps
+        if raw.get("tcp_segs_out") and steps
+        else None,
         # learner time in the window outside training steps: waiting for merges, evaluating, adopting (a DP
         # step holds its own all-reduce, so there it is evaluation alone)
         "outside_steps_share": 1.0

@@ -95,6 +95,15 @@ def test_refusals_have_codes_and_the_server_survives(two_dhts):
             r = await a.call(target, "strict", b"good")
             assert r.ok and r.body == b"fine"  # still serving after every refusal
             assert b.refused == {"too_large": 1, "malformed": 1, "unknown_op": 1, "internal_error": 1}
+            # every byte each end put on the stream is counted by op, and the other end counted the same
+            # (the refused 2 MiB body was never sent: refused after its header)
+            for _ in range(50):  # the server counts a call after its reply is written
+                if {op: r[1:] for op, r in b.by_op.items()} == {op: r[2:0:-1] for op, r in a.by_op.items()}:
+                    break
+                await asyncio.sleep(0.02)
+            assert {op: r[1:] for op, r in b.by_op.items()} == {op: r[2:0:-1] for op, r in a.by_op.items()}
+            assert {op: r[0] for op, r in a.by_op.items()} == {"strict": 3, "nope": 1, "broken": 1}
+            assert 3 + 4 < a.by_op["strict"][1] < 1024 and a.transfers()["by_op"]["nope"]["calls"] == 1
 
     asyncio.run(main())
 

@@ -216,6 +216,37 @@ class NetLab:
         st = json.loads(out.stdout)[0]["stats64"]
         return int(st["tx"]["bytes"]), int(st["rx"]["bytes"])
 
+    def tcp_bytes(self, i: int) -> dict[str, int]:
+        """Node ``i``'s TCP sockets on its link now, summed (``ss -ti``): the bytes its processes wrote and
+        read (libp2p's framing and encryption included, TCP/IP headers not) and the segments. A closed
+        socket's counts go with it, so differences over a window hold for the long-lived connections."""
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(i),
+            "ss",
+            "-tinH",
+            "src",
+            self.addr(i),
+            "and",
+            "not",
+            "dst",
+            self.addr(i),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        if out.returncode != 0:
+            raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+        tot = {"bytes_sent": 0, "bytes_received": 0, "segs_out": 0, "segs_in": 0, "sockets": 0}
+        for word in out.stdout.split():
+            key, _, value = word.partition(":")
+            if key in tot and value.isdigit():
+                tot[key] += int(value)
+        tot["sockets"] = sum(
+            1 for line in out.stdout.splitlines() if line.startswith(("ESTAB", "CLOSE", "FIN"))
+        )
+        return tot
+
     # ------------------------------------------------------------------ faults
     def partition(self, side: set[int]) -> None:
         """Move ``side``'s hub ports to the second bridge: they reach each other, not the rest."""

@@ -63,14 +63,18 @@ Handler = Callable[[str, bytes], Awaitable[Reply]]  # (caller peer id, payload) 
 Admit = Callable[[str, str], Awaitable[None]]  # (caller, op): returns, or raises ProtocolError to refuse
 
 
-async def _write_frame(writer: asyncio.StreamWriter, header: dict, body: bytes) -> None:
-    _write_header(writer, header, body)
+async def _write_frame(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
+    """Writes a header and body; returns their bytes on the stream."""
+    n = _write_header(writer, header, body)
     await _write_body(writer, body)
+    return n + len(body)
 
 
-def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> None:
+def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
+    """Writes the frame's header; returns its bytes on the stream."""
     raw = json.dumps({**header, "nbytes": len(body)}).encode()
     writer.write(struct.pack("<I", len(raw)) + raw)
+    return 4 + len(raw)
 
 
 async def _moved(step: Awaitable, idle_s: float | None):
@@ -115,6 +119,20 @@ def parse_header(raw: bytes, max_bytes: int) -> tuple[dict, int]:
     if nbytes > max_bytes:
         raise ProtocolError(RejectCode.TOO_LARGE, f"payload of {nbytes} bytes exceeds {max_bytes}")
     return header, nbytes
+
+
+def _op_named(raw: bytes) -> str:
+    """The op a request header names, for counting alone: "?" where it names none that reads."""
+    try:
+        op = json.loads(raw).get("op")
+    except (ValueError, RecursionError, AttributeError):
+        return "?"
+    return op[:40] if isinstance(op, str) else "?"
+
+
+def _header_bytes(header: dict) -> int:
+    """A header's bytes on the stream, as ``_write_header`` wrote it (a peer's own spacing aside)."""
+    return 4 + len(json.dumps(header).encode())
 
 
 async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
@@ -178,6 +196,9 @@ class Transport:
         self.refused: dict[str, int] = {}  # code -> count, for status
         self.bytes_in = 0
         self.bytes_out = 0
+        # op -> [calls, bytes sent, bytes received]: bodies, headers and GO/STOP, of this node's calls and of
+        # the calls it served, refused and broken ones too; where a node's link bytes go (``transfers``)
+        self.by_op: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self._calls: dict[int, dict] = {}  # calls in flight: peer, op, since, last byte, bytes received
         self._done: deque[dict] = deque(maxlen=32)  # the last calls finished, for status and ddiloco doctor
@@ -196,7 +217,13 @@ class Transport:
             }
             for c in list(self._calls.values())
         ]
-        return {"in_flight": live, "recent": list(self._done), "link_bps": self.links.snapshot()}
+        by_op = {op: {"calls": n, "sent": s, "received": r} for op, (n, s, r) in sorted(self.by_op.items())}
+        return {
+            "in_flight": live,
+            "recent": list(self._done),
+            "link_bps": self.links.snapshot(),
+            "by_op": by_op,
+        }
 
     def idle_s(self, peer: str, timeout_s: float, ahead: int) -> float:
         """The longest one piece of a body may take on the link with ``peer``, behind the ``ahead`` bytes of
@@ -221,6 +248,16 @@ class Transport:
         # daemon, for the daemon's whole life.
         await self.p2p.remove_binary_stream_handler(PROTOCOL_NAME)
 
+    def _count(self, op: str, sent: int, received: int, call: bool) -> None:
+        row = self.by_op.get(op)
+        if row is None:
+            if len(self.by_op) >= 64:  # made-up op names from a peer share one row, not one each
+                op = "other"
+            row = self.by_op.setdefault(op, [0, 0, 0])
+        row[0] += call
+        row[1] += sent
+        row[2] += received
+
     def count_refusal(self, code: str) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
 
@@ -228,10 +265,13 @@ class Transport:
         caller = info.peer_id.to_base58()
         sent_go = False
         loop = asyncio.get_running_loop()
+        op, sent, received = "?", 0, 0  # for ``by_op``
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
                 try:
-                    header, nbytes = await _read_header(reader, self.max_bytes)
+                    raw = await reader.readexactly(header_size(await reader.readexactly(4)))
+                    received, op = 4 + len(raw), _op_named(raw)
+                    header, nbytes = parse_header(raw, self.max_bytes)
                     handler = self.handlers.get(str(header.get("op")))
                     if handler is None:
                         raise ProtocolError(RejectCode.UNKNOWN_OP, f"no handler for op {header.get('op')!r}")
@@ -245,13 +285,14 @@ class Transport:
                             f"per-peer budget of {self.peer_budget}",
                         )
                     writer.write(GO)  # the caller sends the body only now: refusals never race a big upload
-                    sent_go = True
+                    sent_go, sent = True, 1
                     self.in_flight[caller] = held + nbytes
                     try:
                         began = loop.time()
                         deadline.reschedule(self.links.until(began, self.timeout_s, caller, nbytes))
                         idle = self.idle_s(caller, self.timeout_s, self.queued(caller) - nbytes)
                         payload = await _read_body(reader, nbytes, idle_s=idle)
+                        received += nbytes
                         self.links.observe(caller, nbytes, loop.time() - began)
                         self.bytes_in += len(payload)
                         reply = await handler(caller, payload)
@@ -271,6 +312,7 @@ class Transport:
                 if not reply.ok:
                     if not sent_go:
                         writer.write(STOP)
+                        sent = 1
                     if reply.code != RejectCode.NOT_SYNCHRONISER.value:  # a routing redirect, not abuse
                         self.count_refusal(reply.code)
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
@@ -278,7 +320,7 @@ class Transport:
                     deadline.reschedule(
                         self.links.until(loop.time(), self.timeout_s, caller, len(reply.body))
                     )
-                await _write_frame(
+                sent += await _write_frame(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
                 )
                 self.bytes_out += len(reply.body)
@@ -287,6 +329,7 @@ class Transport:
             self.count_refusal("broken_stream")
             logger.warning("stream from %s dropped: %s", caller, type(e).__name__)
         finally:
+            self._count(op, sent, received, call=False)
             writer.close()
 
     async def call(
@@ -302,6 +345,7 @@ class Transport:
         track = self._calls[key] = {"peer": peer_id, "op": op, "since": now, "last": now, "bytes": 0}
         track["out"] = len(payload)
         outcome = "broken"
+        sent = received = 0  # for ``by_op``
         loop = asyncio.get_running_loop()
         moving = 0  # the bytes of the body in flight when the deadline passed (0: none was)
         allowed = self.links.allowance_s(peer_id, ahead)  # seconds on top of the deadline
@@ -311,16 +355,19 @@ class Transport:
                     PeerID.from_base58(peer_id), PROTOCOL_NAME
                 )
                 try:
-                    _write_header(writer, {"op": op}, payload)
+                    sent = _write_header(writer, {"op": op}, payload)
                     await writer.drain()
-                    sent = await reader.readexactly(1) == GO
-                    if sent:
+                    go = await reader.readexactly(1) == GO
+                    received = 1
+                    if go:
+                        sent += len(payload)
                         began, moving = loop.time(), len(payload)
                         allowed = self.links.allowance_s(peer_id, self.queued(peer_id))  # it, and those ahead
                         cm.reschedule(began + deadline + allowed)
                         await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead))
                     header, nbytes = await _read_header(reader, self.max_bytes)
-                    if sent:  # from GO to the reply: the upload and the handler, a rate on the safe side
+                    received += _header_bytes(header)
+                    if go:  # from GO to the reply: the upload and the handler, a rate on the safe side
                         self.links.observe(peer_id, len(payload), loop.time() - began)
                     track["last"] = time.time()
                     track["out"], began, moving = 0, loop.time(), nbytes
@@ -328,10 +375,11 @@ class Transport:
                     cm.reschedule(began + deadline + allowed)
                     idle = self.idle_s(peer_id, deadline, self.queued(peer_id))
                     body = await _read_body(reader, nbytes, track, idle)
+                    received += nbytes
                     self.links.observe(peer_id, nbytes, loop.time() - began)
                     moving = 0
                     outcome = "ok" if header.get("ok") else str(header.get("code"))
-                    self.bytes_out += len(payload) if sent else 0
+                    self.bytes_out += len(payload) if go else 0
                     self.bytes_in += len(body)
                 finally:
                     writer.close()
@@ -352,6 +400,7 @@ class Transport:
                 "is the peer alive and reachable?"
             ) from e
         finally:
+            self._count(op, sent, received, call=True)
             c = self._calls.pop(key)
             self._done.append(
                 {
