@@ -22,6 +22,7 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -37,6 +38,13 @@ logger = logging.getLogger(__name__)
 RELINK_CHUNK = 64  # peer ids a call carries (about 3.5 KB)
 RELINK_MAX = 256  # peers one relink tries: the initial peers, then a random sample of the others
 RELINK_AT_ONCE = 16  # pings in flight at once in the DHT process
+# A swarm whose DHT routing tables each hold every member (fewer than one k-bucket, hivemind's 20 peers) needs
+# no Kademlia traversal to find where a record goes: a record is stored straight on the REPLICAS members
+# nearest its key by the table, and a node that is one of those for a key reads that key from its own storage.
+# A traversal's lookups carry peer lists with their addresses: on a link capped at 3 Mbit/s, four idle nodes
+# sent 47 KB/s each of heartbeats and reads, more than their training's payload a step.
+REPLICAS = 8
+FULL_READ_EVERY_S = 30.0  # even so, a read of the whole DHT this often (and when a member drops out of view)
 WARN_EVERY_S = 60.0  # a read that keeps failing is logged as a warning this often, and at debug level between
 TABLE_MAX = 1024  # peer ids of the DHT's routing table a read returns (``Membership.processes``): about 55 KB
 
@@ -52,6 +60,8 @@ class Membership:
         self.keys = [members_key(swarm, b) for b in range(BUCKETS)]
         self.key = f"{swarm}/members/*"  # in messages: every bucket
         self._warned_at = float("-inf")  # when a failed read was last logged as a warning
+        self._full_read_at = float("-inf")  # when the last read of the whole DHT worked (monotonic)
+        self._last_ids: frozenset[str] = frozenset()  # the members of the last view read
         # the peers in this node's DHT routing table at the last read that worked: each answered or sent a
         # DHT call under its own key, so a process stands behind it (a signed record alone proves none)
         self.processes: frozenset[str] = frozenset()
@@ -83,8 +93,8 @@ class Membership:
         key = members_key(self.swarm, bucket_of(member.peer_id))
         ok = self._result(
             f"storing key {key!r} of swarm {self.swarm!r}",
-            lambda: self.dht.store(
-                key, raw, expiration_time=member.expires_at, subkey=member.peer_id, return_future=True
+            lambda: self.dht.run_coroutine(
+                _StoreNear(key, member.peer_id, raw, member.expires_at), return_future=True
             ),
         )
         if not ok:
@@ -95,22 +105,36 @@ class Membership:
             )
 
     def live(self, now: float | None = None) -> tuple[list[Member], dict[str, str]]:
-        """Members with a valid unexpired record, sorted by peer id, and why each other subkey was dropped."""
+        """Members with a valid unexpired record, sorted by peer id, and why each other subkey was dropped.
+
+        Keys this node holds itself are read from its own storage, except every ``FULL_READ_EVERY_S`` and
+        whenever that read lost a member the last view had: then the whole DHT is read, so a member whose
+        records stopped reaching this node is not dropped while the others still hold them."""
         now = get_dht_time() if now is None else now
+        full = time.monotonic() - self._full_read_at >= FULL_READ_EVERY_S
+        members, dropped, read_all = self._read(now, full)
+        if not read_all and self._last_ids - {m.peer_id for m in members}:
+            members, dropped, read_all = self._read(now, True)
+        self._last_ids = frozenset(m.peer_id for m in members)
+        return members, dropped
+
+    def _read(self, now: float, full: bool) -> tuple[list[Member], dict[str, str], bool]:
         try:
             found = self._result(
                 f"reading key {self.key!r} of swarm {self.swarm!r}",
-                lambda: self.dht.run_coroutine(_ReadBuckets(self.keys), return_future=True),
+                lambda: self.dht.run_coroutine(_ReadBuckets(self.keys, full), return_future=True),
             )
         except Exception as e:  # noqa: BLE001 - junk under a key makes hivemind's get raise (an int and a str
             # subkey with one expiry: TypeError) or never answer. Read this node's own copy instead, raw
             # (which raises SwarmUnreachable in turn if the DHT process is gone).
-            return self._local(now, f"the DHT read failed: {type(e).__name__}: {str(e)[:200]}")
-        items, plain, table = found
+            return *self._local(now, f"the DHT read failed: {type(e).__name__}: {str(e)[:200]}"), True
+        items, plain, table, read_all = found
+        if read_all:
+            self._full_read_at = time.monotonic()
         self.processes = frozenset(table)
         if plain:  # a plain value over a key: not ours, whoever stored it
-            return self._local(now, f"key holds a plain {plain}, not per-peer records")
-        return self._view(dict(items), now, {})
+            return *self._local(now, f"key holds a plain {plain}, not per-peer records"), True
+        return *self._view(dict(items), now, {}), read_all
 
     def _local(self, now: float, why: str) -> tuple[list[Member], dict[str, str]]:
         """The view from this DHT node's own copy of the key, read raw, when a read of the DHT was unusable."""
@@ -169,26 +193,74 @@ class Membership:
         return back
 
 
+def _replica_here(node, key_id: DHTID) -> bool:
+    """Whether this DHT node holds ``key_id``'s records itself: its routing table knows the whole swarm (one
+    k-bucket, and not a client) and the node is one of the ``REPLICAS`` nearest the key by it."""
+    table = node.protocol.routing_table
+    if node.protocol.client_mode or len(table.uid_to_peer_id) >= node.protocol.bucket_size:
+        return False
+    near = [uid for uid, _ in table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)]
+    return sorted([node.node_id, *near], key=key_id.xor_distance).index(node.node_id) < REPLICAS
+
+
+class _StoreNear:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
+    """Runs in the DHT process: store ``value`` under ``key`` / ``subkey`` until ``expires``. Where the routing
+    table knows the whole swarm, on the ``REPLICAS`` nodes nearest the key by it, this one included, with no
+    traversal; else by hivemind's traversal. True where any of them took it."""
+
+    def __init__(self, key: str, subkey: str, value: bytes, expires: float) -> None:
+        self.key, self.subkey, self.value, self.expires = key, subkey, value, expires
+
+    async def __call__(self, _dht, node) -> bool:
+        key_id = DHTID.generate(source=self.key)
+        table, proto = node.protocol.routing_table, node.protocol
+        if proto.client_mode or len(table.uid_to_peer_id) >= proto.bucket_size:
+            return bool(await node.store(self.key, self.value, self.expires, subkey=self.subkey))
+        near = table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)
+        ranked = sorted([(node.node_id, None), *near], key=lambda x: key_id.xor_distance(x[0]))[:REPLICAS]
+        value = proto.serializer.dumps(self.value)
+        record = DHTRecord(key_id.to_bytes(), proto.serializer.dumps(self.subkey), value, self.expires)
+        if proto.record_validator is not None:
+            value = proto.record_validator.sign_value(record)
+            record = DHTRecord(record.key, record.subkey, value, record.expiration_time)
+        stored = False
+        if any(uid == node.node_id for uid, _ in ranked) and (
+            proto.record_validator is None or proto.record_validator.validate(record)
+        ):
+            stored = proto.storage.store(key_id, value, self.expires, subkey=self.subkey)
+        calls = [
+            proto.call_store(peer, [key_id], [value], [self.expires], subkeys=[self.subkey])
+            for uid, peer in ranked
+            if uid != node.node_id
+        ]
+        for got in await asyncio.gather(*calls):
+            stored = stored or bool(got and got[0])
+        return stored
+
+
 class _ReadBuckets:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
-    """Runs in the DHT process: the newest value of every bucket key, found in one traversal, as the
-    (subkey, value) pairs of all of them, the type of any plain value found over a key ('' if none), and the
-    peer ids in the routing table (``TABLE_MAX`` at most)."""
+    """Runs in the DHT process: the newest value of every bucket key, as the (subkey, value) pairs of all of
+    them, the type of any plain value found over a key ('' if none), the peer ids in the routing table
+    (``TABLE_MAX`` at most), and whether the whole DHT was read. A key this node holds itself
+    (``_replica_here``) is read from its own storage unless ``full``; the rest are found in one traversal."""
 
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
+    def __init__(self, keys: list[str], full: bool = True) -> None:
+        self.keys, self.full = keys, full
 
-    async def __call__(self, _dht, node) -> tuple[list[tuple[Any, Any]], str, list[str]]:
-        found = await node.get_many(self.keys, sufficient_expiration_time=float("inf"))
+    async def __call__(self, _dht, node) -> tuple[list[tuple[Any, Any]], str, list[str], bool]:
         table = [pid.to_base58() for pid in list(node.protocol.routing_table.peer_id_to_uid)[:TABLE_MAX]]
-        pairs: list[tuple[Any, Any]] = []
-        for key in self.keys:
+        here = [] if self.full else [k for k in self.keys if _replica_here(node, DHTID.generate(source=k))]
+        away = [k for k in self.keys if k not in here]
+        found = await node.get_many(away, sufficient_expiration_time=float("inf")) if away else {}
+        pairs: list[tuple[Any, Any]] = _own_copy(node, here, get_dht_time())
+        for key in away:
             got = found.get(key)
             if got is None:
                 continue
             if not isinstance(got.value, dict):
-                return [], type(got.value).__name__, table
+                return [], type(got.value).__name__, table, False
             pairs += [(k, getattr(v, "value", v)) for k, v in got.value.items()]
-        return pairs, "", table
+        return pairs, "", table, not here
 
 
 class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
@@ -200,30 +272,34 @@ class _LocalRecords:  # a class, not a closure: DHT.run_coroutine pickles it to 
         self.keys, self.now = keys, now
 
     async def __call__(self, _dht, node) -> list[tuple[str, bytes]]:
-        out: dict[str, tuple[bytes, float]] = {}
-        for key in self.keys:
-            key_id = DHTID.generate(source=key)
-            for storage in (node.protocol.storage, node.protocol.cache):
-                entry = storage.data.get(key_id)
-                if entry is None or not isinstance(entry.value, DictionaryDHTValue):
-                    continue
-                for subkey, item in list(entry.value.data.items()):
-                    if not (isinstance(subkey, str) and isinstance(item.value, bytes)):
-                        continue
-                    if (
-                        item.expiration_time > self.now
-                        and item.expiration_time > out.get(subkey, (b"", -1e300))[1]
-                    ):
-                        out[subkey] = (item.value, item.expiration_time)
-        serializer = node.protocol.serializer
-        pairs = []
-        for subkey, (raw, _) in sorted(out.items()):
-            try:
-                value = serializer.loads(raw)
-            except Exception:  # noqa: BLE001 - not a record; dropped
+        return _own_copy(node, self.keys, self.now)
+
+
+def _own_copy(node, keys: list[str], now: float) -> list[tuple[str, bytes]]:
+    """The (subkey, value) pairs this DHT node itself holds under ``keys``, unexpired, newest per subkey of its
+    storage and cache, read from their dictionaries without touching hivemind's expiry heaps (junk in one can
+    make every operation on it raise). Only string subkeys and byte values; the caller checks the records."""
+    out: dict[str, tuple[bytes, float]] = {}
+    for key in keys:
+        key_id = DHTID.generate(source=key)
+        for storage in (node.protocol.storage, node.protocol.cache):
+            entry = storage.data.get(key_id)
+            if entry is None or not isinstance(entry.value, DictionaryDHTValue):
                 continue
-            pairs.append((subkey, value))
-        return pairs
+            for subkey, item in list(entry.value.data.items()):
+                if not (isinstance(subkey, str) and isinstance(item.value, bytes)):
+                    continue
+                if item.expiration_time > now and item.expiration_time > out.get(subkey, (b"", -1e300))[1]:
+                    out[subkey] = (item.value, item.expiration_time)
+    serializer = node.protocol.serializer
+    pairs = []
+    for subkey, (raw, _) in sorted(out.items()):
+        try:
+            value = serializer.loads(raw)
+        except Exception:  # noqa: BLE001 - not a record; dropped
+            continue
+        pairs.append((subkey, value))
+    return pairs
 
 
 class _RelinkInDHT:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
