@@ -62,6 +62,7 @@ class Membership:
         self._warned_at = float("-inf")  # when a failed read was last logged as a warning
         self._full_read_at = float("-inf")  # when the last read of the whole DHT worked (monotonic)
         self._last_ids: frozenset[str] = frozenset()  # the members of the last view read
+        self.last_read = ""  # how the last view was read: "full" (the whole DHT) or "own copy"
         # the peers in this node's DHT routing table at the last read that worked: each answered or sent a
         # DHT call under its own key, so a process stands behind it (a signed record alone proves none)
         self.processes: frozenset[str] = frozenset()
@@ -116,6 +117,7 @@ class Membership:
         if not read_all and self._last_ids - {m.peer_id for m in members}:
             members, dropped, read_all = self._read(now, True)
         self._last_ids = frozenset(m.peer_id for m in members)
+        self.last_read = "full" if read_all else "own copy"
         return members, dropped
 
     def _read(self, now: float, full: bool) -> tuple[list[Member], dict[str, str], bool]:

@@ -87,6 +87,45 @@ def test_every_node_sees_all_three(swarm3, swarm_id):
         assert all(m.heads == {"0": [3, "ab"]} and m.tokens_per_s == 100.0 for m in members)
 
 
+class _Forget:  # runs in the DHT process (DHT.run_coroutine pickles it): drop one record from its own copy
+    def __init__(self, key: str, subkey: str) -> None:
+        self.key, self.subkey = key, subkey
+
+    async def __call__(self, _dht, node) -> bool:
+        from hivemind.dht.routing import DHTID
+
+        gone = False
+        for storage in (node.protocol.storage, node.protocol.cache):
+            entry = storage.data.get(DHTID.generate(source=self.key))
+            if entry is not None and self.subkey in entry.value:
+                del entry.value[self.subkey]
+                gone = True
+        return gone
+
+
+@pytest.mark.timeout(60)
+def test_a_node_reads_its_own_copy_and_a_member_missing_from_it_from_the_others(swarm3, swarm_id):
+    """Three nodes know each other: each holds every record, so a read after the first is of its own
+    storage. A record that never reached one node (gone from its copy) is still in its view: the lost
+    member makes it read the whole DHT."""
+    (a, dht_a), (b, dht_b), (c, dht_c) = swarm3
+    for ident, dht in swarm3:
+        Membership(dht, swarm_id, ident).publish(_member(ident))
+    reader = Membership(dht_c, swarm_id, c)
+    want = sorted(ident.peer_id for ident, _ in swarm3)
+    _eventually(lambda: [m.peer_id for m in reader.live()[0]] == want)
+    assert reader.last_read == "full"  # the first read of a view
+    assert [m.peer_id for m in reader.live()[0]] == want and reader.last_read == "own copy"
+    key = members_key(swarm_id, bucket_of(a.peer_id))
+    assert dht_c.run_coroutine(_Forget(key, a.peer_id))
+    assert [m.peer_id for m in reader.live()[0]] == want and reader.last_read == "full"
+    # a member that left every copy leaves the view, after the whole DHT was read for it
+    for dht in (dht_a, dht_b, dht_c):
+        dht.run_coroutine(_Forget(key, a.peer_id))
+    assert [m.peer_id for m in reader.live()[0]] == sorted([b.peer_id, c.peer_id])
+    assert reader.last_read == "full"
+
+
 @pytest.mark.timeout(60)
 def test_short_expiry_leaves_the_live_view(swarm3, swarm_id):
     (a, dht_a), (b, dht_b), (_, dht_c) = swarm3
