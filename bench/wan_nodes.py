@@ -72,6 +72,9 @@ def window(
         "by_op_sent_B": by_op if both else None,
         # every node's TCP sockets, summed: bytes written (DHT and transport, libp2p framing included)
         "tcp_sent_B": sum(y["bytes_sent"] - x["bytes_sent"] for x, y in zip(tcp_a, tcp_b)) if both else None,
+        "tcp_retrans_B": sum(y["bytes_retrans"] - x["bytes_retrans"] for x, y in zip(tcp_a, tcp_b))
+        if both
+        else None,
         "tcp_segs_out": sum(y["segs_out"] - x["segs_out"] for x, y in zip(tcp_a, tcp_b)) if both else None,
         # CPU seconds in the window per process tree (node: its process, DHT process and p2pd; DP: a worker),
         # and of its busiest thread (the training thread)

@@ -99,6 +99,9 @@ def analyze(raw: dict, nodes: int) -> dict:
         "tcp_B_per_step_per_node": raw["tcp_sent_B"] / nodes / steps
         if raw.get("tcp_sent_B") and steps
         else None,
+        "tcp_retrans_B_per_step_per_node": raw["tcp_retrans_B"] / nodes / steps
+        if raw.get("tcp_retrans_B") is not None and steps
+        else None,
         "tcp_segs_per_step_per_node": raw["tcp_segs_out"] / nodes / steps
         if raw.get("tcp_segs_out") and steps
         else None,
@@ -185,6 +188,25 @@ def ours_keys(row: dict) -> list[str]:
     return [s for s in ("ours", "ours-q") if s in row]
 
 
+def wire_line(label: str, r: dict) -> str:
+    """Where a node system's link bytes a step went: each transport op's (both ends of its calls, headers
+    included), the rest (DHT, libp2p's framing, TCP/IP headers and acknowledgements), and the idle swarm's."""
+    ops = r["by_op_B_per_step_per_node"]
+    rest = r["sent_B_per_step_per_node"] - sum(ops.values())
+    parts = ", ".join(f"{op} {_b(n)}" for op, n in ops.items() if n >= 1)
+    idle = r.get("idle_sent_B_per_s_per_node")
+    return (
+        f"  {label} link bytes a step: {parts}; the rest {_b(rest)} (DHT, framing, TCP/IP); "
+        f"link/payload {r['sent_B_per_step_per_node'] / r['payload_B_per_step_per_node']:.2f}x"
+        + (
+            f"; sent again by TCP {_b(r['tcp_retrans_B_per_step_per_node'])}"
+            if r.get("tcp_retrans_B_per_step_per_node") is not None
+            else ""
+        )
+        + (f"; learners paused, {_b(idle)}/s a node" if idle else "")
+    )
+
+
 def render(res: dict) -> str:
     cfg, results = res["config"], res["results"]
     out = [
@@ -233,6 +255,7 @@ def render(res: dict) -> str:
             )
         out.append(_cols(rows))
         out += [f"  {LABEL[s]} failed: {r['error'].splitlines()[0]}" for s, r in row.items() if "error" in r]
+        out += [wire_line(LABEL[s], r) for s, r in row.items() if r.get("by_op_B_per_step_per_node")]
     systems = list(next(iter(results.values()), {}))
     mine = [s for s in ("ours", "ours-q") if s in systems]
     refs = res.get("reference", {})

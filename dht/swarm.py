@@ -44,7 +44,7 @@ RELINK_AT_ONCE = 16  # pings in flight at once in the DHT process
 # A traversal's lookups carry peer lists with their addresses: on a link capped at 3 Mbit/s, four idle nodes
 # sent 47 KB/s each of heartbeats and reads, more than their training's payload a step.
 REPLICAS = 8
-FULL_READ_EVERY_S = 30.0  # even so, a read of the whole DHT this often (and when a member drops out of view)
+FULL_READ_EVERY_S = 120.0  # even so, a read of the whole DHT this often (and when a member drops out of view)
 WARN_EVERY_S = 60.0  # a read that keeps failing is logged as a warning this often, and at debug level between
 TABLE_MAX = 1024  # peer ids of the DHT's routing table a read returns (``Membership.processes``): about 55 KB
 

@@ -218,7 +218,7 @@ class NetLab:
 
     def tcp_bytes(self, i: int) -> dict[str, int]:
         """Node ``i``'s TCP sockets on its link now, summed (``ss -ti``): the bytes its processes wrote and
-        read (libp2p's framing and encryption included, TCP/IP headers not) and the segments. A closed
+        read (libp2p's framing and encryption included, TCP/IP headers not), the bytes sent again, and the segments. A closed
         socket's counts go with it, so differences over a window hold for the long-lived connections."""
         cmd = [
             "ip",
@@ -237,7 +237,14 @@ class NetLab:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
         if out.returncode != 0:
             raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
-        tot = {"bytes_sent": 0, "bytes_received": 0, "segs_out": 0, "segs_in": 0, "sockets": 0}
+        tot = {
+            "bytes_sent": 0,
+            "bytes_retrans": 0,
+            "bytes_received": 0,
+            "segs_out": 0,
+            "segs_in": 0,
+            "sockets": 0,
+        }
         for word in out.stdout.split():
             key, _, value = word.partition(":")
             if key in tot and value.isdigit():
