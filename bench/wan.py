@@ -236,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the uncapped DP run that gives DP's eval loss at ours' token counts",
     )
+    ap.add_argument(
+        "--idle-s",
+        type=float,
+        default=d.idle_s,
+        help="seconds of link bytes measured with every learner paused, after the window (0: none)",
+    )
     ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
     ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=a.batch_size,
         node_flags=a.node_flags.split(),
         dp_reference=not a.no_dp_reference,
+        idle_s=a.idle_s,
         cpu_per_node=(os.cpu_count() or 1) / a.nodes if a.cpu_per_node is None else a.cpu_per_node,
     )
 

@@ -69,5 +69,7 @@ class WanConfig:
         for c in self.caps:
             if c != "none":
                 rate_bits(c)
+        if self.idle_s < 0:
+            raise ConfigError(f"idle_s={self.idle_s:g} is invalid: seconds, 0 for none")
         if self.duration_s <= 0 or self.warm_s < 0 or self.eval_every_s <= 0:
             raise ConfigError("duration and eval period must be > 0, warm-up >= 0")
