@@ -195,14 +195,21 @@ class Membership:
         return back
 
 
+def _nearest(node, key_id: DHTID) -> list[tuple[DHTID, PeerID | None]] | None:
+    """The ``REPLICAS`` nodes nearest ``key_id`` by this node's routing table, this one among them (its peer
+    None), where the table knows the whole swarm (under one k-bucket, and not a client); None where only a
+    traversal finds them."""
+    table, proto = node.protocol.routing_table, node.protocol
+    if proto.client_mode or len(table.uid_to_peer_id) >= proto.bucket_size:
+        return None
+    near = table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)
+    return sorted([(node.node_id, None), *near], key=lambda x: key_id.xor_distance(x[0]))[:REPLICAS]
+
+
 def _replica_here(node, key_id: DHTID) -> bool:
-    """Whether this DHT node holds ``key_id``'s records itself: its routing table knows the whole swarm (one
-    k-bucket, and not a client) and the node is one of the ``REPLICAS`` nearest the key by it."""
-    table = node.protocol.routing_table
-    if node.protocol.client_mode or len(table.uid_to_peer_id) >= node.protocol.bucket_size:
-        return False
-    near = [uid for uid, _ in table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)]
-    return sorted([node.node_id, *near], key=key_id.xor_distance).index(node.node_id) < REPLICAS
+    """Whether this DHT node holds ``key_id``'s records itself (one of the nearest by a whole-swarm table)."""
+    ranked = _nearest(node, key_id)
+    return ranked is not None and any(uid == node.node_id for uid, _ in ranked)
 
 
 class _StoreNear:  # a class, not a closure: DHT.run_coroutine pickles it to the DHT process
@@ -215,11 +222,9 @@ class _StoreNear:  # a class, not a closure: DHT.run_coroutine pickles it to the
 
     async def __call__(self, _dht, node) -> bool:
         key_id = DHTID.generate(source=self.key)
-        table, proto = node.protocol.routing_table, node.protocol
-        if proto.client_mode or len(table.uid_to_peer_id) >= proto.bucket_size:
+        proto, ranked = node.protocol, _nearest(node, key_id)
+        if ranked is None:
             return bool(await node.store(self.key, self.value, self.expires, subkey=self.subkey))
-        near = table.get_nearest_neighbors(key_id, REPLICAS, exclude=node.node_id)
-        ranked = sorted([(node.node_id, None), *near], key=lambda x: key_id.xor_distance(x[0]))[:REPLICAS]
         value = proto.serializer.dumps(self.value)
         record = DHTRecord(key_id.to_bytes(), proto.serializer.dumps(self.subkey), value, self.expires)
         if proto.record_validator is not None:
