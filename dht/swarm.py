@@ -28,7 +28,16 @@ from hivemind.utils import get_dht_time
 
 from dht.identity import Identity
 from dht.launch import MAX_PEER_ID, SwarmUnreachable
-from dht.records import BUCKETS, Member, RecordError, bucket_of, live_view, members_key, sign_member
+from dht.records import (
+    BUCKETS,
+    Member,
+    RecordError,
+    bucket_of,
+    live_view,
+    members_key,
+    pack_member,
+    sign_member,
+)
 from protocol.errors import DDiLoCoError
 
 logger = logging.getLogger(__name__)
@@ -88,7 +97,7 @@ class Membership:
             raise RecordError(
                 f"record of {member.peer_id} already expired at {member.expires_at:.1f} (now {now:.1f})"
             )
-        raw = sign_member(self.swarm, self.identity, member)
+        raw = pack_member(sign_member(self.swarm, self.identity, member))  # packed, then sealed
         if self.admission is not None and self.admission.sealed:
             raw = self.admission.seal(raw, f"dht|{self.swarm}|{member.peer_id}")
         key = members_key(self.swarm, bucket_of(member.peer_id))

@@ -6,7 +6,17 @@ from dataclasses import replace
 import pytest
 
 from dht.identity import Identity
-from dht.records import Member, RecordError, eligible, live_view, parse_member, sign_member
+from dht.records import (
+    MAX_RECORD_BYTES,
+    PACKED,
+    Member,
+    RecordError,
+    eligible,
+    live_view,
+    pack_member,
+    parse_member,
+    sign_member,
+)
 
 
 def member(ident, now=100.0, **kw):
@@ -35,6 +45,42 @@ def test_forged_altered_and_cross_swarm_records_are_refused():
     for junk in (b"", b"{}", b"\xff" * 10, b"x" * 9000):
         with pytest.raises(RecordError):
             parse_member("s", junk, 101.0)
+
+
+def test_a_packed_record_is_under_half_a_full_ones_bytes_and_parses_as_the_plain_one():
+    """What the DHT stores (``pack_member``): a record with 24 heads of 64-hex hashes and two addresses is
+    2.8 KB signed, and under half that packed; it parses to the same member, and a plain record still does."""
+    import os
+
+    a = Identity.generate()
+    heads = {str(p): [1000 + p, os.urandom(32).hex(), 4, 4.0] for p in range(24)}
+    addrs = tuple(f"/ip4/10.201.0.{k}/tcp/4000{k}/p2p/{a.peer_id}" for k in range(2))
+    m = replace(member(a, heads=heads, step=4321, steps_per_s=2.1, leases={"3": 1004}), addrs=addrs)
+    plain = sign_member("s", a, m)
+    packed = pack_member(plain)
+    assert packed.startswith(PACKED) and len(plain) > 2700 and len(packed) < len(plain) / 2
+    assert parse_member("s", packed, 101.0) == parse_member("s", plain, 101.0) == m
+    with pytest.raises(RecordError, match="signature"):
+        parse_member("other-swarm", packed, 101.0)
+
+
+def test_a_packed_record_that_does_not_inflate_or_inflates_too_far_is_refused():
+    import zlib
+
+    a = Identity.generate()
+    packed = pack_member(sign_member("s", a, member(a)))
+    bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = PACKED + bomb.compress(b" " * (50 * MAX_RECORD_BYTES)) + bomb.flush()
+    assert len(bomb) < MAX_RECORD_BYTES  # small stored, huge inflated
+    cases = {
+        packed[:-3]: "truncated",
+        packed + b"tail": "after its end",
+        PACKED + b"\xff" * 40: "does not inflate",
+        bomb: "inflates past",
+    }
+    for raw, why in cases.items():
+        with pytest.raises(RecordError, match=why):
+            parse_member("s", raw, 101.0)
 
 
 def test_live_view_drops_bad_and_misfiled_records():
