@@ -106,3 +106,35 @@ def test_a_stranger_is_answered_within_its_deadline_while_a_slow_dht_read_goes_o
     # a joiner whose record the quick re-read finds is admitted on that read
     quick = _SlowView(0.05, joined="joiner")
     assert asyncio.run(run(quick, "joiner"))[0] is True and quick.reads == 1
+
+
+class _ViewAfterAMemberLeft:
+    """What ``SwarmView.known`` reads, on a hand-driven clock: ``gone`` was in a view read at t = 0 and is in
+    none since (its stores stopped reaching us on a full link, or it died)."""
+
+    known, recent, look_up = SwarmView.known, SwarmView.recent, SwarmView.look_up
+
+    def __init__(self) -> None:
+        self.settings = SimpleNamespace(heartbeat_s=2.0, rpc_timeout_s=0.4, ttl_s=8.0)
+        self.now = 0.0
+        self.clock = lambda: self.now
+        self.peer_id, self.members, self.blocked = "me", {"member": object()}, set()
+        self.last_in_view = {"member": 0.0, "gone": 0.0}
+        self._unknown_asked: dict = {}
+        self.peer_scores = SimpleNamespace(check=lambda peer, now: None)
+
+    async def refresh(self) -> None:  # the DHT holds no record of it
+        pass
+
+
+def test_a_member_that_left_the_view_is_answered_for_recent_ttls_and_a_stranger_never():
+    from node.swarm.view import RECENT_TTLS
+
+    view = _ViewAfterAMemberLeft()
+    horizon = RECENT_TTLS * view.settings.ttl_s
+    for t, gone_known in ((1.0, True), (horizon, True), (horizon + 0.1, False)):
+        view.now = t
+        assert asyncio.run(view.known("gone")) is gone_known, t
+        assert asyncio.run(view.known("member")) and not asyncio.run(view.known("stranger"))
+    view.blocked.add("member")  # a partition (the test hook) still cuts a member in the view
+    assert asyncio.run(view.known("member")) is False

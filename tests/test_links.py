@@ -58,11 +58,13 @@ def test_a_link_floor_that_is_not_positive_is_a_config_error():
 class _SlowLink:
     """Two ``Transport``s joined by TCP on loopback through a relay that forwards each direction at ``bps``
     bytes/s (the p2p daemons stood in for: they only carry the streams). The server's p2p stand-in hands
-    each relayed connection to the served transport's stream handler."""
+    each relayed connection to the served transport's stream handler. Relays given one ``shared`` dict share
+    one link: each direction's bytes, of every connection through any of them, leave in turn at ``bps``."""
 
-    def __init__(self, bps: float) -> None:
+    def __init__(self, bps: float, shared: dict | None = None) -> None:
         self.bps = bps
         self.handler = None
+        self.free = {"up": 0.0, "down": 0.0} if shared is None else shared  # when each direction is free
 
     async def add_binary_stream_handler(self, name, handler) -> None:
         self.handler = handler
@@ -78,10 +80,13 @@ class _SlowLink:
         self.inner = await asyncio.start_server(served, "127.0.0.1", 0)
         self.relay = await asyncio.start_server(self._relay, "127.0.0.1", 0)
 
-    async def _pump(self, reader, writer) -> None:
+    async def _pump(self, reader, writer, way: str) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while chunk := await reader.read(4096):
-                await asyncio.sleep(len(chunk) / self.bps)
+                start = max(loop.time(), self.free[way])
+                self.free[way] = start + len(chunk) / self.bps
+                await asyncio.sleep(self.free[way] - loop.time())
                 writer.write(chunk)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -92,7 +97,7 @@ class _SlowLink:
     async def _relay(self, reader, writer) -> None:
         port = self.inner.sockets[0].getsockname()[1]
         r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.gather(self._pump(reader, w2), self._pump(r2, writer))
+        await asyncio.gather(self._pump(reader, w2, "up"), self._pump(r2, writer, "down"))
 
     async def call_binary_stream_handler(self, peer, name):
         port = self.relay.sockets[0].getsockname()[1]
@@ -152,5 +157,58 @@ def test_a_body_several_times_the_deadline_on_a_slow_link_arrives_and_a_stalled_
         finally:
             stuck.set()
             link.close()
+
+    asyncio.run(go())
+
+
+class _Router:
+    """The caller's p2p stand-in for several servers: a stream to a peer goes through that peer's relay."""
+
+    def __init__(self, links: dict) -> None:
+        self.links = links
+
+    async def call_binary_stream_handler(self, peer, name):
+        return await self.links[peer].call_binary_stream_handler(peer, name)
+
+
+def test_bodies_to_three_peers_sharing_one_link_each_arrive_past_their_own_allowance(monkeypatch):
+    """One node echoes a 100 KB body to each of three peers at once over a link of 100 KB/s that their streams
+    share (one uplink, one downlink), every node counting on 100 KB/s. Each body alone takes 1 s of a 2.5 s
+    allowance; sharing the link, each takes about 3 s each way. The caller counts every body on its link
+    (``Transport.queued``, ``_on_link``); a server sees only its own, and a body that keeps arriving keeps its
+    deadline ahead of it (``_read_body``): all three arrive, none runs out."""
+    from node.swarm import transport as tmod
+    from node.swarm.transport import Reply, Transport
+
+    monkeypatch.setattr(tmod.PeerID, "from_base58", staticmethod(lambda s: s))
+
+    async def go() -> None:
+        shared = {"up": 0.0, "down": 0.0}
+        links = {name: _SlowLink(bps=100_000, shared=shared) for name in ("a", "b", "c")}
+
+        async def echo(who: str, payload: bytes) -> Reply:
+            return Reply(True, body=payload)
+
+        servers = []
+        for link in links.values():
+            server = Transport(link, timeout_s=0.5, links=LinkRates(100_000))
+            server.register("echo", echo)
+            await server.start()
+            await link.start()
+            servers.append(server)
+        caller = Transport(_Router(links), timeout_s=0.5, links=LinkRates(100_000))
+        try:
+            body = bytes(range(250)) * 400  # 100,000 bytes
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            replies = await asyncio.gather(*(caller.call(peer, "echo", body) for peer in links))
+            took = loop.time() - t0
+            assert all(r.ok and r.body == body for r in replies)
+            assert took > 2 * 2.5  # every body ran past the allowance it had alone
+            assert caller.queued() == 0 and all(s.queued() == 0 for s in servers)
+            assert sum(s.refused.get("broken_stream", 0) for s in servers) == 0
+        finally:
+            for link in links.values():
+                link.close()
 
     asyncio.run(go())

@@ -259,6 +259,9 @@ class _Receiver(Replication):
     async def known(self, caller: str) -> bool:
         return caller in self.members
 
+    def recent(self, peer: str) -> bool:  # in the view, or in one lately (``SwarmView.recent``)
+        return peer in self.members
+
     async def look_up(self, peer: str) -> bool:  # the view's re-read: the DHT has the joiner by now
         self.reads += 1
         self.members[self.joiner] = object()

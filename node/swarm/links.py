@@ -2,7 +2,8 @@
 
 A request's deadline (``rpc_timeout_s``) is for round trips and the handler: it is what a dead or hung peer
 costs. Once a peer has said GO, the body is allowed ``SLACK`` times the time its bytes take at the rate
-measured on that peer's link, on top of the deadline (``Transport``). Without that, a contribution of a whole
+measured on that peer's link, on top of the deadline, and so are the bodies ahead of it on this node's link,
+to and from every peer (``Transport.queued``). Without that, a contribution of a whole
 model in fp32 (3.6 MB for the default model, about 10 s over a 3 Mbit/s link) never arrived within a 4 s
 deadline, and every try failed over and was dropped.
 
@@ -18,6 +19,10 @@ FLOOR_BPS = 1e6 / 8  # 1 Mbit/s: the floor where none is given (``--link-floor-m
 MIN_SAMPLE = 64 << 10  # bytes: a body this large or larger measures the link
 SLACK = 2.0  # a body may take this many times its time at the measured rate
 WEIGHT = 0.3  # of a new sample in the moving average
+# a body that keeps arriving is allowed up to this many times its allowance: its sender's link may be shared
+# with bodies the reader cannot see (three snapshots served at once by one node each take three times their
+# bytes' time, and the reader of each counted on one); a sender that stops is cut after ``idle_s`` still
+SHARED = 8
 
 
 class LinkRates:

@@ -247,7 +247,7 @@ class Replication:
             if not await self.view.known(caller):
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"{caller} is not a live member")
             sr = decode_record(raw, self.settings.swarm, self.spec)
-            if sr.signer != self.peer_id and sr.signer not in self.view.members:
+            if sr.signer != self.peer_id and not self.view.recent(sr.signer):
                 raise ProtocolError(RejectCode.UNKNOWN_PEER, f"record signed by {sr.signer}, not a member")
             # node.swarm.trust.evidence: a lie every node can check bans its signer. A record that follows our head
             # is checked once, as it is applied (``take_record``); one that does not is checked here

@@ -15,8 +15,8 @@ the handler is done), refusing a request over that with ``peer_busy``.
 
 Deadlines: a request's deadline (``timeout_s``) covers its round trips and the handler; a body, once the
 other side has said GO (or announced a reply body), is allowed its time at the rate measured on that peer's
-link on top (``node.swarm.links``), so a large body on a thin link arrives, and a dead peer still costs the
-deadline alone.
+link on top (``node.swarm.links``), with the bodies already on this node's link to every peer ahead of it
+(``queued``), so a large body on a thin link arrives, and a dead peer still costs the deadline alone.
 
 Errors: every refusal is a ``Reply(ok=False, code, message)`` with a code from ``protocol.errors.RejectCode``
 ; transport failures raise ``TransportError`` saying which peer and op.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
-from node.swarm.links import LinkRates
+from node.swarm.links import SHARED, LinkRates
 from protocol.errors import DDiLoCoError, ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
@@ -63,13 +63,6 @@ Handler = Callable[[str, bytes], Awaitable[Reply]]  # (caller peer id, payload) 
 Admit = Callable[[str, str], Awaitable[None]]  # (caller, op): returns, or raises ProtocolError to refuse
 
 
-async def _write_frame(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
-    """Writes a header and body; returns their bytes on the stream."""
-    n = _write_header(writer, header, body)
-    await _write_body(writer, body)
-    return n + len(body)
-
-
 def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
     """Writes the frame's header; returns its bytes on the stream."""
     raw = json.dumps({**header, "nbytes": len(body)}).encode()
@@ -82,12 +75,23 @@ async def _moved(step: Awaitable, idle_s: float | None):
     return await (step if idle_s is None else asyncio.wait_for(step, idle_s))
 
 
-async def _write_body(writer: asyncio.StreamWriter, body: bytes, idle_s: float | None = None) -> None:
-    """``idle_s``: the longest one piece may wait for the link (a peer that stopped mid-body)."""
+async def _write_body(
+    writer: asyncio.StreamWriter,
+    body: bytes,
+    idle_s: float | None = None,
+    deadline: asyncio.Timeout | None = None,
+    ceiling: float = float("inf"),
+) -> None:
+    """``idle_s``: the longest one piece may wait for the link (a peer that stopped mid-body). With a
+    ``deadline``, each piece the link took puts it ``idle_s`` past now if it was sooner, up to ``ceiling``,
+    as ``_read_body`` does: the reader's link may be shared with senders this node cannot see."""
     view = memoryview(body)  # slices of a view: no copy of each chunk
+    loop = asyncio.get_running_loop()
     for i in range(0, len(body), CHUNK):
         writer.write(view[i : i + CHUNK])
         await _moved(writer.drain(), idle_s)
+        if deadline is not None and idle_s is not None and (when := deadline.when()) is not None:
+            deadline.reschedule(min(ceiling, max(when, loop.time() + idle_s)))
     await _moved(writer.drain(), idle_s)
 
 
@@ -141,16 +145,31 @@ async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[di
 
 
 async def _read_body(
-    reader: asyncio.StreamReader, nbytes: int, progress: dict | None = None, idle_s: float | None = None
+    reader: asyncio.StreamReader,
+    nbytes: int,
+    progress: dict | None = None,
+    idle_s: float | None = None,
+    deadline: asyncio.Timeout | None = None,
+    ceiling: float = float("inf"),
 ) -> bytes:
-    chunks, left = [], nbytes
+    """``nbytes`` of a body, as they come. ``idle_s``: the longest the link may be silent (a peer that stopped
+    mid-body). With a ``deadline``, every piece that arrives puts it ``idle_s`` past now if it was sooner, up
+    to ``ceiling`` (loop time): a body that keeps arriving is not cut for sharing the sender's link with
+    bodies the reader cannot see (``links.SHARED``)."""
+    chunks, left, got = [], nbytes, 0
+    loop = asyncio.get_running_loop()
     while left:
-        c = await _moved(reader.readexactly(min(CHUNK, left)), idle_s)
+        c = await _moved(reader.read(min(CHUNK, left)), idle_s)
+        if not c:
+            raise asyncio.IncompleteReadError(b"".join(chunks), nbytes)
         chunks.append(c)
         left -= len(c)
+        got += len(c)
         if progress is not None:  # a call in flight (``Transport.transfers``): bytes so far, last byte when
             progress["bytes"] += len(c)
             progress["last"] = time.time()
+        if deadline is not None and idle_s is not None and (when := deadline.when()) is not None:
+            deadline.reschedule(min(ceiling, max(when, loop.time() + idle_s)))
     return b"".join(chunks)
 
 
@@ -200,6 +219,8 @@ class Transport:
         # the calls it served, refused and broken ones too; where a node's link bytes go (``transfers``)
         self.by_op: dict[str, list[int]] = {}
         self._ids = itertools.count()
+        # a body on this node's link (of a call, or of a request served) -> (its bytes, its peer, its deadline)
+        self._moving: dict[int, tuple[int, str, asyncio.Timeout]] = {}
         self._calls: dict[int, dict] = {}  # calls in flight: peer, op, since, last byte, bytes received
         self._done: deque[dict] = deque(maxlen=32)  # the last calls finished, for status and ddiloco doctor
 
@@ -231,11 +252,23 @@ class Transport:
         peer that stops mid-body costs this, not the whole body's allowance."""
         return timeout_s + self.links.allowance_s(peer, CHUNK + ahead)
 
-    def queued(self, peer: str) -> int:
-        """Bytes of bodies on the link with ``peer`` now: requests of ours being sent to it, and of its being
-        read here (each direction's bytes share the peers' one connection with the next request's)."""
-        out = sum(c.get("out", 0) for c in list(self._calls.values()) if c["peer"] == peer)
-        return out + self.in_flight.get(peer, 0)
+    def queued(self) -> int:
+        """Bytes of bodies on this node's link now, to and from every peer: requests of ours being sent and
+        their replies being read, requests being read here and our replies to them being written. A node's
+        peers share its link (a datacenter's uplink), so three snapshots served at once each take three times
+        their bytes' time: a body's allowance counts the bytes ahead of it to every peer, not only to its
+        own (at 1 Mbit/s, counting one peer's, every concurrent snapshot ran past its allowance)."""
+        return sum(n for n, _, _ in self._moving.values())
+
+    def _on_link(self, key: int, nbytes: int, peer: str, deadline: asyncio.Timeout) -> None:
+        """A body of ``nbytes`` to or from ``peer`` starts on the link: every body already on it shares the
+        link with this one from now on, and is allowed this one's time on top (the first of three snapshots
+        served at once counted on the link alone, and ran past its allowance)."""
+        for _, q, other in self._moving.values():
+            when = other.when()
+            if when is not None:
+                other.reschedule(when + self.links.allowance_s(q, nbytes))
+        self._moving[key] = (nbytes, peer, deadline)
 
     def register(self, op: str, handler: Handler) -> None:
         self.handlers[op] = handler
@@ -266,6 +299,7 @@ class Transport:
         sent_go = False
         loop = asyncio.get_running_loop()
         op, sent, received = "?", 0, 0  # for ``by_op``
+        key = next(self._ids)
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
                 try:
@@ -288,10 +322,15 @@ class Transport:
                     sent_go, sent = True, 1
                     self.in_flight[caller] = held + nbytes
                     try:
-                        began = loop.time()
-                        deadline.reschedule(self.links.until(began, self.timeout_s, caller, nbytes))
-                        idle = self.idle_s(caller, self.timeout_s, self.queued(caller) - nbytes)
-                        payload = await _read_body(reader, nbytes, idle_s=idle)
+                        began, ahead = loop.time(), self.queued()
+                        self._on_link(key, nbytes, caller, deadline)
+                        deadline.reschedule(self.links.until(began, self.timeout_s, caller, nbytes + ahead))
+                        idle = self.idle_s(caller, self.timeout_s, ahead)
+                        ceiling = (
+                            began + self.timeout_s + SHARED * self.links.allowance_s(caller, nbytes + ahead)
+                        )
+                        payload = await _read_body(reader, nbytes, None, idle, deadline, ceiling)
+                        self._moving.pop(key, None)
                         received += nbytes
                         self.links.observe(caller, nbytes, loop.time() - began)
                         self.bytes_in += len(payload)
@@ -316,19 +355,27 @@ class Transport:
                     if reply.code != RejectCode.NOT_SYNCHRONISER.value:  # a routing redirect, not abuse
                         self.count_refusal(reply.code)
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
-                if reply.body:  # a snapshot or records served: its bytes' time on the link, on top
-                    deadline.reschedule(
-                        self.links.until(loop.time(), self.timeout_s, caller, len(reply.body))
+                body, idle, ceiling = reply.body, None, float("inf")
+                if body:  # a snapshot or records served: its bytes' time on the link, on top
+                    ahead, now = self.queued(), loop.time()
+                    self._on_link(key, len(body), caller, deadline)
+                    deadline.reschedule(self.links.until(now, self.timeout_s, caller, len(body) + ahead))
+                    idle = self.idle_s(caller, self.timeout_s, ahead)
+                    ceiling = (
+                        now + self.timeout_s + SHARED * self.links.allowance_s(caller, len(body) + ahead)
                     )
-                sent += await _write_frame(
-                    writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, reply.body
+                sent += _write_header(
+                    writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, body
                 )
+                await _write_body(writer, body, idle, deadline, ceiling)
+                sent += len(body)
                 self.bytes_out += len(reply.body)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
             # RuntimeError: asyncio refuses to write to a transport the peer already closed
             self.count_refusal("broken_stream")
             logger.warning("stream from %s dropped: %s", caller, type(e).__name__)
         finally:
+            self._moving.pop(key, None)
             self._count(op, sent, received, call=False)
             writer.close()
 
@@ -341,9 +388,8 @@ class Transport:
         key = next(self._ids)
         # bodies already on the link with this peer, either way, go first on its one connection: their
         # time is allowed to this request's round trips too
-        ahead = self.queued(peer_id)
+        ahead = self.queued()
         track = self._calls[key] = {"peer": peer_id, "op": op, "since": now, "last": now, "bytes": 0}
-        track["out"] = len(payload)
         outcome = "broken"
         sent = received = 0  # for ``by_op``
         loop = asyncio.get_running_loop()
@@ -361,20 +407,26 @@ class Transport:
                     received = 1
                     if go:
                         sent += len(payload)
-                        began, moving = loop.time(), len(payload)
-                        allowed = self.links.allowance_s(peer_id, self.queued(peer_id))  # it, and those ahead
+                        began, moving, ahead = loop.time(), len(payload), self.queued()
+                        self._on_link(key, len(payload), peer_id, cm)
+                        allowed = self.links.allowance_s(peer_id, len(payload) + ahead)  # it, and those ahead
                         cm.reschedule(began + deadline + allowed)
-                        await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead))
+                        ceiling = began + deadline + SHARED * allowed
+                        await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
                     header, nbytes = await _read_header(reader, self.max_bytes)
                     received += _header_bytes(header)
                     if go:  # from GO to the reply: the upload and the handler, a rate on the safe side
                         self.links.observe(peer_id, len(payload), loop.time() - began)
                     track["last"] = time.time()
-                    track["out"], began, moving = 0, loop.time(), nbytes
-                    allowed = self.links.allowance_s(peer_id, nbytes + self.queued(peer_id))
+                    self._moving.pop(key, None)
+                    began, moving, ahead = loop.time(), nbytes, self.queued()
+                    if nbytes:
+                        self._on_link(key, nbytes, peer_id, cm)
+                    allowed = self.links.allowance_s(peer_id, nbytes + ahead)
                     cm.reschedule(began + deadline + allowed)
-                    idle = self.idle_s(peer_id, deadline, self.queued(peer_id))
-                    body = await _read_body(reader, nbytes, track, idle)
+                    idle = self.idle_s(peer_id, deadline, ahead)
+                    ceiling = began + deadline + SHARED * allowed
+                    body = await _read_body(reader, nbytes, track, idle, cm, ceiling)
                     received += nbytes
                     self.links.observe(peer_id, nbytes, loop.time() - began)
                     moving = 0
@@ -400,6 +452,7 @@ class Transport:
                 "is the peer alive and reachable?"
             ) from e
         finally:
+            self._moving.pop(key, None)
             self._count(op, sent, received, call=True)
             c = self._calls.pop(key)
             self._done.append(

@@ -43,6 +43,12 @@ ELECT_WATCH_ROUNDS = 3.0
 # members: a member's own records never credit it, so a node that merged alone is credited by its first
 # joiner's record alone, and for a moment its view elects no one but itself
 ELECT_CREDITED = 2
+# a member whose record left this node's view is still answered this many ttl_s (``recent``): on a link its
+# own payload fills, a member's stores reach a peer late, its record expires there for a few seconds, and
+# every request it made meanwhile (records, snapshots, its contributions, a record it pushed) was refused
+# ``unknown_peer`` (410 refusals in 2 minutes at 1 Mbit/s): the catch-ups that would have joined the chains
+# failed, and the swarm stayed on 4 hashes with its learners paused
+RECENT_TTLS = 8.0
 VIEW_HOLD_TTLS = 3.0  # while membership reads fail, the last good view is held this many ttl_s at most
 
 
@@ -94,6 +100,7 @@ class SwarmView:
         self.joining, self.renounced, self.decide = joining, renounced, decide
         self.spawn, self.request_stop = spawn, request_stop
         self.members: dict[str, Member] = {}  # the last view read, without this node; replaced whole
+        self.last_in_view: dict[str, float] = {}  # member -> when a view last held it (this node's clock)
         self.blocked: set[str] = set()  # test hook: peers treated as unreachable (a partition)
         self.published_self: Member | None = None  # this node's membership record as peers read it
         self._unknown_asked: dict = {}  # unknown caller -> (when we last re-read the view for it, that read)
@@ -379,6 +386,10 @@ class SwarmView:
         seen = self.clock()
         for pid in self.members:
             self.peer_book[pid] = max(seen, self.peer_book.get(pid, seen))
+            self.last_in_view[pid] = seen
+        if len(self.last_in_view) > 4 * len(self.members) + 64:
+            horizon = seen - RECENT_TTLS * self.settings.ttl_s
+            self.last_in_view = {q: t for q, t in self.last_in_view.items() if t >= horizon}
         # when each lease a member publishes was first seen here (``Intake.stalled_here``): the
         # evidence that a member took a round and did not merge it runs from then, not from the round's slot
         # (and the swarm's summed published learner steps then: a round held open while no learner worked,
@@ -441,13 +452,22 @@ class SwarmView:
             self.events.emit("relink", t=time.time(), peers=back)
 
     async def known(self, caller: str) -> bool:
-        """Whether ``caller`` is a live member; raises ProtocolError(BANNED) for a banned peer."""
+        """Whether ``caller`` is a live member, or was one lately (``recent``); raises ProtocolError(BANNED) for
+        a banned peer."""
         self.peer_scores.check(caller, time.monotonic())
         if caller in self.blocked:
             return False
-        if caller in self.members or caller == self.peer_id:
+        if caller == self.peer_id or self.recent(caller):
             return True
         return await self.look_up(caller)
+
+    def recent(self, peer: str) -> bool:
+        """Whether ``peer`` is in the view, or was in one in the last ``RECENT_TTLS`` x ``ttl_s``: who this node
+        answers and takes records from. Elections, quorums and live sets read the view alone."""
+        if peer in self.members:
+            return True
+        seen = self.last_in_view.get(peer)
+        return seen is not None and self.clock() - seen <= RECENT_TTLS * self.settings.ttl_s
 
     async def look_up(self, peer: str) -> bool:
         """Whether ``peer``, not in our view, has just joined: re-read the view (no DHT write), at most once a
