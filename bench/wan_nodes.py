@@ -57,11 +57,7 @@ def window(
     tcp_b = [lab.tcp_bytes(i) for i in range(cfg.nodes)] if payload else None
     p_b = payload() if payload else None
     both = bool(p_a and p_b)
-    by_op: dict[str, int] = {}
-    for x, y in zip(p_a, p_b) if both else ():
-        old = x["transfers"].get("by_op", {})
-        for op, row in y["transfers"].get("by_op", {}).items():
-            by_op[op] = by_op.get(op, 0) + row["sent"] - old.get(op, {}).get("sent", 0)
+    by_op = sent_by_op(p_a, p_b) if both else {}
     return {
         "t_a": t_a,
         "t_b": t_b,
@@ -87,6 +83,16 @@ def window(
 
 
 # ------------------------------------------------------------------------------------------ node systems
+def sent_by_op(before: list[dict], after: list[dict]) -> dict[str, int]:
+    """Every node's transport bytes sent between two status reads, summed, by op (``transfers.by_op``)."""
+    by_op: dict[str, int] = {}
+    for x, y in zip(before, after):
+        old = x["transfers"].get("by_op", {})
+        for op, row in y["transfers"].get("by_op", {}).items():
+            by_op[op] = by_op.get(op, 0) + row["sent"] - old.get(op, {}).get("sent", 0)
+    return by_op
+
+
 def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callable[[str], None]) -> dict:
     flags = ["--threads", "1", "--swarm", f"wan-{os.getpid()}", "--batch-size", str(cfg.batch_size)]
     flags += ["--eval-every-s", f"{cfg.eval_every_s:g}", "--sync-every", str(cfg.sync_every)]
@@ -124,7 +130,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         rounds = max((d.get("rounds_merged", 0) for d in docs), default=0)
         return f"steps {steps}  ~{tps:,.0f} tok/s  rounds {rounds}"
 
-    settled, idle_sent = False, None
+    settled, idle_sent, idle_by_op = False, None, None
     try:
         say(f"starting {cfg.nodes} nodes ({' '.join(flags)})")
         # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
@@ -186,10 +192,14 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         settled = streak >= 2
         say("paused; one model hash" if settled else f"paused; hashes still differ after {cfg.settle_s:g} s")
         if cfg.idle_s > 0:  # the learners paused: what membership, heartbeats and the DHT cost alone
+            docs_a = payload()
             a, t0 = [lab.link_bytes(i) for i in range(cfg.nodes)], time.monotonic()
             time.sleep(cfg.idle_s)
             b, span = [lab.link_bytes(i) for i in range(cfg.nodes)], time.monotonic() - t0
+            docs_b = payload()
             idle_sent = [(y[0] - x[0]) / span for x, y in zip(a, b)]
+            if docs_a and docs_b:  # of those, what the transport's ops sent (the rest: the DHT, framing)
+                idle_by_op = {op: n / span for op, n in sent_by_op(docs_a, docs_b).items() if n > 0}
         for c in children:
             if not control(c, "stop"):
                 c.proc.send_signal(signal.SIGTERM)
@@ -225,6 +235,7 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         "learners": learners,
         "settled": settled,
         "idle_sent_B_per_s": idle_sent,
+        "idle_by_op_B_per_s": idle_by_op,
         "tokens_per_step": tokens_per_step,
         "t_start": t_start,
     }

@@ -96,6 +96,11 @@ def analyze(raw: dict, nodes: int) -> dict:
         "idle_sent_B_per_s_per_node": sum(raw["idle_sent_B_per_s"]) / nodes
         if raw.get("idle_sent_B_per_s")
         else None,
+        "idle_by_op_B_per_s_per_node": {
+            op: n / nodes for op, n in sorted(raw["idle_by_op_B_per_s"].items(), key=lambda kv: -kv[1])
+        }
+        if raw.get("idle_by_op_B_per_s")
+        else None,
         "tcp_B_per_step_per_node": raw["tcp_sent_B"] / nodes / steps
         if raw.get("tcp_sent_B") and steps
         else None,
@@ -204,6 +209,11 @@ def wire_line(label: str, r: dict) -> str:
             else ""
         )
         + (f"; learners paused, {_b(idle)}/s a node" if idle else "")
+        + (
+            " (" + ", ".join(f"{op} {_b(n)}/s" for op, n in r["idle_by_op_B_per_s_per_node"].items()) + ")"
+            if r.get("idle_by_op_B_per_s_per_node")
+            else ""
+        )
     )
 
 
