@@ -154,3 +154,39 @@ def test_a_restarted_node_keeps_asking_a_donor_that_refuses_it_until_a_heartbeat
     assert len(tries) > 8  # the first tries were refused, and it went on past two of them
     ((kind, kw),) = events
     assert kind == "catch_up" and kw["fragments"] == [0, 1, 2, 3] and kw["behind"] == 4
+
+
+def test_catch_ups_of_many_fragments_fetch_at_most_snapshots_in_flight_at_once_and_all_arrive():
+    """A node behind on eight fragments catches each up in a task of its own: their snapshots are fetched
+    ``SNAPSHOTS_IN_FLIGHT`` at a time (all at once, on a thin link each ran past its deadline), and every
+    one is fetched."""
+    import asyncio
+
+    from node.swarm.catch_up import SNAPSHOTS_IN_FLIGHT
+
+    frags = 8
+    cu = fake_catch_up(
+        spec={p: {} for p in range(frags)},
+        replicas=[object()] * frags,
+        heads=[(0, "", 0, 0.0)] * frags,
+        logs=[{}] * frags,
+        merged_tokens=[0] * frags,
+    )
+    live, most, fetched = [0], [0], []
+
+    async def fetch_snapshot(pid, fragments, replace_ours=False, head=None):
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        await asyncio.sleep(0.02)
+        live[0] -= 1
+        fetched.extend(fragments)
+
+    cu.fetch_snapshot = fetch_snapshot
+
+    async def go():
+        head = [3, "theirs", 4, 4.0]
+        await asyncio.gather(*(cu.catch_up(p, "donor", head, yielding=True) for p in range(frags)))
+
+    asyncio.run(go())
+    assert sorted(fetched) == list(range(frags))
+    assert most[0] == SNAPSHOTS_IN_FLIGHT < frags

@@ -149,3 +149,65 @@ def test_a_cpu_quota_holds_each_node_and_every_process_it_starts():
     assert not any(g.exists() for g in groups)
     with pytest.raises(ConfigError, match="cores per node"):
         NetLab(1, cpu=-1)
+
+
+@pytest.mark.slow
+def test_a_contribution_several_times_the_request_deadline_on_a_capped_link_merges_with_no_failover(tmp_path):
+    """Optional (root and iproute2): two real nodes of synchronous DiLoCo in two namespaces, links capped at
+    10 Mbit/s, a request deadline of 1 s (``--rpc-timeout-s``). The contribution that crosses the link is the
+    whole model in fp32 (3.6 MB: about 3 s on the link), so it runs past any fixed deadline of that size; it
+    arrives within its bytes' allowance (``node.swarm.links``), rounds merge both learners, and no
+    contribution fails over or is dropped."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    from node.chaos.netns import NetLab, NetnsError
+    from node.common.events import read_events
+    from node.common.status_client import fetch_status
+    from node.local.launcher import kill_group, wait_ready
+
+    lab = NetLab(2, rate="10mbit", tag=f"c{os.getpid() % 100000}")
+    try:
+        lab.open()
+    except NetnsError as e:
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    flags = ["--threads", "1", "--swarm", f"capped-{os.getpid()}", "--system", "sync-diloco"]
+    flags += ["--sync-every", "6", "--rpc-timeout-s", "1"]
+    children = []
+    try:
+        children.append(lab.start(0, tmp_path, flags, []))
+        wait_ready(children, 90)
+        children.append(lab.start(1, tmp_path, flags, children[0].maddrs))
+        wait_ready(children[1:], 90)
+        learners = {c.peer_id for c in children}
+
+        def merged_both() -> list[dict]:
+            return [
+                r
+                for c in children
+                for r in read_events(c.state_dir / "events.jsonl")
+                if r["kind"] == "merge" and set(r.get("learners", [])) == learners
+            ]
+
+        deadline = time.monotonic() + 150
+        while len(merged_both()) < 2:
+            assert all(c.proc.poll() is None for c in children), children[0].tail()
+            assert time.monotonic() < deadline, "two rounds merging both learners: not within 150 s"
+            time.sleep(1.0)
+        docs = [lab.inside(c.index, lambda c=c: fetch_status(c.url, timeout_s=5)) for c in children]
+    finally:
+        for c in children:
+            kill_group(c)
+        lab.close()
+    events = [r for c in children for r in read_events(c.state_dir / "events.jsonl")]
+    assert [r for r in events if r["kind"] in ("failover", "drop")] == []
+    sent = [
+        call
+        for d in docs
+        for call in d["transfers"]["recent"]
+        if call["op"] == "contribute" and call["outcome"] == "ok"
+    ]
+    assert sent, [d["transfers"]["recent"] for d in docs]
+    # the model's fp32 weights crossed the link, a call well past the 1 s deadline
+    assert max(call["seconds"] for call in sent) > 2.0, sent
+    by_op = [d["transfers"]["by_op"].get("contribute", {}) for d in docs]
+    assert max(row.get("sent", 0) for row in by_op) > 3_000_000, by_op
