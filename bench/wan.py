@@ -137,7 +137,12 @@ def run_all(cfg: WanConfig) -> dict:
 
             rate = "" if cap == "none" else cap
             lab = NetLab(
-                cfg.nodes, rate, tag=tag, burst=burst_for(cap) if rate else "32kbit", cpu=cfg.cpu_per_node
+                cfg.nodes,
+                rate,
+                tag=tag,
+                burst=burst_for(cap) if rate else "32kbit",
+                cpu=cfg.cpu_per_node,
+                rtt_ms=cfg.rtt_ms,
             ).open()
             try:
                 if system in NODE_SYSTEM:
@@ -242,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         default=d.idle_s,
         help="seconds of link bytes measured with every learner paused, after the window (0: none)",
     )
+    ap.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=d.rtt_ms,
+        help="a round trip added between every two nodes, by a relay holding each byte half of it each way "
+        "(node systems only; default: none)",
+    )
     ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
     ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
@@ -265,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         node_flags=a.node_flags.split(),
         dp_reference=not a.no_dp_reference,
         idle_s=a.idle_s,
+        rtt_ms=a.rtt_ms,
         cpu_per_node=(os.cpu_count() or 1) / a.nodes if a.cpu_per_node is None else a.cpu_per_node,
     )
 

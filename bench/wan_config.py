@@ -56,6 +56,8 @@ class WanConfig:
     """seconds of link bytes measured after the quiet period, learners paused: the swarm's background"""
     gloo_timeout_s: float = 300.0
     cpu_per_node: float = 0.0
+    rtt_ms: float = 0.0
+    """a round trip added between every two nodes (``NetLab(rtt_ms=...)``: a delaying relay); node systems only"""
     """CPU cores each node (or DP worker) may use, a cgroup quota; 0: none (they share the machine)"""
     dp_reference: bool = True
     """run each DP system once more, uncapped, to the most tokens ours reached (eval loss per token)"""
@@ -69,6 +71,10 @@ class WanConfig:
         for c in self.caps:
             if c != "none":
                 rate_bits(c)
+        if self.rtt_ms and any(s.startswith("dp-") for s in self.systems):
+            raise ConfigError(
+                "rtt_ms applies to node systems only: DP's gloo group dials the namespaces directly"
+            )
         if self.idle_s < 0:
             raise ConfigError(f"idle_s={self.idle_s:g} is invalid: seconds, 0 for none")
         if self.duration_s <= 0 or self.warm_s < 0 or self.eval_every_s <= 0:

@@ -228,6 +228,11 @@ def render(res: dict) -> str:
             f", each node (or DP worker) held to {cfg['cpu_per_node']:g} of them by a cgroup quota"
             if cfg.get("cpu_per_node")
             else ", shared by all nodes (no quota)"
+        )
+        + (
+            f"; {cfg['rtt_ms']:g} ms round trip between every two nodes (a relay in user space)"
+            if cfg.get("rtt_ms")
+            else ""
         ),
     ]
     head = ["system", "tokens/s", "ours/this", "steps", "s/step", "out Mbit/s", "out/step", "payload/step",

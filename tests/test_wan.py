@@ -194,12 +194,15 @@ def test_a_contribution_several_times_the_request_deadline_on_a_capped_link_merg
             assert time.monotonic() < deadline, "two rounds merging both learners: not within 150 s"
             time.sleep(1.0)
         docs = [lab.inside(c.index, lambda c=c: fetch_status(c.url, timeout_s=5)) for c in children]
+        stopped = (
+            time.time()
+        )  # a contribution in flight when its synchroniser is killed fails over: not counted
     finally:
         for c in children:
             kill_group(c)
         lab.close()
     events = [r for c in children for r in read_events(c.state_dir / "events.jsonl")]
-    assert [r for r in events if r["kind"] in ("failover", "drop")] == []
+    assert [r for r in events if r["kind"] in ("failover", "drop", "stall") and r["t"] < stopped] == []
     sent = [
         call
         for d in docs

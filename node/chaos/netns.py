@@ -41,6 +41,7 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.201.0"
+RELAY_PORT = 41000  # with a round trip (``rtt_ms``): node i listens on RELAY_PORT + i, as does its relay
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (``cpu.cfs_quota_us``)
 
 
@@ -67,20 +68,31 @@ def _tc(ns: str, *args: str) -> None:
 
 class NetLab:
     def __init__(
-        self, nodes: int, rate: str = "", tag: str = "", burst: str = "32kbit", cpu: float = 0.0
+        self,
+        nodes: int,
+        rate: str = "",
+        tag: str = "",
+        burst: str = "32kbit",
+        cpu: float = 0.0,
+        rtt_ms: float = 0.0,
     ) -> None:
         """``burst``: the token bucket's depth. 32kbit holds rates up to ~100mbit here; a faster cap needs
         about 1 ms of its rate (a 4 KB bucket lets 1000mbit through at ~400 Mbit/s on this machine).
-        ``cpu``: CPU cores each node may use (0: no quota)."""
+        ``cpu``: CPU cores each node may use (0: no quota). ``rtt_ms``: a round trip added between every two
+        nodes, by a relay in the hub that holds each byte half of it each way (``node.chaos.delay``; nodes
+        started by ``start`` listen behind it and announce its address)."""
         if os.geteuid() != 0:
             raise ConfigError("--netns needs root (it creates network namespaces); run without it otherwise")
         if not 1 <= nodes <= 250:
             raise ConfigError(f"nodes={nodes} is invalid for --netns: 1 to 250")
+        if not 0 <= rtt_ms <= 10_000 or (rtt_ms and nodes > 150):
+            raise ConfigError(f"rtt_ms={rtt_ms:g} is invalid: 0 to 10000 ms, for at most 150 nodes")
         if cpu < 0 or cpu > (os.cpu_count() or 1):
             raise ConfigError(f"cpu={cpu:g} is invalid: cores per node, 0 (no quota) to {os.cpu_count()}")
         if cpu and not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
             raise ConfigError(f"a CPU quota per node needs cgroup v1's cpu controller at {CPU_CGROUPS}")
-        self.nodes, self.rate, self.burst, self.cpu = nodes, rate, burst, cpu
+        self.nodes, self.rate, self.burst, self.cpu, self.rtt_ms = nodes, rate, burst, cpu, rtt_ms
+        self.relay: subprocess.Popen | None = None
         self.groups: list[Path] = []
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"ddc{self.tag}-hub"
@@ -93,6 +105,10 @@ class NetLab:
 
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
+
+    def relay_addr(self, i: int) -> str:
+        """Where peers reach node ``i`` with a round trip set: its relay's address, in the hub."""
+        return f"{SUBNET}.{i + 101}"
 
     def open(self) -> NetLab:
         try:
@@ -130,8 +146,37 @@ class NetLab:
                 self.groups.append(group)
                 period = int((group / "cpu.cfs_period_us").read_text())
                 (group / "cpu.cfs_quota_us").write_text(str(int(self.cpu * period)))
+        if self.rtt_ms:
+            self._start_relay()
+
+    def _start_relay(self) -> None:
+        routes = []
+        for i in range(self.nodes):
+            _ip("-n", self.hub, "addr", "add", f"{self.relay_addr(i)}/24", "dev", "br0")
+            port = RELAY_PORT + i
+            routes.append(f"{self.relay_addr(i)}:{port}={self.addr(i)}:{port}")
+        cmd = ["ip", "netns", "exec", self.hub, sys.executable, "-m", "node.chaos.delay"]
+        cmd += ["--one-way-ms", f"{self.rtt_ms / 2:g}", *routes]
+        # only its first line is read: its output past that goes nowhere, so that no pipe fills
+        self.relay = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        box: list[str] = []
+        reader = threading.Thread(target=lambda: box.append(self.relay.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(30)
+        if not box or "relaying" not in box[0]:
+            raise NetnsError(
+                f"the delaying relay did not start within 30 s: {box[0] if box else '(no output)'}"
+            )
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.terminate()
+            try:
+                self.relay.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.relay.kill()
+                self.relay.wait(timeout=10)
+            self.relay = None
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         self.made.clear()
@@ -159,7 +204,15 @@ class NetLab:
 
     # ------------------------------------------------------------------ nodes
     def node_flags(self, i: int) -> list[str]:
-        return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
+        if not self.rtt_ms:
+            return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
+        port = RELAY_PORT + i  # peers dial the relay, which holds each byte half the round trip each way
+        return [
+            "--host-maddrs",
+            f"/ip4/{self.addr(i)}/tcp/{port}",
+            "--announce-maddrs",
+            f"/ip4/{self.relay_addr(i)}/tcp/{port}",
+        ]
 
     def start(self, index: int, run_dir: Path, flags: list[str], peers: list[str]) -> Child:
         """``node.local.launcher.start_node`` inside node ``index``'s namespace (``ip netns exec`` execs, so the
@@ -257,6 +310,8 @@ class NetLab:
     # ------------------------------------------------------------------ faults
     def partition(self, side: set[int]) -> None:
         """Move ``side``'s hub ports to the second bridge: they reach each other, not the rest."""
+        if self.rtt_ms:  # the relays live on the first bridge: the moved side would reach no one
+            raise ConfigError("a partition with a round trip set (rtt_ms) is not supported")
         for i in side:
             _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br1")
         self.split = set(side)

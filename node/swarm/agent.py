@@ -404,6 +404,7 @@ class Node(Replication):
             self.receipts.watched_round,
             self.receipts.check_omission,
             self.outbox.send_again,
+            lambda peer, n: self.transport.link_s(peer, n) if self.transport is not None else 0.0,
         )
         addrs = [] if s.client_mode else [str(a) for a in self.dht.get_visible_maddrs()]
         self.turn_held, self.unelected_held = held_records(self)  # node.swarm.assembly

@@ -72,6 +72,7 @@ class MergeDeadlines:
         watched_round: Callable[[TakenReceipt, int], int],
         check_omission: Callable[[SignedRecord, TakenReceipt], bool],
         send_again: Callable[[ContributionHeader], None],
+        link_s: Callable[[str, int], float] | None = None,
     ) -> None:
         self.settings = settings
         self.pcfg = pcfg
@@ -87,6 +88,9 @@ class MergeDeadlines:
         self.watched_round = watched_round
         self.check_omission = check_omission
         self.send_again = send_again
+        # seconds the link to a peer allows a body of n bytes now, behind those on it (``Transport.link_s``)
+        self.link_s = link_s
+        self._record_bytes: dict[int, int] = {}  # per fragment: a merge record's outer gradient, on the wire
         # per fragment, our latest contribution another member took: (header, that member, the round whose
         # record must name it, its receipt or None: ``node.swarm.trust.receipts``, when it was taken on the loop)
         self.taken: dict[int, tuple[ContributionHeader, str, int, TakenReceipt | None, float]] = {}
@@ -106,15 +110,30 @@ class MergeDeadlines:
             self.taken[p] = (header, target, self.watched_round(receipt, open_round), receipt, now)
         elif self.rounds_behind(p) == 0:  # behind, the round it went into is not ours + 1: nothing to watch
             self.taken[p] = (header, target, open_round, None, now)
-        self.loop.call_later(self.deadline(header), self.check_merged, target, header, open_round)
+        self.loop.call_later(self.deadline(header, target), self.check_merged, target, header, open_round)
 
-    def deadline(self, header: ContributionHeader) -> float:
+    def record_bytes(self, p: int) -> int:
+        """The wire bytes of a record of fragment p's merged outer gradient (``record_codec``)."""
+        n = self._record_bytes.get(p)
+        if n is None:
+            from protocol.codecs import encoded_nbytes
+
+            numel = sum(t.numel() for t in self.replicas[p].theta.values())
+            n = self._record_bytes[p] = encoded_nbytes(numel, self.pcfg.record_codec, self.pcfg.codec_block)
+        return n
+
+    def deadline(self, header: ContributionHeader, target: str | None = None) -> float:
         """Seconds from now until a round that took ``header`` must have merged: its due moment plus
         ``STALL_PERIODS`` due periods; before the swarm has a schedule (its first rounds, which merge on
         arrival), ``STALL_PERIODS`` times the longest wait an honest synchroniser may take, ``failover_s``,
         or the grace window, which is at most ``overlap`` of the learners' steps (``protocol.synchroniser``):
         at 124M parameters a step took 8-10 s, the grace window 10 s, and every synchroniser of a first
-        round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run."""
+        round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run.
+
+        With the ``target`` named, the record's own time on the link from it comes on top (``link_s``: its
+        bytes at the rate measured on that link, behind the bodies on ours): two nodes of synchronous DiLoCo
+        on a 10 Mbit/s link took each other for stalled while the whole model's fp32 record, 3 s on the link,
+        was on its way, and failed their contributions over."""
         now = self.loop.time()
         sched = self.clocks.due(header.fragment)
         if sched is not None:
@@ -124,7 +143,10 @@ class MergeDeadlines:
                 now,
                 max(self.settings.failover_s / STALL_PERIODS, self.pcfg.overlap * header.step_time_s),
             )
-        return max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
+        wait = max(due, now) - now + max(STALL_PERIODS * every, 2 * self.settings.heartbeat_s)
+        if target is not None and self.link_s is not None:
+            wait += self.link_s(target, self.record_bytes(header.fragment))
+        return wait
 
     def check_merged(self, target: str, header: ContributionHeader, open_round: int) -> None:
         """The deadline of a round ``target`` took: merged (here, or a head another member publishes), or

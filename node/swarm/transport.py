@@ -260,6 +260,11 @@ class Transport:
         own (at 1 Mbit/s, counting one peer's, every concurrent snapshot ran past its allowance)."""
         return sum(n for n, _, _ in self._moving.values())
 
+    def link_s(self, peer: str, nbytes: int) -> float:
+        """The seconds a body of ``nbytes`` from or to ``peer`` is allowed now, behind the bodies on this node's
+        link (``queued``): what waiting for one costs, past a request's round trips."""
+        return self.links.allowance_s(peer, nbytes + self.queued())
+
     def _on_link(self, key: int, nbytes: int, peer: str, deadline: asyncio.Timeout) -> None:
         """A body of ``nbytes`` to or from ``peer`` starts on the link: every body already on it shares the
         link with this one from now on, and is allowed this one's time on top (the first of three snapshots
