@@ -212,3 +212,41 @@ def test_bodies_to_three_peers_sharing_one_link_each_arrive_past_their_own_allow
                 link.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_bodies_from_three_callers_into_one_peers_link_arrive_when_each_counts_the_others(monkeypatch):
+    """Three nodes each send a 400 KB body at once to one peer whose link (200 KB/s) all three share, as a
+    round's learners send a synchroniser their contributions. A caller's socket takes its body at once, so
+    nothing tells it the far end reads at a third of the rate: with ``share=3`` each counts the two others'
+    bodies (``Transport.call``) and all arrive; counting its own alone, a call runs out."""
+    from node.swarm import transport as tmod
+    from node.swarm.transport import Reply, Transport, TransportError
+
+    monkeypatch.setattr(tmod.PeerID, "from_base58", staticmethod(lambda s: s))
+
+    async def go(share: int) -> list:
+        shared = {"up": 0.0, "down": 0.0}
+        links = [_SlowLink(bps=200_000, shared=shared) for _ in range(3)]
+        server = Transport(links[0], timeout_s=0.5, links=LinkRates(200_000))
+
+        async def took(who: str, payload: bytes) -> Reply:
+            return Reply(True)
+
+        server.register("take", took)
+        await server.start()
+        for link in links:
+            link.handler = links[0].handler
+            await link.start()
+        callers = [Transport(link, timeout_s=0.5, links=LinkRates(200_000)) for link in links]
+        body = bytes(400_000)  # 2 s alone, 4.5 s allowed; 6 s with the two others
+        try:
+            return await asyncio.gather(
+                *(c.call("server", "take", body, share=share) for c in callers), return_exceptions=True
+            )
+        finally:
+            for link in links:
+                link.close()
+
+    assert all(isinstance(r, Reply) and r.ok for r in asyncio.run(go(share=3)))
+    assert any(isinstance(r, TransportError) for r in asyncio.run(go(share=1)))

@@ -209,8 +209,15 @@ class Sender:
                     # node's rounds dropped every contribution sent to them, 19 in one chaos run.)
                     left = max(0.5, deadline - self.clock())
                     wait = left / 2 if len(order) > 1 else left
+                    # every other learner of the round may be sending the synchroniser theirs at once: at 1
+                    # Mbit/s, three fp32 models of synchronous DiLoCo into one node each ran past the time one
+                    # alone takes, and every round failed over
                     reply = await self.transport.call(
-                        target, "contribute", payload, timeout_s=min(wait, self.settings.rpc_timeout_s)
+                        target,
+                        "contribute",
+                        payload,
+                        timeout_s=min(wait, self.settings.rpc_timeout_s),
+                        share=max(1, len(order) - 1),
                     )
                 except TransportError as e:
                     self.fail_over(target, header, str(e)[:200], dead)

@@ -385,9 +385,17 @@ class Transport:
             writer.close()
 
     async def call(
-        self, peer_id: str, op: str, payload: bytes = b"", timeout_s: float | None = None
+        self,
+        peer_id: str,
+        op: str,
+        payload: bytes = b"",
+        timeout_s: float | None = None,
+        share: int = 1,
     ) -> Reply:
-        """Send ``payload`` to ``op`` on ``peer_id`` and wait for the reply, within the deadline."""
+        """Send ``payload`` to ``op`` on ``peer_id`` and wait for the reply, within the deadline. ``share``: how
+        many such bodies the peer's link may be taking at once from others (a synchroniser's, from every
+        learner of a round): the body is allowed its time that many times over. This node sees only its own
+        link; once p2pd has taken the body, nothing tells it how fast the far end reads."""
         deadline = self.timeout_s if timeout_s is None else timeout_s
         now = time.time()
         key = next(self._ids)
@@ -414,7 +422,8 @@ class Transport:
                         sent += len(payload)
                         began, moving, ahead = loop.time(), len(payload), self.queued()
                         self._on_link(key, len(payload), peer_id, cm)
-                        allowed = self.links.allowance_s(peer_id, len(payload) + ahead)  # it, and those ahead
+                        # it, as many more on the far link, and those ahead on ours
+                        allowed = self.links.allowance_s(peer_id, max(1, share) * len(payload) + ahead)
                         cm.reschedule(began + deadline + allowed)
                         ceiling = began + deadline + SHARED * allowed
                         await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
