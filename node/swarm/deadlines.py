@@ -88,7 +88,7 @@ class MergeDeadlines:
         self.watched_round = watched_round
         self.check_omission = check_omission
         self.send_again = send_again
-        # seconds the link to a peer allows a body of n bytes now, behind those on it (``Transport.link_s``)
+        # seconds the link from a peer allows a body of n bytes at its measured rate (``Transport.link_s``)
         self.link_s = link_s
         self._record_bytes: dict[int, int] = {}  # per fragment: a merge record's outer gradient, on the wire
         # per fragment, our latest contribution another member took: (header, that member, the round whose
@@ -131,7 +131,7 @@ class MergeDeadlines:
         round was taken for stalled (8 s) a moment before it merged, 2 to 4 times per node in a run.
 
         With the ``target`` named, the record's own time on the link from it comes on top (``link_s``: its
-        bytes at the rate measured on that link, behind the bodies on ours): two nodes of synchronous DiLoCo
+        bytes at the rate measured on that link, none before one is): two nodes of synchronous DiLoCo
         on a 10 Mbit/s link took each other for stalled while the whole model's fp32 record, 3 s on the link,
         was on its way, and failed their contributions over."""
         now = self.loop.time()

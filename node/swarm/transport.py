@@ -261,9 +261,12 @@ class Transport:
         return sum(n for n, _, _ in self._moving.values())
 
     def link_s(self, peer: str, nbytes: int) -> float:
-        """The seconds a body of ``nbytes`` from or to ``peer`` is allowed now, behind the bodies on this node's
-        link (``queued``): what waiting for one costs, past a request's round trips."""
-        return self.links.allowance_s(peer, nbytes + self.queued())
+        """The seconds a body of ``nbytes`` from ``peer`` is allowed at the rate measured on its link; 0 where
+        none is measured yet (no body of ``MIN_SAMPLE`` bytes has moved: the bodies between the two are small,
+        and at the floor's rate a wait of this node on a fast link would grow for nothing)."""
+        if peer not in self.links.rates:
+            return 0.0
+        return self.links.allowance_s(peer, nbytes)
 
     def _on_link(self, key: int, nbytes: int, peer: str, deadline: asyncio.Timeout) -> None:
         """A body of ``nbytes`` to or from ``peer`` starts on the link: every body already on it shares the
