@@ -75,6 +75,12 @@ async def _moved(step: Awaitable, idle_s: float | None):
     return await (step if idle_s is None else asyncio.wait_for(step, idle_s))
 
 
+def _moved_on(deadline: asyncio.Timeout | None, idle_s: float | None, ceiling: float) -> None:
+    """A piece of a body moved: its ``deadline`` is at least ``idle_s`` from now, and at most ``ceiling``."""
+    if deadline is not None and idle_s is not None and (when := deadline.when()) is not None:
+        deadline.reschedule(min(ceiling, max(when, asyncio.get_running_loop().time() + idle_s)))
+
+
 async def _write_body(
     writer: asyncio.StreamWriter,
     body: bytes,
@@ -86,12 +92,10 @@ async def _write_body(
     ``deadline``, each piece the link took puts it ``idle_s`` past now if it was sooner, up to ``ceiling``,
     as ``_read_body`` does: the reader's link may be shared with senders this node cannot see."""
     view = memoryview(body)  # slices of a view: no copy of each chunk
-    loop = asyncio.get_running_loop()
     for i in range(0, len(body), CHUNK):
         writer.write(view[i : i + CHUNK])
         await _moved(writer.drain(), idle_s)
-        if deadline is not None and idle_s is not None and (when := deadline.when()) is not None:
-            deadline.reschedule(min(ceiling, max(when, loop.time() + idle_s)))
+        _moved_on(deadline, idle_s, ceiling)
     await _moved(writer.drain(), idle_s)
 
 
@@ -156,20 +160,17 @@ async def _read_body(
     mid-body). With a ``deadline``, every piece that arrives puts it ``idle_s`` past now if it was sooner, up
     to ``ceiling`` (loop time): a body that keeps arriving is not cut for sharing the sender's link with
     bodies the reader cannot see (``links.SHARED``)."""
-    chunks, left, got = [], nbytes, 0
-    loop = asyncio.get_running_loop()
+    chunks, left = [], nbytes
     while left:
         c = await _moved(reader.read(min(CHUNK, left)), idle_s)
         if not c:
             raise asyncio.IncompleteReadError(b"".join(chunks), nbytes)
         chunks.append(c)
         left -= len(c)
-        got += len(c)
         if progress is not None:  # a call in flight (``Transport.transfers``): bytes so far, last byte when
             progress["bytes"] += len(c)
             progress["last"] = time.time()
-        if deadline is not None and idle_s is not None and (when := deadline.when()) is not None:
-            deadline.reschedule(min(ceiling, max(when, loop.time() + idle_s)))
+        _moved_on(deadline, idle_s, ceiling)
     return b"".join(chunks)
 
 
