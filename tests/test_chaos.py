@@ -189,19 +189,12 @@ def test_kill_the_synchroniser_then_another_learner_restart_one_and_agree(tmp_pa
 # ------------------------------------------------------------------------------------------ namespaces
 def test_netns_lab_links_nodes_partitions_and_leaves_nothing_behind():
     """Optional (root and iproute2): two node namespaces on a bridge, a partition and a heal, then gone."""
-    import shutil
     import socket
     import subprocess
 
-    from node.chaos.netns import NetLab, NetnsError
+    from tests.netns_util import open_lab
 
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    lab = NetLab(2, rate="100mbit", tag=f"t{os.getpid() % 100000}")
-    try:
-        lab.open()
-    except NetnsError as e:
-        pytest.skip(f"cannot make network namespaces here: {e}")
+    lab = open_lab(2, "100mbit", "t")
     try:
 
         def serve() -> socket.socket:

@@ -84,16 +84,10 @@ def test_against_dp_the_loss_is_read_on_the_reference_curve_past_the_capped_run(
 def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
     """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
     different data both ranks hold the same model, and the gradients' bytes crossed the link."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    from node.chaos.netns import NetLab, NetnsError
+    from tests.netns_util import open_lab
 
     wan_dp = _load("wan_dp")
-    lab = NetLab(2, rate="100mbit", tag=f"d{os.getpid() % 100000}")
-    try:
-        lab.open()
-    except NetnsError as e:
-        pytest.skip(f"cannot make network namespaces here: {e}")
+    lab = open_lab(2, "100mbit", "d")
     procs = []
     try:
         procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100)
@@ -158,18 +152,12 @@ def test_a_contribution_several_times_the_request_deadline_on_a_capped_link_merg
     whole model in fp32 (3.6 MB: about 3 s on the link), so it runs past any fixed deadline of that size; it
     arrives within its bytes' allowance (``node.swarm.links``), rounds merge both learners, and no
     contribution fails over or is dropped."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    from node.chaos.netns import NetLab, NetnsError
     from node.common.events import read_events
     from node.common.status_client import fetch_status
     from node.local.launcher import kill_group, wait_ready
+    from tests.netns_util import open_lab
 
-    lab = NetLab(2, rate="10mbit", tag=f"c{os.getpid() % 100000}")
-    try:
-        lab.open()
-    except NetnsError as e:
-        pytest.skip(f"cannot make network namespaces here: {e}")
+    lab = open_lab(2, "10mbit", "c")
     flags = ["--threads", "1", "--swarm", f"capped-{os.getpid()}", "--system", "sync-diloco"]
     flags += ["--sync-every", "6", "--rpc-timeout-s", "1"]
     children = []
