@@ -50,7 +50,9 @@ class _Transport:
         self.replies: dict[str, Reply] = {}
         self.on_call = lambda target: None
 
-    async def call(self, target: str, op: str, payload: bytes, timeout_s: float, share: int = 1) -> Reply:
+    async def call(
+        self, target: str, op: str, payload: bytes, timeout_s: float, share: int = 1, queue_s: float = 0.0
+    ) -> Reply:
         self.calls.append((target, timeout_s))
         self.on_call(target)
         if target in self.hung:

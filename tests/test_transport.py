@@ -109,6 +109,38 @@ def test_refusals_have_codes_and_the_server_survives(two_dhts):
 
 
 @pytest.mark.timeout(90)
+def test_a_body_holds_room_on_the_senders_link_until_word_of_its_arrival_comes_back(two_dhts):
+    """A call's body holds room on its sender's link (``Transport.uplink``) until the reply's header is back;
+    a served reply's, until the caller, having read it, closes the stream. Both are then counted as
+    arrived (the rate the window follows is measured from them), and no room is left held."""
+
+    async def main():
+        async with _pair(two_dhts, max_bytes=8 << 20, timeout_s=10) as (a, b):
+            target = two_dhts[1].peer_id.to_base58()
+
+            async def snapshot(caller: str, payload: bytes) -> Reply:
+                return Reply(True, body=bytes(300_000))
+
+            b.register("snapshot", snapshot)
+            b.register("contribute", lambda caller, payload: _ok())
+            r = await a.call(target, "contribute", bytes(200_000))
+            assert r.ok and a.uplink.delivered == 200_000 and a.uplink.out == 0
+            r = await a.call(target, "snapshot", b"{}")
+            assert r.ok and len(r.body) == 300_000
+            for _ in range(100):  # the caller's close reaches the server through both daemons
+                if b.uplink.delivered:
+                    break
+                await asyncio.sleep(0.02)
+            assert b.uplink.delivered == 300_000 and b.uplink.out == 0
+
+    asyncio.run(main())
+
+
+async def _ok() -> Reply:
+    return Reply(True)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_deadlines_and_unreachable_peers(two_dhts):
     async def main():

@@ -36,10 +36,16 @@ class SealedTransport:
         self.inner.register(op, opened)
 
     async def call(
-        self, peer_id: str, op: str, payload: bytes = b"", timeout_s: float | None = None, share: int = 1
+        self,
+        peer_id: str,
+        op: str,
+        payload: bytes = b"",
+        timeout_s: float | None = None,
+        share: int = 1,
+        queue_s: float | None = None,
     ) -> Reply:
         sealed = self.admission.seal(payload, f"req|{op}|{peer_id}")
-        reply = await self.inner.call(peer_id, op, sealed, timeout_s, share)
+        reply = await self.inner.call(peer_id, op, sealed, timeout_s, share, queue_s)
         if not reply.ok:
             return reply
         try:

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from node.swarm.transport import Reply, TransportError
+from node.swarm.transport import LinkBusy, Reply, TransportError
 from node.swarm.trust.receipts import parse_retry
 from node.swarm.wire import pack_list, parse_redirect, sign_contribution
 from protocol.errors import ProtocolError, RejectCode
@@ -218,7 +218,11 @@ class Sender:
                         payload,
                         timeout_s=min(wait, self.settings.rpc_timeout_s),
                         share=max(1, len(order) - 1),
+                        queue_s=left,  # its turn on our own link, from what is left of the budget
                     )
+                except LinkBusy as e:  # our own link is full: no fault of the synchroniser's
+                    last = str(e)[:200]
+                    break
                 except TransportError as e:
                     self.fail_over(target, header, str(e)[:200], dead)
                     logger.warning(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 
 from node.swarm.links import SHARED, LinkRates
+from node.swarm.uplink import URGENT, Ticket, Uplink, class_of
 from protocol.errors import DDiLoCoError, ProtocolError, RejectCode
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ MAX_HEADER = 64 * 1024
 
 class TransportError(DDiLoCoError):
     """A request could not be carried out over the network (peer unreachable, deadline, broken stream)."""
+
+
+class LinkBusy(TransportError):
+    """This node's own link had no room for a body within the caller's patience (``node.swarm.uplink``): the
+    peer is not at fault, and nothing was sent."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,16 @@ async def _write_body(
         await _moved(writer.drain(), idle_s)
         _moved_on(deadline, idle_s, ceiling)
     await _moved(writer.drain(), idle_s)
+
+
+async def _closed(reader: asyncio.StreamReader, deadline: asyncio.Timeout) -> bool:
+    """Whether the caller closed the stream (it does once it has read our reply) before ``deadline``."""
+    when = deadline.when()
+    left = (when - asyncio.get_running_loop().time()) if when is not None else 30.0
+    try:
+        return await asyncio.wait_for(reader.read(1), max(0.0, left - 0.05)) == b""
+    except (TimeoutError, ConnectionError):
+        return False
 
 
 def header_size(prefix: bytes) -> int:
@@ -224,6 +240,8 @@ class Transport:
         self._moving: dict[int, tuple[int, str, asyncio.Timeout]] = {}
         self._calls: dict[int, dict] = {}  # calls in flight: peer, op, since, last byte, bytes received
         self._done: deque[dict] = deque(maxlen=32)  # the last calls finished, for status and ddiloco doctor
+        # the bodies this node writes, in flight and waiting, in the order they take its link
+        self.uplink = Uplink(self.links.floor_bps)
 
     def transfers(self, now: float | None = None) -> dict:
         """Calls in flight (how long, how long since their last byte, bytes received so far) and the last
@@ -245,6 +263,7 @@ class Transport:
             "recent": list(self._done),
             "link_bps": self.links.snapshot(),
             "by_op": by_op,
+            "uplink": self.uplink.snapshot(),
         }
 
     def idle_s(self, peer: str, timeout_s: float, ahead: int) -> float:
@@ -309,6 +328,7 @@ class Transport:
         loop = asyncio.get_running_loop()
         op, sent, received = "?", 0, 0  # for ``by_op``
         key = next(self._ids)
+        ticket: Ticket | None = None  # the reply body's room on this node's link, until it has arrived
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
                 try:
@@ -366,6 +386,15 @@ class Transport:
                         logger.warning("refused %s from %s: %s", reply.code, caller, reply.message)
                 body, idle, ceiling = reply.body, None, float("inf")
                 if body:  # a snapshot or records served: its bytes' time on the link, on top
+                    # in its turn on this node's link, behind records and contributions; past half the
+                    # deadline it goes anyway (its caller is waiting for it)
+                    deadline.reschedule(loop.time() + self.timeout_s)
+                    try:
+                        ticket = await self.uplink.take(
+                            len(body), class_of(op, len(body)), self.timeout_s / 2
+                        )
+                    except TimeoutError:
+                        ticket = await self.uplink.take(len(body), URGENT, 0.0)
                     ahead, now = self.queued(), loop.time()
                     self._on_link(key, len(body), caller, deadline)
                     deadline.reschedule(self.links.until(now, self.timeout_s, caller, len(body) + ahead))
@@ -379,6 +408,10 @@ class Transport:
                 await _write_body(writer, body, idle, deadline, ceiling)
                 sent += len(body)
                 self.bytes_out += len(reply.body)
+                self._moving.pop(key, None)
+                if ticket is not None:  # it has arrived when the caller, having read it, closes the stream
+                    self.uplink.give(ticket, arrived=await _closed(reader, deadline))
+                    ticket = None
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
             # RuntimeError: asyncio refuses to write to a transport the peer already closed
             self.count_refusal("broken_stream")
@@ -387,6 +420,8 @@ class Transport:
             self._moving.pop(key, None)
             self._count(op, sent, received, call=False)
             writer.close()
+            if ticket is not None:
+                self.uplink.give(ticket, arrived=False)
 
     async def call(
         self,
@@ -395,12 +430,24 @@ class Transport:
         payload: bytes = b"",
         timeout_s: float | None = None,
         share: int = 1,
+        queue_s: float | None = None,
     ) -> Reply:
         """Send ``payload`` to ``op`` on ``peer_id`` and wait for the reply, within the deadline. ``share``: how
         many such bodies the peer's link may be taking at once from others (a synchroniser's, from every
         learner of a round): the body is allowed its time that many times over. This node sees only its own
-        link; once p2pd has taken the body, nothing tells it how fast the far end reads."""
+        link; once p2pd has taken the body, nothing tells it how fast the far end reads.
+
+        The body first waits its turn on this node's link (``node.swarm.uplink``), at most ``queue_s``
+        (default: the deadline), before the deadline starts; past that, ``LinkBusy`` and nothing sent."""
         deadline = self.timeout_s if timeout_s is None else timeout_s
+        patience = deadline if queue_s is None else queue_s
+        try:
+            ticket: Ticket | None = await self.uplink.take(len(payload), class_of(op, len(payload)), patience)
+        except TimeoutError:
+            raise LinkBusy(
+                f"{op} to {peer_id}: this node's link had no room for its {len(payload)}-byte body within "
+                f"{patience:.1f}s ({self.uplink.out} bytes in flight)"
+            ) from None
         now = time.time()
         key = next(self._ids)
         # bodies already on the link with this peer, either way, go first on its one connection: their
@@ -432,6 +479,8 @@ class Transport:
                         ceiling = began + deadline + SHARED * allowed
                         await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
                     header, nbytes = await _read_header(reader, self.max_bytes)
+                    self.uplink.give(ticket)  # the far end read it all
+                    ticket = None
                     received += _header_bytes(header)
                     if go:  # from GO to the reply: the upload and the handler, a rate on the safe side
                         self.links.observe(peer_id, len(payload), loop.time() - began)
@@ -470,6 +519,8 @@ class Transport:
                 "is the peer alive and reachable?"
             ) from e
         finally:
+            if ticket is not None:
+                self.uplink.give(ticket, arrived=False)
             self._moving.pop(key, None)
             self._count(op, sent, received, call=True)
             c = self._calls.pop(key)
