@@ -67,7 +67,15 @@ from protocol.errors import DDiLoCoError
 def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable[[str], None]) -> dict:
     say(f"starting {cfg.nodes} DDP workers (gloo, {grads} gradients)")
     procs = wan_dp.start_workers(
-        lab, run_dir, DP_PORT, grads, cfg.eval_every_s, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps
+        lab,
+        run_dir,
+        DP_PORT,
+        grads,
+        cfg.eval_every_s,
+        cfg.batch_size,
+        cfg.gloo_timeout_s,
+        cfg.steps,
+        cfg.seed,
     )
     ev_path = run_dir / "events.jsonl"
 
@@ -254,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a round trip added between every two nodes, by a relay holding each byte half of it each way "
         "(node systems only; default: none)",
     )
+    ap.add_argument(
+        "--seed", type=int, default=d.seed, help="data seed: node and DP rank i read with seed*1000+i+1"
+    )
     ap.add_argument("--quick", action="store_true", help="caps 100mbit,10mbit; 20 s windows after 5 s")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout instead of tables")
     ap.add_argument("--render", default="", help="print the tables of a saved run (its wan.json) and exit")
@@ -275,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_every=a.sync_every,
         batch_size=a.batch_size,
         node_flags=a.node_flags.split(),
+        seed=a.seed,
         dp_reference=not a.no_dp_reference,
         idle_s=a.idle_s,
         rtt_ms=a.rtt_ms,

@@ -56,9 +56,11 @@ class WanConfig:
     """seconds of link bytes measured after the quiet period, learners paused: the swarm's background"""
     gloo_timeout_s: float = 300.0
     cpu_per_node: float = 0.0
+    """CPU cores each node (or DP worker) may use, a cgroup quota; 0: none (they share the machine)"""
     rtt_ms: float = 0.0
     """a round trip added between every two nodes (``NetLab(rtt_ms=...)``: a delaying relay); node systems only"""
-    """CPU cores each node (or DP worker) may use, a cgroup quota; 0: none (they share the machine)"""
+    seed: int = 0
+    """data seed: node (and DP rank) i reads its batches with seed * 1000 + i + 1"""
     dp_reference: bool = True
     """run each DP system once more, uncapped, to the most tokens ours reached (eval loss per token)"""
 

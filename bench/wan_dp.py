@@ -216,7 +216,7 @@ def run_reference(
     procs: list[subprocess.Popen] = []
     try:
         procs = start_workers(
-            lab, run_dir, DP_PORT, grads, 1e9, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps, extra=extra
+            lab, run_dir, DP_PORT, grads, 1e9, cfg.batch_size, cfg.gloo_timeout_s, cfg.steps, cfg.seed, extra
         )
         deadline = time.monotonic() + cfg.start_timeout_s + steps * 10.0
         last_note = time.monotonic()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm import cpu_seconds
-from wan_config import NODE_SYSTEM, WanConfig
+from wan_config import NODE_SYSTEM, WanConfig, rate_bits
 
 from node.chaos.netns import NetLab
 from node.common.events import read_events
@@ -93,6 +93,15 @@ def sent_by_op(before: list[dict], after: list[dict]) -> dict[str, int]:
     return by_op
 
 
+def round_s(cfg: WanConfig, lab: NetLab, doc: dict | None) -> float:
+    """Seconds a round of synchronous DiLoCo takes on the link at its rate: M - 1 fp32 models in, and
+    out again (0 where the link is not capped or the model's size is not known yet)."""
+    weights = ((doc or {}).get("memory") or {}).get("weights_bytes", 0)
+    if not lab.rate or lab.rate == "none" or not weights:
+        return 0.0
+    return 2 * (cfg.nodes - 1) * weights * 8 / rate_bits(lab.rate)
+
+
 def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callable[[str], None]) -> dict:
     flags = ["--threads", "1", "--swarm", f"wan-{os.getpid()}", "--batch-size", str(cfg.batch_size)]
     flags += ["--eval-every-s", f"{cfg.eval_every_s:g}", "--sync-every", str(cfg.sync_every)]
@@ -100,6 +109,9 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
     if system == "ours-q":
         flags += ["--quorum", str(cfg.nodes - 1)]  # a round waits for every learner but one
     children: list[Child] = []
+
+    def seeded(i: int) -> list[str]:  # node i reads as DP's rank i does
+        return [*flags, "--data-seed", str(cfg.seed * 1000 + i + 1)]
 
     def status(c: Child) -> dict | None:
         try:
@@ -136,11 +148,11 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         # A synchronised start, as DP's workers have: each node is paused as soon as it is up (node 0 takes a
         # step or two first) and all resume together once every one has joined, so no node trains alone
         # while the others download the state and the eval loss per token compares the algorithms.
-        children.append(lab.start(0, run_dir, flags, []))
+        children.append(lab.start(0, run_dir, seeded(0), []))
         wait_ready(children, cfg.start_timeout_s)
         control(children[0], "pause")
         for i in range(1, cfg.nodes):
-            children.append(lab.start(i, run_dir, flags, children[0].maddrs))
+            children.append(lab.start(i, run_dir, seeded(i), children[0].maddrs))
         waiting, deadline = list(children[1:]), time.monotonic() + cfg.start_timeout_s
         while waiting:
             check()
@@ -164,13 +176,15 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
         )
         if system == "sync":
             # Every learner waits at its first contribution until all have made theirs: the window opens
-            # after the first round that merged every learner.
+            # after the first round that merged every learner. That round moves M - 1 fp32 models into
+            # its synchroniser and its record to M - 1 peers: at 1 Mbit/s, 3.5 MB each way three times,
+            # at least 170 s of the link; allowed four times that, or start_timeout_s if more.
             until(
                 lambda: any(
                     r["kind"] == "merge" and len(r.get("learners", [])) == cfg.nodes
                     for r in read_events(children[0].state_dir / "events.jsonl")
                 ),
-                cfg.start_timeout_s,
+                max(cfg.start_timeout_s, 4 * round_s(cfg, lab, status(children[0]))),
                 f"a round merging all {cfg.nodes} learners",
                 check,
             )

@@ -37,7 +37,7 @@ def test_the_window_follows_the_rate_measured_from_what_arrived_over_busy_time()
     assert up.rate() == 1000.0 and up.window() == MIN_WINDOW  # nothing measured: the floor
     # 1 MB/s for 2 s: a 100 KB body arrives every 0.1 s, one in flight at a time
     for _ in range(20):
-        t = up._ticket(100_000)
+        t = up._ticket(100_000, True)
         now[0] += 0.1
         up.give(t)
     assert up.rate() == pytest.approx(1e6)
@@ -45,19 +45,19 @@ def test_the_window_follows_the_rate_measured_from_what_arrived_over_busy_time()
     # idle time is no part of a measure: after 5 s with nothing in flight, a burst arrives at the same rate
     now[0] += 5.0
     for _ in range(3):
-        t = up._ticket(100_000)
+        t = up._ticket(100_000, True)
         now[0] += 0.1
         up.give(t)
     assert up.rate() == pytest.approx(1e6)
     # a burst of replies read at once is averaged over SPAN_S of busy time, not taken for a fast link
-    tickets = [up._ticket(10_000) for _ in range(10)]
+    tickets = [up._ticket(10_000, True) for _ in range(10)]
     now[0] += 1.0
     for t in tickets:
         up.give(t)
     assert up.rate() < 2e6
     # a body that failed measures nothing; a measure is forgotten after RATE_MEMORY_S
     now[0] += RATE_MEMORY_S + SPAN_S
-    up.give(up._ticket(5_000_000), arrived=False)
+    up.give(up._ticket(5_000_000, True), arrived=False)
     assert up.rate() == 1000.0
 
 
@@ -105,6 +105,14 @@ def test_one_body_larger_than_the_window_goes_alone() -> None:
         up.give(big)
         await asyncio.wait_for(waiter, 1.0)
         assert up.out == 1_000_000
+        # a record in flight beside it does not keep the next large one from going once the first arrives
+        record = await up.take(10_000, URGENT, 0.0)
+        third = asyncio.ensure_future(up.take(1_000_000, CONTRIBUTION, 5.0))
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        up.give(waiter.result())
+        await asyncio.wait_for(third, 1.0)
+        up.give(record)
 
     asyncio.run(main())
 

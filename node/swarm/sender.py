@@ -140,8 +140,21 @@ class Sender:
         self.candidates, self.rounds_behind, self.accept = candidates, rounds_behind, accept
         self.watch, self.clock = watch, clock
         self.held_here: dict[int, str] = {}  # fragment -> the last contribution this node's own role took
+        self.sending: set[str] = set()  # ids of the contributions being sent now
 
     async def send(self, header: ContributionHeader, enc, resent: bool = False) -> None:
+        """Route one contribution (``route``), unless it is a re-send of one still on its way: at 1 Mbit/s a
+        blocked learner of synchronous DiLoCo re-sent its 3.5 MB model every two heartbeats while the
+        first copy took 28 s on the link, and each copy queued behind it."""
+        if resent and header.cid in self.sending:
+            return
+        self.sending.add(header.cid)
+        try:
+            await self.route(header, enc, resent)
+        finally:
+            self.sending.discard(header.cid)
+
+    async def route(self, header: ContributionHeader, enc, resent: bool = False) -> None:
         """Route one contribution to fragment p's synchroniser, failing over within ``failover_s``.
 
         The request carries the peers this sender found dead, so the next candidate knows it may take the
@@ -211,13 +224,14 @@ class Sender:
                     wait = left / 2 if len(order) > 1 else left
                     # every other learner of the round may be sending the synchroniser theirs at once: at 1
                     # Mbit/s, three fp32 models of synchronous DiLoCo into one node each ran past the time one
-                    # alone takes, and every round failed over
+                    # alone takes, and every round failed over (counted from every candidate, not those left
+                    # after fail-overs: the learners behind the dead ones still send)
                     reply = await self.transport.call(
                         target,
                         "contribute",
                         payload,
                         timeout_s=min(wait, self.settings.rpc_timeout_s),
-                        share=max(1, len(order) - 1),
+                        share=max(1, len(self.candidates(p)) - 1),
                         queue_s=left,  # its turn on our own link, from what is left of the budget
                     )
                 except LinkBusy as e:  # our own link is full: no fault of the synchroniser's

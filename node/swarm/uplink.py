@@ -12,7 +12,7 @@ its link (``MIN_WINDOW`` at least), and makes the rest wait here, where they can
 go by class: merge records, pings and evidence first, never waiting (``URGENT``, and any body of at most
 ``SMALL`` bytes); then contributions, then the records a catching-up member asked for, then snapshots, then
 the messages an auditor asked for. A body that does not fit waits for the bodies ahead of it to arrive, and
-one body always goes alone, however large.
+one body always goes alone, however large (records and pings beside it).
 
 A body has arrived when word of it comes back: for a call, the reply's header (the far end read it all);
 for a reply this node serves, the caller closing the stream (it does once it has read the reply). The rate
@@ -54,6 +54,7 @@ class Ticket:
     """A body taken onto the link: its bytes."""
 
     nbytes: int
+    bulk: bool = False  # of a class that waits
 
 
 class Uplink:
@@ -64,6 +65,7 @@ class Uplink:
         self.floor_bps = floor_bps
         self.clock = clock
         self.out = 0
+        self.out_bulk = 0  # of ``out``: bytes of bodies of the classes that wait
         self.delivered = 0  # bytes of bodies arrived, in all
         self._busy = 0.0  # seconds with bytes in flight, in all, up to ``_busy_since``
         self._busy_since = 0.0
@@ -92,21 +94,26 @@ class Uplink:
         return max(MIN_WINDOW, int(TARGET_S * self.rate()))
 
     def _fits(self, nbytes: int) -> bool:
-        return self.out == 0 or self.out + nbytes <= self.window()
+        """Room for a body that waits: within the window, or alone among such bodies (urgent ones do not
+        count there: a trickle of records must not keep a body larger than the window waiting for ever)."""
+        return self.out_bulk == 0 or self.out + nbytes <= self.window()
 
-    def _ticket(self, nbytes: int) -> Ticket:
+    def _ticket(self, nbytes: int, bulk: bool) -> Ticket:
         if self.out == 0:
             self._busy_since = self._now()
         self.out += nbytes
-        return Ticket(nbytes)
+        self.out_bulk += nbytes if bulk else 0
+        return Ticket(nbytes, bulk)
 
     async def take(self, nbytes: int, klass: int, wait_s: float) -> Ticket:
         """Room for a body of ``nbytes`` of ``klass`` on the link: at once for an urgent one, or when it
         fits and nothing ahead of it waits; else after the bodies ahead of it arrive. Raises
         ``TimeoutError`` after ``wait_s`` without room (nothing is then held). ``give`` the ticket back
         when the body has arrived, or failed."""
-        if klass == URGENT or (not self._waiting and self._fits(nbytes)):
-            return self._ticket(nbytes)
+        if klass == URGENT:
+            return self._ticket(nbytes, False)
+        if not self._waiting and self._fits(nbytes):
+            return self._ticket(nbytes, True)
         loop = asyncio.get_running_loop()
         granted: asyncio.Future = loop.create_future()
         heapq.heappush(self._waiting, (klass, next(self._seq), nbytes, granted))
@@ -130,6 +137,8 @@ class Uplink:
         now = self._now()
         busy = self._busy_s(now)
         self.out = max(0, self.out - ticket.nbytes)
+        if ticket.bulk:
+            self.out_bulk = max(0, self.out_bulk - ticket.nbytes)
         if self.out == 0:
             self._busy = busy
         if arrived:
@@ -143,7 +152,7 @@ class Uplink:
             if not self._fits(n):
                 break
             heapq.heappop(self._waiting)
-            granted.set_result(self._ticket(n))
+            granted.set_result(self._ticket(n, True))
 
     def _measure(self, now: float, busy: float) -> None:
         """One measure of the rate, over the newest ``SPAN_S`` busy seconds or more, if there are as many."""
