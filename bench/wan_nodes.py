@@ -108,6 +108,10 @@ def run_nodes(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Call
     flags += ["--steps", str(cfg.steps), "--system", NODE_SYSTEM[system], *cfg.node_flags]
     if system == "ours-q":
         flags += ["--quorum", str(cfg.nodes - 1)]  # a round waits for every learner but one
+    if system == "sync":
+        # as its authors run it, a learner waits until its round merges: at 1 Mbit/s a round's bytes take
+        # minutes, and the node's default wait (60 s) made rounds of one or two learners
+        flags += ["--block-timeout-s", "1800"]
     children: list[Child] = []
 
     def seeded(i: int) -> list[str]:  # node i reads as DP's rank i does

@@ -167,6 +167,11 @@ def test_rules_on_evidence_built_by_hand():
     st = {"fragments": [{"fragment": 0, "round": 3, "behind": 0}, {"fragment": 1, "round": 1, "behind": 9}]}
     assert dx.schedule(st).level == "fail" and "fragment 1 round 1 (-9)" in dx.schedule(st).evidence
     assert dx.disk("/x", 10, 100).level == "fail" and dx.disk("/x", 10**12, 100).level == "ok"
+    up = {"out": 65536, "window": 65536, "rate_bps": 125000.0, "waiting": 3, "waited_s": {}, "gave_up": {}}
+    assert dx.own_link({"transfers": {"uplink": up}}).level == "ok"
+    up["gave_up"] = {"contribution": 7, "audit": 2}
+    link = dx.own_link({"transfers": {"uplink": up}})
+    assert link.level == "warn" and "7 contributions" in link.evidence and "1.00 Mbit/s" in link.evidence
     assert dx.mode({"maddrs": ["/ip4/10.0.0.2/tcp/1"]}).level == "warn"
     assert dx.mode({"maddrs": ["/ip4/1.2.3.4/tcp/1"]}).level == "ok"
     assert dx.mode({"client_mode": True}).level == "warn"

@@ -171,6 +171,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         checks.append(dx.download(status, events, args.stall_s))
         checks.append(dx.quorum(status, events))
         checks.append(dx.schedule(status))
+        checks.append(dx.own_link(status))
     elif announce and not running:
         checks.append(
             Check(

@@ -252,6 +252,30 @@ def schedule(status: dict, warn_behind: int = 2, fail_behind: int = 8) -> Check:
     return Check("schedule", "ok", evidence)
 
 
+def own_link(status: dict) -> Check:
+    """Whether this node's own link carries what it sends: the rate measured from what arrived, and the
+    contributions that waited out their sender's budget behind the bodies ahead of them and were dropped
+    (``transfers.uplink``: ``node.swarm.uplink``)."""
+    up = (status.get("transfers") or {}).get("uplink")
+    if not up:
+        return Check("own link", "ok", "nothing sent yet")
+    evidence = (
+        f"{up.get('rate_bps', 0) * 8 / 1e6:.2f} Mbit/s measured out; {up.get('out', 0) / 1024:.0f} KiB in flight "
+        f"of a {up.get('window', 0) / 1024:.0f} KiB window, {up.get('waiting', 0)} bodies waiting"
+    )
+    dropped = (up.get("gave_up") or {}).get("contribution", 0)
+    if dropped:
+        return Check(
+            "own link",
+            "warn",
+            f"{evidence}; {dropped} contributions found no room on it in time and were dropped",
+            "the link carries less than this node sends: merge records go first, so the swarm stays on one "
+            "chain, but the dropped contributions' work is lost; fewer bytes a step (a larger --sync-every) "
+            "or a faster link",
+        )
+    return Check("own link", "ok", evidence)
+
+
 def disk(folder: str, free_bytes: int, checkpoint_bytes: int, keep: int = 3) -> Check:
     """Room for checkpoints: the newest checkpoint's size times the files kept plus one being written."""
     need = (keep + 1) * checkpoint_bytes if checkpoint_bytes else 64 * 1024 * 1024

@@ -479,7 +479,7 @@ class Transport:
                         ceiling = began + deadline + SHARED * allowed
                         await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
                     header, nbytes = await _read_header(reader, self.max_bytes)
-                    self.uplink.give(ticket)  # the far end read it all
+                    self.uplink.give(ticket, arrived=go)  # the far end read it all (or was sent none)
                     ticket = None
                     received += _header_bytes(header)
                     if go:  # from GO to the reply: the upload and the handler, a rate on the safe side
