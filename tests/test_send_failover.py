@@ -471,7 +471,7 @@ def test_a_resend_of_a_contribution_still_on_its_way_sends_nothing_more(monkeypa
     asyncio.run(go())
 
 
-def test_a_contribution_that_finds_no_room_on_this_nodes_own_link_is_dropped_and_no_one_suspected(monkeypatch):
+def test_a_contribution_without_room_on_this_nodes_own_link_is_dropped_and_no_one_suspected(monkeypatch):
     """Where this node's own link had no room for the body within what is left of the budget
     (``LinkBusy``: records and older contributions ahead of it), the synchroniser is not at fault: the
     contribution is dropped, saying why, with no fail-over and no suspicion, and the next goes to the same
