@@ -15,9 +15,12 @@ synchroniser to the M - 1 others. Per inner step a node sends, on average,
     (N / H) * (c + r * (M - 1) / M)
 
 bytes for a model of N values, with c and r the bytes per value of the two codecs: every fragment once per H
-steps, and the records of the 1/M of rounds it synchronises, each to M - 1 peers. Headers, signatures,
-membership and catch-up are left out (a few hundred bytes a message, and nothing at a steady state), so a
-link measured at its interface carries somewhat more; ``bench/wan.py`` reports both.
+steps, and the records of the 1/M of rounds it synchronises, each to M - 1 peers. That is the schedule's
+floor. On the link (``Traffic.link_per_step_B``) come on top: in a public swarm (``audit``, the node's
+``--audit``), the contributions an auditor fetches, each from its learner, ``audit * (M - 1) / M`` of the
+contributions; a frame of ``MESSAGE_B`` a message; the node's membership record to each other member every
+heartbeat; and TCP/IP's headers (``TCPIP``). Catch-up is left out (nothing at a steady state).
+``bench/wan.py`` measures both the payload and the link bytes.
 
 The baselines, as their authors run them: data-parallel training all-reduces the gradients every step (a ring:
 each worker sends 2 (M - 1) / M of them, in bf16 or fp32, and waits 2 (M - 1) round trips); synchronous
@@ -50,6 +53,14 @@ from protocol.errors import ConfigError
 from sim.engine import simulate
 from sim.model import HOUR_S, SimConfig
 
+# What the link carries beyond the schedule's floor, from the node's own counters (``transfers.by_op``) and
+# protocol: a message's frame (its header, GO and the reply's header, and a contribution's signed envelope);
+# a membership record (packed: 1.3 KB with 24 fragment heads, docs/swarm.md), sent to each other member
+# every heartbeat; TCP/IP headers (52 bytes a 1,448-byte segment sent, and an acknowledgement of the same
+# size every two received: a node receives about what it sends)
+MESSAGE_B = 250
+MEMBER_BASE_B, MEMBER_HEAD_B = 300, 42
+TCPIP = 52 / 1448 + 52 / (2 * 1448)
 H_CHOICES = (16, 24, 32, 48, 64, 100, 128, 200, 256, 500, 1000)
 P_CHOICES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 K_SLACK = 0.01  # goodput a larger quorum may cost and still be chosen
@@ -74,6 +85,8 @@ class Site:
     sync_every: int | None = None  # H fixed by the user; None: chosen
     fragments: int | None = None  # P fixed by the user; None: chosen
     quorum: int | None = None  # K fixed by the user; None: chosen
+    audit: float = 0.0  # share of records an auditor recomputes (the node's --audit): 1 in a public swarm
+    heartbeat_s: float = 2.0  # membership refresh (the node's --heartbeat-s)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -107,6 +120,10 @@ class Site:
             raise bad("sync_every", "H must be >= 1")
         if self.fragments is not None and self.fragments < 1:
             raise bad("fragments", "P must be >= 1")
+        if not 0 <= self.audit <= 1:
+            raise bad("audit", "a share of records in [0, 1]")
+        if not (self.heartbeat_s > 0 and math.isfinite(self.heartbeat_s)):
+            raise bad("heartbeat_s", "must be a finite time > 0")
 
 
 def bytes_per_value(codec: str, block: int) -> float:
@@ -120,9 +137,12 @@ class Traffic:
 
     contribution_B: float  # one fragment's contribution
     record_B: float  # one fragment's merge record
-    sent_per_step_B: float  # what a node sends per inner step, on average
+    sent_per_step_B: float  # what a node sends per inner step, on average: the schedule's floor
     link_util: float  # that against the link's rate over one step
     round_s: float  # one round's transfers: M - 1 contributions in, the record out to M - 1, round trips
+    audit_B: float = 0.0  # per step: the contributions an auditor fetches, sent by their learners
+    membership_B: float = 0.0  # per step: this node's membership record to every other member
+    link_per_step_B: float = 0.0  # per step, on the link: all of it, framed, with TCP/IP's headers
 
 
 def traffic(site: Site, fragments: int, sync_every: int) -> Traffic:
@@ -130,10 +150,17 @@ def traffic(site: Site, fragments: int, sync_every: int) -> Traffic:
     c = n * bytes_per_value(site.codec, site.block)
     r = n * bytes_per_value(site.record_codec, site.block)
     m = site.learners
-    per_step = fragments / sync_every * (c + r * (m - 1) / m)
+    rounds = fragments / sync_every  # rounds a step, swarm-wide; a node sends one contribution to each
+    per_step = rounds * (c + r * (m - 1) / m)
     rate = site.link_bps / 8
     round_s = (max(1, m - 1) * c + (m - 1) * r) / rate + 2 * site.rtt_s
-    return Traffic(c, r, per_step, per_step / (rate * site.step_s), round_s)
+    # one member audits a share of the records (node.swarm.trust.audit, AUDITORS): it fetches every
+    # contribution of the round but its own, each from the learner that sent it
+    audit = site.audit * rounds * c * (m - 1) / m
+    messages = rounds * (1 + (m - 1) / m + (2 * site.audit * (m - 1) / m))  # contributions, records, fetches
+    member = (MEMBER_BASE_B + MEMBER_HEAD_B * fragments) * (m - 1) * site.step_s / site.heartbeat_s
+    link = (per_step + audit + messages * MESSAGE_B + member) * (1 + TCPIP)
+    return Traffic(c, r, per_step, per_step / (rate * site.step_s), round_s, audit, member, link)
 
 
 @dataclass(frozen=True)

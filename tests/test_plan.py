@@ -24,6 +24,21 @@ def test_a_fragments_bytes_are_what_the_codec_puts_on_the_wire(codec):
     assert t.sent_per_step_B == pytest.approx(4 / 16 * (t.contribution_B + t.record_B * 3 / 4))
 
 
+def test_the_link_carries_the_floor_and_a_public_swarms_audits_membership_and_headers_on_top():
+    from sim.plan import MEMBER_BASE_B, MEMBER_HEAD_B, TCPIP
+
+    site = Site(params=24 * 64 * 300, learners=4, step_s=0.5, heartbeat_s=2.0)
+    private = traffic(site, fragments=24, sync_every=24)
+    assert private.audit_B == 0 and private.link_per_step_B > private.sent_per_step_B * (1 + TCPIP)
+    # each other member gets this node's record every heartbeat: a quarter of one per 0.5 s step
+    assert private.membership_B == pytest.approx((MEMBER_BASE_B + 24 * MEMBER_HEAD_B) * 3 * 0.25)
+    public = traffic(Site(**{**site.__dict__, "audit": 1.0}), fragments=24, sync_every=24)
+    # one auditor fetches each round's contributions but its own, each from the learner that sent it
+    assert public.audit_B == pytest.approx(24 / 24 * public.contribution_B * 3 / 4)
+    assert public.link_per_step_B > private.link_per_step_B + public.audit_B
+    assert public.sent_per_step_B == private.sent_per_step_B  # the floor is the schedule's alone
+
+
 def test_a_thinner_link_gets_a_longer_h_and_a_shorter_step_more_fragments():
     wide = plan(Site(params=1e9, learners=4, step_s=2.0, link_bps=10e9))
     thin = plan(Site(params=1e9, learners=4, step_s=2.0, link_bps=0.5e9))
@@ -115,6 +130,8 @@ def test_the_command_prints_a_plan_and_json(capsys, tmp_path):
         (["--params", "12e9", "--learners", "4", "--quorum", "5"], "quorum"),
         (["--params", "12e9", "--learners", "4", "--fragments", "64", "--sync-every", "16"], "fragments"),
         (["--hf-config", "/nonexistent/config.json", "--learners", "4"], "hf-config"),
+        (["--params", "12e9", "--learners", "4", "--audit", "2"], "audit"),
+        (["--params", "12e9", "--learners", "4", "--heartbeat-s", "0"], "heartbeat_s"),
     ],
 )
 def test_bad_input_is_refused_by_name(argv, named, capsys):

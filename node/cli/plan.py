@@ -49,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--sync-every", type=int, help="H: fix it rather than choose it")
     sp.add_argument("--fragments", type=int, help="P: fix it rather than choose it")
     sp.add_argument("--quorum", "-K", type=int, help="K: fix it rather than choose it")
+    sp.add_argument(
+        "--audit",
+        type=float,
+        default=0.0,
+        help="share of merge records an auditor recomputes, as the node's --audit: 0 in a private swarm, 1 in "
+        "a public one (its auditors fetch the contributions: link bytes)",
+    )
+    sp.add_argument("--heartbeat-s", type=float, default=2.0, help="the nodes' membership refresh period")
     sp.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     sp.add_argument(
         "--plot",
@@ -99,6 +107,8 @@ def render(p) -> str:
         f"fragment   {_gb(t.contribution_B)} a contribution, {_gb(t.record_B)} a record",
         f"per step   {_gb(t.sent_per_step_B)} sent by a node: {t.link_util:.1%} of the link "
         f"({p.needed_gbps:.3g} Gbit/s at 100%)",
+        f"on the link {_gb(t.link_per_step_B)} a step, {t.link_per_step_B / max(t.sent_per_step_B, 1e-9):.2f}x: "
+        f"audits {_gb(t.audit_B)}, membership {_gb(t.membership_B)}, frames and TCP/IP headers",
         f"round      {t.round_s:.2f} s of transfers, against tau x step = {max(p.overlap, 1) * s.step_s:g} s",
         f"goodput    {p.goodput:.1%} (simulated; by K: "
         + ", ".join(f"{k}: {g:.1%}" for k, g in p.goodput_by_quorum.items())
@@ -137,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         sync_every=args.sync_every,
         fragments=args.fragments,
         quorum=args.quorum,
+        audit=args.audit,
+        heartbeat_s=args.heartbeat_s,
     )
     if args.plot:
         from node.common.plots import png_path
