@@ -47,12 +47,12 @@ def window(
     p_a = payload() if payload else None
     tcp_a = [lab.tcp_bytes(i) for i in range(cfg.nodes)] if payload else None
     c_a = [cpu_seconds(p) for p in pids]
-    a, t_a, load_a = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
+    a, t_a, load_a = [lab.link_counters(i) for i in range(cfg.nodes)], time.time(), os.getloadavg()[0]
     end = time.monotonic() + cfg.duration_s
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(10.0, left))
         say(f"t={cfg.duration_s - max(0.0, end - time.monotonic()):3.0f}/{cfg.duration_s:g}s  {progress()}")
-    b, t_b = [lab.link_bytes(i) for i in range(cfg.nodes)], time.time()
+    b, t_b = [lab.link_counters(i) for i in range(cfg.nodes)], time.time()
     c_b = [cpu_seconds(p) for p in pids]
     tcp_b = [lab.tcp_bytes(i) for i in range(cfg.nodes)] if payload else None
     p_b = payload() if payload else None
@@ -61,8 +61,9 @@ def window(
     return {
         "t_a": t_a,
         "t_b": t_b,
-        "sent_B": [y[0] - x[0] for x, y in zip(a, b)],
-        "received_B": [y[1] - x[1] for x, y in zip(a, b)],
+        "sent_B": [y["tx_bytes"] - x["tx_bytes"] for x, y in zip(a, b)],
+        "received_B": [y["rx_bytes"] - x["rx_bytes"] for x, y in zip(a, b)],
+        "sent_packets": [y["tx_packets"] - x["tx_packets"] for x, y in zip(a, b)],
         "payload_sent_B": [y["bytes_sent"] - x["bytes_sent"] for x, y in zip(p_a, p_b)] if both else None,
         # every node's transport, summed: bytes sent by op (headers included, both ends of each call)
         "by_op_sent_B": by_op if both else None,

@@ -110,6 +110,10 @@ def analyze(raw: dict, nodes: int) -> dict:
         "tcp_segs_per_step_per_node": raw["tcp_segs_out"] / nodes / steps
         if raw.get("tcp_segs_out") and steps
         else None,
+        # packets out of the interface (each with its Ethernet, IP and TCP headers)
+        "packets_per_step_per_node": sum(raw["sent_packets"]) / nodes / steps
+        if raw.get("sent_packets") and steps
+        else None,
         # learner time in the window outside training steps: waiting for merges, evaluating, adopting (a DP
         # step holds its own all-reduce, so there it is evaluation alone)
         "outside_steps_share": 1.0

@@ -19,7 +19,8 @@ steps, and the records of the 1/M of rounds it synchronises, each to M - 1 peers
 floor. On the link (``Traffic.link_per_step_B``) come on top: in a public swarm (``audit``, the node's
 ``--audit``), the contributions an auditor fetches, each from its learner, ``audit * (M - 1) / M`` of the
 contributions; a frame of ``MESSAGE_B`` a message; the node's membership record to each other member every
-heartbeat; and TCP/IP's headers (``TCPIP``). Catch-up is left out (nothing at a steady state).
+heartbeat; a merge record's signed head; and every packet's headers (``HEADER_B``: full segments, each
+message's small packets, the acknowledgements). Catch-up is left out (nothing at a steady state).
 ``bench/wan.py`` measures both the payload and the link bytes.
 
 The baselines, as their authors run them: data-parallel training all-reduces the gradients every step (a ring:
@@ -53,14 +54,27 @@ from protocol.errors import ConfigError
 from sim.engine import simulate
 from sim.model import HOUR_S, SimConfig
 
-# What the link carries beyond the schedule's floor, from the node's own counters (``transfers.by_op``) and
-# protocol: a message's frame (its header, GO and the reply's header, and a contribution's signed envelope);
-# a membership record (packed: 1.3 KB with 24 fragment heads, docs/swarm.md), sent to each other member
-# every heartbeat; TCP/IP headers (52 bytes a 1,448-byte segment sent, and an acknowledgement of the same
-# size every two received: a node receives about what it sends)
+# What the link carries beyond the schedule's floor. Bytes, from the node's own counters (``transfers.by_op``)
+# and encoders: a message's frame (its header, GO and the reply's header, a contribution's signed envelope);
+# a merge record's signed document and tensor headers (``node.swarm.wire.encode_record``: about 650 B, 115 B
+# a contributor, 170 B a tensor, and a digest a contributor in a public swarm); a membership record (packed:
+# 1.3 KB with 24 fragment heads, docs/swarm.md), stored on each other member every heartbeat, with the DHT's
+# framing of the store, its reply and the whole-view read every two minutes (``DHT_STORE_B``).
 MESSAGE_B = 250
+RECORD_BASE_B, RECORD_LEARNER_B = 1000, 185
 MEMBER_BASE_B, MEMBER_HEAD_B = 300, 42
-TCPIP = 52 / 1448 + 52 / (2 * 1448)
+DHT_STORE_B = 1200
+# Packets, each with ``HEADER_B`` of Ethernet, IP and TCP (with timestamps) as the interface counts them:
+# full segments of ``MSS``; a message's part-filled last segment and ``MESSAGE_PACKETS`` small ones (its
+# header, GO, the reply's header, receipts, the stream's close); an acknowledgement for ``ACKS_A_SEGMENT``
+# of the data segments received (a node receives about what it sends); and ``STORE_PACKETS`` for each
+# membership store (its segments, the reply, acknowledgements, pings). The DHT's and the packets' figures
+# were read off packet captures of one node on a 3 Mbit/s link (``tcpdump`` on its interface while
+# ``bench/wan.py`` trained, then with its learners paused; docs/plan.md).
+HEADER_B, MSS = 66, 1448
+MESSAGE_PACKETS = 5
+ACKS_A_SEGMENT = 0.65
+STORE_PACKETS = 15
 H_CHOICES = (16, 24, 32, 48, 64, 100, 128, 200, 256, 500, 1000)
 P_CHOICES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 K_SLACK = 0.01  # goodput a larger quorum may cost and still be chosen
@@ -143,6 +157,7 @@ class Traffic:
     audit_B: float = 0.0  # per step: the contributions an auditor fetches, sent by their learners
     membership_B: float = 0.0  # per step: this node's membership record to every other member
     link_per_step_B: float = 0.0  # per step, on the link: all of it, framed, with TCP/IP's headers
+    packets_per_step: float = 0.0  # per step, out of the interface: segments, acknowledgements, control
 
 
 def traffic(site: Site, fragments: int, sync_every: int) -> Traffic:
@@ -157,10 +172,16 @@ def traffic(site: Site, fragments: int, sync_every: int) -> Traffic:
     # one member audits a share of the records (node.swarm.trust.audit, AUDITORS): it fetches every
     # contribution of the round but its own, each from the learner that sent it
     audit = site.audit * rounds * c * (m - 1) / m
-    messages = rounds * (1 + (m - 1) / m + (2 * site.audit * (m - 1) / m))  # contributions, records, fetches
-    member = (MEMBER_BASE_B + MEMBER_HEAD_B * fragments) * (m - 1) * site.step_s / site.heartbeat_s
-    link = (per_step + audit + messages * MESSAGE_B + member) * (1 + TCPIP)
-    return Traffic(c, r, per_step, per_step / (rate * site.step_s), round_s, audit, member, link)
+    records = rounds * (m - 1) / m  # record messages a step: the 1/M of rounds it merges, to M - 1 each
+    messages = rounds + records + 2 * site.audit * rounds * (m - 1) / m  # contributions, records, fetches
+    heads = records * (RECORD_BASE_B + RECORD_LEARNER_B * m * (1 + site.audit))
+    stores = (m - 1) * site.step_s / site.heartbeat_s  # membership stores a step
+    member = (MEMBER_BASE_B + MEMBER_HEAD_B * fragments + DHT_STORE_B) * stores
+    data = per_step + audit + messages * MESSAGE_B + heads + member
+    segments = (data - member) / MSS + messages / 2
+    packets = segments * (1 + ACKS_A_SEGMENT) + messages * MESSAGE_PACKETS + stores * STORE_PACKETS
+    link = data + packets * HEADER_B
+    return Traffic(c, r, per_step, per_step / (rate * site.step_s), round_s, audit, member, link, packets)
 
 
 @dataclass(frozen=True)

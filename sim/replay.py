@@ -140,6 +140,16 @@ class ReplayResult:
     decisions: Decisions
 
 
+def _after_last_step(lt: LearnerTape) -> tuple[int, float, float]:
+    """(its last step, when it ended, when its node next went out): the span in which the learner steps
+    no more and its node still reads the swarm's records."""
+    if not lt.steps:
+        return 0, math.inf, math.inf
+    step, _, end = lt.steps[-1]
+    out = [a for a, _ in lt.outages if a >= end] + [k for k in lt.kills if k >= end]
+    return step, end, min(out, default=math.inf)
+
+
 _START, _STEP, _ARRIVE, _WAKE, _MERGED, _RECORD, _MEMBERS = range(7)
 
 
@@ -177,6 +187,7 @@ class Replay:
         self.heap: list = []
         self.seq = itertools.count()
         self.started = not cfg.start  # with no start state, the replay decides from the tapes' first step
+        self.idle = {lt.name: _after_last_step(lt) for lt in learners}
 
     def _scaled(self, s: float) -> float:
         floor = self.cfg.links.floor_s
@@ -245,7 +256,7 @@ class Replay:
 
     def _step(self, t: float, payload) -> None:
         name, step, a, b, life = payload
-        pc, n_frag = self.cfg.protocol, len(self.cfg.shares)
+        n_frag = len(self.cfg.shares)
         if not self.started:  # before the window: only the learner's pace is measured
             self._measure(name, a, b)
             self.life[name] = life
@@ -279,21 +290,27 @@ class Replay:
             )  # fmt: skip
             c = Contribution(name, p, self.based[name][p], c_steps, c_steps, step_s, None, cid)
             self._push(b + self._delay(name, p, step), _ARRIVE, c)
-        # then what reached it during the step: adopted at this step's end
-        for p in range(n_frag):
+        self._adopt(name, b, step)  # then what reached it during the step: adopted at this step's end
+
+    def _adopt(self, name: str, t: float, step: int) -> None:
+        pc = self.cfg.protocol
+        for p in range(len(self.cfg.shares)):
             r = self.arrived[name][p]
             if r > self.based[name][p]:
                 self.based[name][p] = r
-                rec.append(
-                    {"kind": "adopt", "t": b, "learner": name, "fragment": p, "round": r, "step": step,
+                self.out.records[name].append(
+                    {"kind": "adopt", "t": t, "learner": name, "fragment": p, "round": r, "step": step,
                      "kept": pc.carry}
                 )  # fmt: skip
                 if not pc.carry:
-                    last[p] = step
+                    self.last[name][p] = step
 
     def _record(self, t: float, payload) -> None:
         p, round_, name = payload  # a stopped node reads it when it wakes, a restarted one on joining
         self.arrived[name][p] = max(self.arrived[name][p], round_)
+        step, since, until = self.idle[name]
+        if self.started and since <= t < until:  # its learner has stepped for the last time: the node
+            self._adopt(name, t, step)  # adopts what comes as it comes, as a paused learner's node does
 
     def _membership(self, t: float, payload) -> None:
         name, up = payload

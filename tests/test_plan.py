@@ -25,13 +25,20 @@ def test_a_fragments_bytes_are_what_the_codec_puts_on_the_wire(codec):
 
 
 def test_the_link_carries_the_floor_and_a_public_swarms_audits_membership_and_headers_on_top():
-    from sim.plan import MEMBER_BASE_B, MEMBER_HEAD_B, TCPIP
+    from sim.plan import DHT_STORE_B, HEADER_B, MEMBER_BASE_B, MEMBER_HEAD_B, MESSAGE_B
 
     site = Site(params=24 * 64 * 300, learners=4, step_s=0.5, heartbeat_s=2.0)
     private = traffic(site, fragments=24, sync_every=24)
-    assert private.audit_B == 0 and private.link_per_step_B > private.sent_per_step_B * (1 + TCPIP)
+    assert private.audit_B == 0
     # each other member gets this node's record every heartbeat: a quarter of one per 0.5 s step
-    assert private.membership_B == pytest.approx((MEMBER_BASE_B + 24 * MEMBER_HEAD_B) * 3 * 0.25)
+    assert private.membership_B == pytest.approx(
+        (MEMBER_BASE_B + 24 * MEMBER_HEAD_B + DHT_STORE_B) * 3 * 0.25
+    )
+    # a contribution and 3/4 of a record a step, each framed, with the packets' headers on top
+    framed = private.sent_per_step_B + 1.75 * MESSAGE_B + private.membership_B
+    assert private.link_per_step_B > framed + private.packets_per_step * HEADER_B
+    # the full segments alone: at least one per 1,448 bytes, an acknowledgement for some of those received
+    assert private.packets_per_step > private.sent_per_step_B / 1448 * 1.5
     public = traffic(Site(**{**site.__dict__, "audit": 1.0}), fragments=24, sync_every=24)
     # one auditor fetches each round's contributions but its own, each from the learner that sent it
     assert public.audit_B == pytest.approx(24 / 24 * public.contribution_B * 3 / 4)

@@ -271,3 +271,29 @@ def test_a_folder_it_cannot_be_true_to_is_refused_naming_the_file(tmp_path, caps
     assert main(["replay", str(torn)]) == 2
     assert "truncated" in capsys.readouterr().err
     assert (torn / "node-1" / "events.jsonl").read_bytes() == before
+
+
+def test_a_learner_that_stepped_for_the_last_time_adopts_records_as_they_reach_its_node():
+    """A paused learner's node reads the swarm's records as they come (the real node's tape shows adoptions
+    after its last step), so the steps it made since its last contribution are overwritten there, not at a
+    next step that never comes; a node killed after its last step reads nothing more."""
+    from sim.replay import LearnerTape
+
+    pcfg = ProtocolConfig(sync_every=H, fragments=P, quorum=1)
+
+    def steps(until: float) -> tuple:
+        return tuple((k, T0 + 0.25 * (k - 1), T0 + 0.25 * k) for k in range(1, int(until / 0.25) + 1))
+
+    def run(tail: LearnerTape) -> list[dict]:
+        tapes = [tail, LearnerTape("busy", steps(20.0))]
+        cfg = ReplayConfig(pcfg, tuple(SHARES), T0, T0 + 20.0, LINKS, 8.0, 1.0, (None,) * P)
+        return Replay(cfg, tapes).run().records["idle"]
+
+    last_end = T0 + 10.0
+    idle = run(LearnerTape("idle", steps(10.0)))
+    late = [r for r in idle if r["kind"] == "adopt" and r["t"] > last_end]
+    assert late and all(r["step"] == 40 for r in late)  # adopted when the records came, on its last step
+    assert {r["t"] for r in late} != {last_end}
+    killed = run(LearnerTape("idle", steps(10.0), ((last_end + 1.0, float("inf")),), (last_end + 1.0,)))
+    after = [r for r in killed if r["kind"] == "adopt" and r["t"] > last_end]
+    assert after and all(r["t"] < last_end + 1.0 for r in after)  # until its node went out

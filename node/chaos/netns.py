@@ -262,12 +262,18 @@ class NetLab:
     def link_bytes(self, i: int) -> tuple[int, int]:
         """Bytes node ``i`` has sent and received on its link so far (eth0's counters: every protocol and
         header that crossed it)."""
+        c = self.link_counters(i)
+        return c["tx_bytes"], c["rx_bytes"]
+
+    def link_counters(self, i: int) -> dict[str, int]:
+        """Node ``i``'s eth0 counters so far: bytes and packets each way (a packet's Ethernet, IP and TCP
+        headers are in its bytes)."""
         cmd = ["ip", "-n", self.ns(i), "-s", "-j", "link", "show", "dev", "eth0"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
         if out.returncode != 0:
             raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
         st = json.loads(out.stdout)[0]["stats64"]
-        return int(st["tx"]["bytes"]), int(st["rx"]["bytes"])
+        return {f"{way}_{what}": int(st[way][what]) for way in ("tx", "rx") for what in ("bytes", "packets")}
 
     def tcp_bytes(self, i: int) -> dict[str, int]:
         """Node ``i``'s TCP sockets on its link now, summed (``ss -ti``): the bytes its processes wrote and

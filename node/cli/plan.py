@@ -95,6 +95,13 @@ def _gb(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _link_share(t, s) -> str:
+    share = t.link_per_step_B * 8 / (s.link_bps * s.step_s)
+    if share <= 1:
+        return f"{share:.1%} of the link"
+    return f"{share:.0%} of the link: more than it carries (contributions are dropped for want of room)"
+
+
 def render(p) -> str:
     s, t = p.site, p.traffic
     mtbf = "no failures" if math.isinf(s.mtbf_s) else f"a failure every {s.mtbf_s / HOUR_S:g} h per site"
@@ -108,7 +115,8 @@ def render(p) -> str:
         f"per step   {_gb(t.sent_per_step_B)} sent by a node: {t.link_util:.1%} of the link "
         f"({p.needed_gbps:.3g} Gbit/s at 100%)",
         f"on the link {_gb(t.link_per_step_B)} a step, {t.link_per_step_B / max(t.sent_per_step_B, 1e-9):.2f}x: "
-        f"audits {_gb(t.audit_B)}, membership {_gb(t.membership_B)}, frames and TCP/IP headers",
+        f"audits {_gb(t.audit_B)}, membership {_gb(t.membership_B)}, frames and {t.packets_per_step:.3g} "
+        f"packets' headers; {_link_share(t, s)}",
         f"round      {t.round_s:.2f} s of transfers, against tau x step = {max(p.overlap, 1) * s.step_s:g} s",
         f"goodput    {p.goodput:.1%} (simulated; by K: "
         + ", ".join(f"{k}: {g:.1%}" for k, g in p.goodput_by_quorum.items())
