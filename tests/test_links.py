@@ -4,11 +4,11 @@ transport's deadlines that follow it are tested on a capped link between real no
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from node.swarm.links import MIN_SAMPLE, SLACK, LinkRates
+from tests.relay_util import LoopbackP2P
 
 
 def test_a_bodys_allowance_follows_the_measured_rate_never_below_the_floor():
@@ -55,30 +55,15 @@ def test_a_link_floor_that_is_not_positive_is_a_config_error():
 
 
 # ------------------------------------------------------------------ the transport's deadlines on a slow link
-class _SlowLink:
+class _SlowLink(LoopbackP2P):
     """Two ``Transport``s joined by TCP on loopback through a relay that forwards each direction at ``bps``
-    bytes/s (the p2p daemons stood in for: they only carry the streams). The server's p2p stand-in hands
-    each relayed connection to the served transport's stream handler. Relays given one ``shared`` dict share
-    one link: each direction's bytes, of every connection through any of them, leave in turn at ``bps``."""
+    bytes/s. Relays given one ``shared`` dict share one link: each direction's bytes, of every connection
+    through any of them, leave in turn at ``bps``."""
 
     def __init__(self, bps: float, shared: dict | None = None) -> None:
+        super().__init__()
         self.bps = bps
-        self.handler = None
         self.free = {"up": 0.0, "down": 0.0} if shared is None else shared  # when each direction is free
-
-    async def add_binary_stream_handler(self, name, handler) -> None:
-        self.handler = handler
-
-    async def remove_binary_stream_handler(self, name) -> None:
-        self.handler = None
-
-    async def start(self) -> None:
-        async def served(reader, writer):
-            info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
-            await self.handler(info, reader, writer)
-
-        self.inner = await asyncio.start_server(served, "127.0.0.1", 0)
-        self.relay = await asyncio.start_server(self._relay, "127.0.0.1", 0)
 
     async def _pump(self, reader, writer, way: str) -> None:
         loop = asyncio.get_running_loop()
@@ -94,19 +79,8 @@ class _SlowLink:
         finally:
             writer.close()
 
-    async def _relay(self, reader, writer) -> None:
-        port = self.inner.sockets[0].getsockname()[1]
-        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.gather(self._pump(reader, w2, "up"), self._pump(r2, writer, "down"))
-
-    async def call_binary_stream_handler(self, peer, name):
-        port = self.relay.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return None, reader, writer
-
-    def close(self) -> None:
-        self.inner.close()
-        self.relay.close()
+    async def _relay(self, caller: tuple, served: tuple) -> None:
+        await asyncio.gather(self._pump(caller[0], served[1], "up"), self._pump(served[0], caller[1], "down"))
 
 
 def test_a_body_several_times_the_deadline_on_a_slow_link_arrives_and_a_stalled_one_fails(monkeypatch):

@@ -21,6 +21,7 @@ from node.swarm.uplink import (
     Uplink,
     class_of,
 )
+from tests.relay_util import LoopbackP2P
 
 
 def test_a_body_is_classed_by_its_op_and_a_small_one_is_urgent() -> None:
@@ -136,31 +137,18 @@ def test_a_body_that_waits_past_its_patience_holds_nothing_and_the_next_goes() -
 
 
 # ------------------------------------------------------------------ on a link that queues what it is given
-class _OneConnection:
+class _OneConnection(LoopbackP2P):
     """Two ``Transport``s joined on loopback through a relay that, like one TCP connection carrying every
     stream (p2pd's), sends each direction's bytes strictly in the order they were written, at ``bps``
-    bytes/s, with no limit on what it holds: a body written after others waits behind all of them. The
-    p2p daemons are stood in for: they only carry the streams."""
+    bytes/s, with no limit on what it holds: a body written after others waits behind all of them."""
 
     def __init__(self, bps: float) -> None:
-        self.bps, self.handler = bps, None
+        super().__init__()
+        self.bps = bps
         self.wire: dict[str, asyncio.Queue] = {"up": asyncio.Queue(), "down": asyncio.Queue()}
 
-    async def add_binary_stream_handler(self, name, handler) -> None:
-        self.handler = handler
-
-    async def remove_binary_stream_handler(self, name) -> None:
-        self.handler = None
-
     async def start(self) -> None:
-        from types import SimpleNamespace
-
-        async def served(reader, writer):
-            info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "caller"))
-            await self.handler(info, reader, writer)
-
-        self.inner = await asyncio.start_server(served, "127.0.0.1", 0)
-        self.relay = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        await super().start()
         self.senders = [asyncio.ensure_future(self._send(q)) for q in self.wire.values()]
 
     async def _send(self, q: asyncio.Queue) -> None:
@@ -180,21 +168,13 @@ class _OneConnection:
             pass
         self.wire[way].put_nowait((b"", writer))
 
-    async def _relay(self, reader, writer) -> None:
-        port = self.inner.sockets[0].getsockname()[1]
-        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.gather(self._take(reader, w2, "up"), self._take(r2, writer, "down"))
-
-    async def call_binary_stream_handler(self, peer, name):
-        port = self.relay.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return None, reader, writer
+    async def _relay(self, caller: tuple, served: tuple) -> None:
+        await asyncio.gather(self._take(caller[0], served[1], "up"), self._take(served[0], caller[1], "down"))
 
     def close(self) -> None:
         for t in self.senders:
             t.cancel()
-        self.inner.close()
-        self.relay.close()
+        super().close()
 
 
 def test_a_record_pushed_behind_three_contributions_on_a_full_link_arrives_before_the_last_two(monkeypatch):
