@@ -40,8 +40,9 @@ from dht.admission import Admission, AdmissionError, Certificate, admit
 from dht.identity import Identity
 from dht.records import Member, RecordError, parse_member, sign_member
 from node.common.status_wire import MAX_REQUEST, decode_body, encode_frame, frame_size
+from node.swarm.frames import _write_header, header_size, parse_header
 from node.swarm.sealed import SealedTransport
-from node.swarm.transport import Reply, _write_header, header_size, parse_header
+from node.swarm.transport import Reply
 from node.swarm.trust.audit import PROOF_MESSAGES
 from node.swarm.trust.audit_archive import parse_kept_request
 from node.swarm.trust.receipts import make_receipt, omits, parse_retry, read_receipt

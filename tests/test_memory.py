@@ -236,7 +236,7 @@ def test_the_account_counts_a_shared_tensor_once():
 
 
 def test_a_fragment_snapshot_larger_than_256_mib_fits_in_one_frame():
-    from node.swarm.transport import MAX_FRAME, max_frame_bytes
+    from node.swarm.frames import MAX_FRAME, max_frame_bytes
 
     def plan(*numels):
         return SimpleNamespace(fragments=[SimpleNamespace(numel=n) for n in numels])

@@ -34,7 +34,8 @@ from dht.identity import Identity
 from dht.launch import SwarmUnreachable, start_dht
 from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
-from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
+from node.swarm.frames import GO, _read_frame
+from node.swarm.transport import PROTOCOL_NAME, Transport
 from node.swarm.view import LIFETIME_TTLS
 from tests.swarm_util import Swarm, assert_eval_held, wait_until
 from tests.test_wire_refusals import _contribution, _spec

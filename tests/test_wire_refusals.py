@@ -19,7 +19,8 @@ from dht.swarm import Membership
 from node.learner.learner import plan_for
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig, load_task
-from node.swarm.transport import GO, PROTOCOL_NAME, Transport, _read_frame
+from node.swarm.frames import GO, _read_frame
+from node.swarm.transport import PROTOCOL_NAME, Transport
 from node.swarm.wire import encode_record, pack_list, sign_contribution
 from protocol.codecs import encode_tensors
 from protocol.config import ProtocolConfig

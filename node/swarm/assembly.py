@@ -10,11 +10,12 @@ import time
 
 from node.swarm.catch_up import CatchUp
 from node.swarm.dispatch import OPS
+from node.swarm.frames import max_frame_bytes
 from node.swarm.intake import Intake
 from node.swarm.links import LinkRates
 from node.swarm.record_push import RecordPush
 from node.swarm.sender import Sender
-from node.swarm.transport import Reply, Transport, max_frame_bytes
+from node.swarm.transport import Reply, Transport
 from node.swarm.trust.held import HeldRecords
 from node.swarm.trust.policy import TrustChecks, TrustPolicy
 from node.swarm.trust.vetting import SnapshotVetting

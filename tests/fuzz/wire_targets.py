@@ -1,5 +1,5 @@
 """Fuzz targets for what peers send over the RPC transport: contributions, merge records, snapshots, list
-frames, small JSON requests and frame headers (``protocol.messages``, ``node.swarm.wire``, ``node.swarm.transport``)."""
+frames, small JSON requests and frame headers (``protocol.messages``, ``node.swarm.wire``, ``node.swarm.frames``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
-from node.swarm import transport, wire
+from node.swarm import frames, wire
 from node.swarm.trust.audit_archive import parse_kept_request
 from protocol.codecs import encode_tensors
 from protocol.errors import ProtocolError
@@ -361,7 +361,7 @@ def read_frame(raw: bytes) -> tuple[dict, bytes]:
         r = asyncio.StreamReader()
         r.feed_data(raw)
         r.feed_eof()
-        return await transport._read_frame(r, MAX_BODY)
+        return await frames._read_frame(r, MAX_BODY)
 
     return _loop.run_until_complete(go())
 
