@@ -40,7 +40,7 @@ from dht.admission import Admission, AdmissionError, Certificate, admit
 from dht.identity import Identity
 from dht.records import Member, RecordError, parse_member, sign_member
 from node.common.status_wire import MAX_REQUEST, decode_body, encode_frame, frame_size
-from node.swarm.frames import _write_header, header_size, parse_header
+from node.swarm.frames import header_size, parse_header, write_header
 from node.swarm.sealed import SealedTransport
 from node.swarm.transport import Reply
 from node.swarm.trust.audit import PROOF_MESSAGES
@@ -271,14 +271,14 @@ class _Writer:
 def rpc_request_header() -> bytes:
     """node.swarm.transport: the frame header a caller writes before a ``records`` request's body."""
     w = _Writer()
-    _write_header(w, {"op": "records"}, records_request())
+    write_header(w, {"op": "records"}, records_request())
     return bytes(w.out)
 
 
 def rpc_reply_header() -> bytes:
     """node.swarm.transport: the frame header a server writes before the ``records`` reply's body."""
     w = _Writer()
-    _write_header(w, {"ok": True, "code": "ok", "message": ""}, records_reply())
+    write_header(w, {"ok": True, "code": "ok", "message": ""}, records_reply())
     return bytes(w.out)
 
 

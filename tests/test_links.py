@@ -150,7 +150,7 @@ def test_bodies_to_three_peers_sharing_one_link_each_arrive_past_their_own_allow
     share (one uplink, one downlink), every node counting on 100 KB/s. Each body alone takes 1 s of a 2.5 s
     allowance; sharing the link, each takes about 3 s each way. The caller counts every body on its link
     (``Transport.queued``, ``_on_link``); a server sees only its own, and a body that keeps arriving keeps its
-    deadline ahead of it (``_read_body``): all three arrive, none runs out."""
+    deadline ahead of it (``read_body``): all three arrive, none runs out."""
     from node.swarm import transport as tmod
     from node.swarm.transport import Reply, Transport
 

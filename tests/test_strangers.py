@@ -34,7 +34,7 @@ from dht.identity import Identity
 from dht.launch import SwarmUnreachable, start_dht
 from dht.records import BUCKETS, Member, members_key
 from dht.swarm import Membership
-from node.swarm.frames import GO, _read_frame
+from node.swarm.frames import GO, read_frame
 from node.swarm.transport import PROTOCOL_NAME, Transport
 from node.swarm.view import LIFETIME_TTLS
 from tests.swarm_util import Swarm, assert_eval_held, wait_until
@@ -77,7 +77,7 @@ async def _upload(p2p, peer_id: str, nbytes: int, push: bool) -> tuple[bytes, di
     try:
         async with asyncio.timeout(30):
             first = await reader.readexactly(1)
-            header, _ = await _read_frame(reader, MIB)
+            header, _ = await read_frame(reader, MIB)
         return first, header
     except (ConnectionError, asyncio.IncompleteReadError):
         if not push:

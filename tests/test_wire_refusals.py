@@ -19,7 +19,7 @@ from dht.swarm import Membership
 from node.learner.learner import plan_for
 from node.learner.model import ModelConfig
 from node.learner.task import TaskConfig, load_task
-from node.swarm.frames import GO, _read_frame
+from node.swarm.frames import GO, read_frame
 from node.swarm.transport import PROTOCOL_NAME, Transport
 from node.swarm.wire import encode_record, pack_list, sign_contribution
 from protocol.codecs import encode_tensors
@@ -64,7 +64,7 @@ async def _oversized(p2p, peer_id) -> dict:
         writer.write(struct.pack("<I", len(raw)) + raw)
         await writer.drain()
         assert await reader.readexactly(1) != GO  # refused before a byte of the body is sent
-        header, _ = await _read_frame(reader, 1 << 20)
+        header, _ = await read_frame(reader, 1 << 20)
         return header
     finally:
         writer.close()

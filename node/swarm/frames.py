@@ -18,7 +18,7 @@ CHUNK = 256 << 10  # a piece of a body: the unit of its progress (``idle_s``)
 MAX_HEADER = 64 * 1024
 
 
-def _write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
+def write_header(writer: asyncio.StreamWriter, header: dict, body: bytes) -> int:
     """Writes the frame's header; returns its bytes on the stream."""
     raw = json.dumps({**header, "nbytes": len(body)}).encode()
     writer.write(struct.pack("<I", len(raw)) + raw)
@@ -36,7 +36,7 @@ def _moved_on(deadline: asyncio.Timeout | None, idle_s: float | None, ceiling: f
         deadline.reschedule(min(ceiling, max(when, asyncio.get_running_loop().time() + idle_s)))
 
 
-async def _write_body(
+async def write_body(
     writer: asyncio.StreamWriter,
     body: bytes,
     idle_s: float | None = None,
@@ -45,7 +45,7 @@ async def _write_body(
 ) -> None:
     """``idle_s``: the longest one piece may wait for the link (a peer that stopped mid-body). With a
     ``deadline``, each piece the link took puts it ``idle_s`` past now if it was sooner, up to ``ceiling``,
-    as ``_read_body`` does: the reader's link may be shared with senders this node cannot see."""
+    as ``read_body`` does: the reader's link may be shared with senders this node cannot see."""
     view = memoryview(body)  # slices of a view: no copy of each chunk
     for i in range(0, len(body), CHUNK):
         writer.write(view[i : i + CHUNK])
@@ -54,7 +54,7 @@ async def _write_body(
     await _moved(writer.drain(), idle_s)
 
 
-async def _closed(reader: asyncio.StreamReader, deadline: asyncio.Timeout) -> bool:
+async def stream_closed(reader: asyncio.StreamReader, deadline: asyncio.Timeout) -> bool:
     """Whether the caller closed the stream (it does once it has read our reply) before ``deadline``."""
     when = deadline.when()
     left = (when - asyncio.get_running_loop().time()) if when is not None else 30.0
@@ -94,7 +94,7 @@ def parse_header(raw: bytes, max_bytes: int) -> tuple[dict, int]:
     return header, nbytes
 
 
-def _op_named(raw: bytes) -> str:
+def op_named(raw: bytes) -> str:
     """The op a request header names, for counting alone: "?" where it names none that reads."""
     try:
         op = json.loads(raw).get("op")
@@ -103,17 +103,17 @@ def _op_named(raw: bytes) -> str:
     return op[:40] if isinstance(op, str) else "?"
 
 
-def _header_bytes(header: dict) -> int:
-    """A header's bytes on the stream, as ``_write_header`` wrote it (a peer's own spacing aside)."""
+def header_bytes(header: dict) -> int:
+    """A header's bytes on the stream, as ``write_header`` wrote it (a peer's own spacing aside)."""
     return 4 + len(json.dumps(header).encode())
 
 
-async def _read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
+async def read_header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, int]:
     n = header_size(await reader.readexactly(4))
     return parse_header(await reader.readexactly(n), max_bytes)
 
 
-async def _read_body(
+async def read_body(
     reader: asyncio.StreamReader,
     nbytes: int,
     progress: dict | None = None,
@@ -139,9 +139,9 @@ async def _read_body(
     return b"".join(chunks)
 
 
-async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, bytes]:
-    header, nbytes = await _read_header(reader, max_bytes)
-    return header, await _read_body(reader, nbytes)
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[dict, bytes]:
+    header, nbytes = await read_header(reader, max_bytes)
+    return header, await read_body(reader, nbytes)
 
 
 MAX_FRAME = (

@@ -1,10 +1,10 @@
 """Request/response over hivemind P2P streams, for payloads of any size
 (docs/design.md, section 4, "Transport").
 
-One stream per request (its frames: ``node.swarm.frames``). The caller writes a frame header (u32 length + JSON {"op", "nbytes"}) and then the
-payload in chunks of ``CHUNK`` bytes; the server reads it under a size cap and a deadline, calls the handler
-registered for the op, and writes back a header (JSON {"ok", "code", "message", "nbytes"}) and the reply
-body the same way. Unary protobuf messages in hivemind are capped at 4 MiB; raw streams are not, so tensors
+One stream per request, framed by ``node.swarm.frames``. The caller writes a frame header (u32 length + JSON
+{"op", "nbytes"}) and then the payload in chunks of ``CHUNK`` bytes; the server reads it under a size cap
+and a deadline, calls the handler registered for the op, and writes back a header (JSON {"ok", "code",
+"message", "nbytes"}) and the reply body the same way. Unary protobuf messages in hivemind are capped at 4 MiB; raw streams are not, so tensors
 travel here. The caller's peer id comes from the libp2p stream (authenticated by the Noise handshake), never
 from the message.
 
@@ -39,15 +39,15 @@ from node.swarm.frames import (
     GO,
     MAX_FRAME,
     STOP,
-    _closed,
-    _header_bytes,
-    _op_named,
-    _read_body,
-    _read_header,
-    _write_body,
-    _write_header,
+    header_bytes,
     header_size,
+    op_named,
     parse_header,
+    read_body,
+    read_header,
+    stream_closed,
+    write_body,
+    write_header,
 )
 from node.swarm.links import SHARED, LinkRates
 from node.swarm.uplink import URGENT, Ticket, Uplink, class_of
@@ -203,7 +203,7 @@ class Transport:
             async with asyncio.timeout(self.timeout_s) as deadline:
                 try:
                     raw = await reader.readexactly(header_size(await reader.readexactly(4)))
-                    received, op = 4 + len(raw), _op_named(raw)
+                    received, op = 4 + len(raw), op_named(raw)
                     header, nbytes = parse_header(raw, self.max_bytes)
                     handler = self.handlers.get(str(header.get("op")))
                     if handler is None:
@@ -228,7 +228,7 @@ class Transport:
                         ceiling = (
                             began + self.timeout_s + SHARED * self.links.allowance_s(caller, nbytes + ahead)
                         )
-                        payload = await _read_body(reader, nbytes, None, idle, deadline, ceiling)
+                        payload = await read_body(reader, nbytes, None, idle, deadline, ceiling)
                         self._moving.pop(key, None)
                         received += nbytes
                         self.links.observe(caller, nbytes, loop.time() - began)
@@ -272,15 +272,15 @@ class Transport:
                     ceiling = (
                         now + self.timeout_s + SHARED * self.links.allowance_s(caller, len(body) + ahead)
                     )
-                sent += _write_header(
+                sent += write_header(
                     writer, {"ok": reply.ok, "code": reply.code, "message": reply.message}, body
                 )
-                await _write_body(writer, body, idle, deadline, ceiling)
+                await write_body(writer, body, idle, deadline, ceiling)
                 sent += len(body)
                 self.bytes_out += len(reply.body)
                 self._moving.pop(key, None)
                 if ticket is not None:  # it has arrived when the caller, having read it, closes the stream
-                    self.uplink.give(ticket, arrived=await _closed(reader, deadline))
+                    self.uplink.give(ticket, arrived=await stream_closed(reader, deadline))
                     ticket = None
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, RuntimeError) as e:
             # RuntimeError: asyncio refuses to write to a transport the peer already closed
@@ -335,7 +335,7 @@ class Transport:
                     PeerID.from_base58(peer_id), PROTOCOL_NAME
                 )
                 try:
-                    sent = _write_header(writer, {"op": op}, payload)
+                    sent = write_header(writer, {"op": op}, payload)
                     await writer.drain()
                     go = await reader.readexactly(1) == GO
                     received = 1
@@ -347,11 +347,11 @@ class Transport:
                         allowed = self.links.allowance_s(peer_id, max(1, share) * len(payload) + ahead)
                         cm.reschedule(began + deadline + allowed)
                         ceiling = began + deadline + SHARED * allowed
-                        await _write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
-                    header, nbytes = await _read_header(reader, self.max_bytes)
+                        await write_body(writer, payload, self.idle_s(peer_id, deadline, ahead), cm, ceiling)
+                    header, nbytes = await read_header(reader, self.max_bytes)
                     self.uplink.give(ticket, arrived=go)  # the far end read it all (or was sent none)
                     ticket = None
-                    received += _header_bytes(header)
+                    received += header_bytes(header)
                     if go:  # from GO to the reply: the upload and the handler, a rate on the safe side
                         self.links.observe(peer_id, len(payload), loop.time() - began)
                     track["last"] = time.time()
@@ -363,7 +363,7 @@ class Transport:
                     cm.reschedule(began + deadline + allowed)
                     idle = self.idle_s(peer_id, deadline, ahead)
                     ceiling = began + deadline + SHARED * allowed
-                    body = await _read_body(reader, nbytes, track, idle, cm, ceiling)
+                    body = await read_body(reader, nbytes, track, idle, cm, ceiling)
                     received += nbytes
                     self.links.observe(peer_id, nbytes, loop.time() - began)
                     moving = 0

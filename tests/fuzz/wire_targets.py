@@ -361,7 +361,7 @@ def read_frame(raw: bytes) -> tuple[dict, bytes]:
         r = asyncio.StreamReader()
         r.feed_data(raw)
         r.feed_eof()
-        return await frames._read_frame(r, MAX_BODY)
+        return await frames.read_frame(r, MAX_BODY)
 
     return _loop.run_until_complete(go())
 
