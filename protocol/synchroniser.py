@@ -102,6 +102,11 @@ class SyncState:
     xi_sync: Ema = Ema()
     due_at: float | None = None  # when the open round is due on the swarm's schedule (None: on arrival)
     due_every: float = 0.0  # and again every this many seconds while it has not merged (0: once)
+    # learners this synchroniser gave receipts to in the open round and whose contributions it lost (it renounced
+    # the round: ``node.swarm.trust.receipts.Receipts.renounce``): the round does not merge here until each has
+    # one pending again, which covers its receipt. (Merging without them, a node that was the only one left to
+    # take the round renounced it again at every contribution, its own re-sent to itself: 76 times in 0.7 s.)
+    promised: frozenset[str] = frozenset()
 
     @property
     def open_round(self) -> int:
@@ -294,6 +299,13 @@ def slot_due(state: SyncState, now: float) -> float | None:
 def _evaluate(cfg: ProtocolConfig, state: SyncState, now: float, note: str) -> Decision:
     if state.phase is Phase.MERGING:
         return Decision(state, (), f"{note}; merge in progress")
+    owed = state.promised - {learner for learner, _ in state.pending}
+    if owed:
+        return Decision(
+            replace(state, phase=Phase.COLLECTING),
+            (),
+            f"{note}; round {state.open_round} waits for {len(owed)} receipted learner(s) to contribute again",
+        )
     due_at = slot_due(state, now)
     opens = None if due_at is None else due_at - OPEN_STEPS * state.xi_step.get()
     if opens is not None and now < opens and state.quorum_at is None:

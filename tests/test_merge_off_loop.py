@@ -47,9 +47,9 @@ class _Node(Replication):
         self.replicas[0].apply_record(sr.record, self.pcfg)
         self.applied.append(sr.record.round)
 
-    def reset_sync(self, p, merged=frozenset()):
+    def reset_sync(self, p, merged=frozenset(), promised=frozenset()):
         self.resets.append((p, set(merged)))
-        self.syncs[p] = SyncState(fragment=p, global_round=self.replicas[p].round)
+        self.syncs[p] = SyncState(fragment=p, global_round=self.replicas[p].round, promised=promised)
 
 
 def _contributions(theta, n=3):

@@ -119,9 +119,12 @@ class Replication:
         older round: decoded from the signed bytes the log keeps (nothing else is held for it)."""
         return lambda: decode_record(bytes(raw), self.settings.swarm, self.spec).record.grad
 
-    def reset_sync(self, p: int, merged: set[str] = frozenset()) -> None:
+    def reset_sync(
+        self, p: int, merged: set[str] = frozenset(), promised: frozenset[str] = frozenset()
+    ) -> None:
         """Our replica moved without our synchroniser: restart its state machine at the new round and carry
-        over contributions that are still usable (not merged, base still anchored)."""
+        over contributions that are still usable (not merged, base still anchored). ``promised``: the learners
+        the new round waits for (``SyncState.promised``)."""
         old = self.syncs[p]
         rep = self.replicas[p]
         due = self.clocks.due(p)
@@ -132,6 +135,7 @@ class Replication:
             xi_step=old.xi_step,
             xi_quorum=old.xi_quorum,
             xi_sync=old.xi_sync,
+            promised=promised,
         )
         self.syncs[p] = st
         self.leases.pop(p, None)

@@ -306,7 +306,9 @@ class SwarmView:
             seen = self.workers(p, seen)
         # those that took this round and will not sign it (``Receipts.renounce``) hand it on, if one is left
         out = {q for q, m in seen.items() if q != self.peer_id and m.renounced.get(str(p)) == open_round}
-        out |= {self.peer_id} if members[self.peer_id].renounced.get(str(p)) == open_round else set()
+        # its own from its book, not its record as last published: renounced a moment ago, its own re-sent
+        # contribution went back to it until the next heartbeat
+        out |= {self.peer_id} if self.renounced().get(str(p)) == open_round else set()
         elig = eligible(list(seen.values()), p)
         elig = [q for q in elig if q not in out] or elig
         order = candidates(self.settings.swarm, p, open_round, elig)

@@ -328,12 +328,15 @@ class Receipts:
         fragment merged nothing until the node left. Now its record names the round renounced
         (``Member.renounced``, read by ``candidates``: the next candidate takes it), its own round starts over
         without the merge's contributions (``dropped``; their senders' watches send them again when the
-        next candidate's record leaves them out), and its own learner's latest goes to the next one."""
+        next candidate's record leaves them out), and its own learner's latest goes to the next one. Where
+        no other candidate is left, the round stays here, and merges once every learner it gave receipts to
+        has contributed again (``SyncState.promised``)."""
         rep = self.replicas[p]
         self.renounced[p] = (round_, rep.hash)
         self.events.emit("renounce", t=time.time(), fragment=p, round=round_, parent=rep.hash)
         logger.warning("fragment %d round %d renounced here: the next candidate takes it", p, round_)
-        self.reset_sync(p, merged=dropped)
+        promised = frozenset(learner for learner, _ in self.given().get((p, round_, rep.hash), ()))
+        self.reset_sync(p, merged=dropped, promised=promised)
         latest = self.last_contribution.get(p)
         if latest is not None and latest[0].cid in dropped:
             self.send_again(latest[0])
