@@ -110,6 +110,17 @@ class Swarm:
             p for e in self.events(index) if e["kind"] == "merge" and e["t"] >= since for p in e["learners"]
         }
 
+    def credited(self, index: int) -> set[str]:
+        """The learners node ``index`` has seen merged in a record signed by another member: those the election
+        fence of a public swarm counts as credited (a member's own records never credit it)."""
+        return {
+            p
+            for e in self.events(index)
+            if e["kind"] == "merge"
+            for p in e["learners"]
+            if p != e.get("signer")
+        }
+
     def settle(self, timeout_s: float = 45.0) -> dict[int, dict]:
         """Pause every learner and wait until every live node holds one model hash (twice in a row)."""
         for c in self.alive():

@@ -258,9 +258,7 @@ def test_a_node_that_lost_what_it_gave_receipts_for_hands_its_round_on_and_nobod
         ids = {i: c.peer_id for i, c in swarm.children.items()}
         wait_until(lambda: all(s["rounds_merged"] >= 4 for s in swarm.status().values()), 90, "first rounds")
         every = set(ids.values())
-        wait_until(
-            lambda: all(swarm.merged_contributors(j) >= every for j in ids), 60, "every learner credited"
-        )
+        wait_until(lambda: all(swarm.credited(j) >= every for j in ids), 60, "every learner credited")
 
         def renounced():
             found = [(i, e) for i in ids for e in swarm.events(i) if e["kind"] == "renounce"]
