@@ -96,9 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
     p.add_argument(
+        "--codec",
+        default=ProtocolConfig.codec,
+        help="codec of the decoupled systems' contributions (fp32|bf16|int8|int4|int2)",
+    )
+    p.add_argument(
+        "--feedback",
+        default=ProtocolConfig.feedback,
+        help="error feedback of the contributions' codec (auto: on for int2 | on | off)",
+    )
+    p.add_argument(
         "--record-codec",
         default=ProtocolConfig.record_codec,
-        help="codec of the merged outer gradient in merge records (fp32|bf16|int8|int4)",
+        help="codec of the merged outer gradient in merge records (fp32|bf16|int8|int4|int2)",
     )
     p.add_argument(
         "--eval-points", type=int, default=None, help="evaluations per run (default 20, --quick 4)"
@@ -169,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         overlap=args.overlap,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        codec=args.codec,
+        feedback=args.feedback,
         record_codec=args.record_codec,
     )
     inner = InnerConfig()
@@ -188,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "outer_lr": base.outer_lr,
         "outer_momentum": base.outer_momentum,
         "codec": base.codec,
+        "feedback": base.error_feedback,
         "record_codec": base.record_codec,
         "inner": asdict(inner),
         "net": asdict(net),

@@ -1,4 +1,5 @@
-"""Codecs for outer gradients on the wire (docs/design.md, section 1): fp32, bf16, int8 and 4-bit E3M0.
+"""Codecs for outer gradients on the wire (docs/design.md, section 1): fp32, bf16, int8, 4-bit E3M0 and
+2-bit Lloyd-Max.
 
 Each codec turns one float tensor into a few wire tensors (``Encoded``) and back into fp32; merges always
 accumulate in fp32. Each also states its worst-case elementwise error, which the tests hold it to.
@@ -7,6 +8,13 @@ accumulate in fp32. Each also states its worst-case elementwise error, which the
 sign bit and a 3-bit code for its magnitude relative to s, one of {0, 2^-6, 2^-5, ..., 2^-1, 1}, rounded to
 the nearest level in linear terms. Two codes pack into a byte, so a value costs 4 bits + 32/block bits.
 Bound: |x - q(x)| <= max(|x| / 3, s / 128).
+
+2-bit ("int2"): per block a fp32 scale s = the block's RMS; each element becomes the nearest of the four
+levels {-L1, -L0, L0, L1} * s with L0 = 0.4528 and L1 = 1.5104, the Lloyd-Max quantiser of a unit Gaussian
+(thresholds 0 and +-0.9816 s). Four codes pack into a byte, so a value costs 2 bits + 32/block bits, 0.56 of
+int4's. Values beyond L1 * s are clipped: |x - q(x)| <= max(0.5288 s, |x| - L1 s). It drops too much to be
+used without error feedback (a learner adds what its last contribution's codec dropped to its next one,
+``ProtocolConfig.feedback``); docs/algorithm.md measures what it costs.
 
 Speed (``bench/codecs.py``): int8 and int4 go over a tensor in pieces of whole blocks, about
 ``_CHUNK`` values each, so that their several elementwise passes stay in cache, and write straight into
@@ -36,6 +44,20 @@ _INT4_MIDPOINTS = (_INT4_LEVELS[1:] + _INT4_LEVELS[:-1]) / 2
 # Values one pass of int8/int4 works on: big enough that torch's per-op overhead (some microseconds) is
 # small next to the op, small enough that a piece's few buffers stay in cache (measured: bench/codecs.py).
 _CHUNK = 1 << 18
+
+
+# values a byte of ``q`` holds, per blocked codec: the blocks of those codecs must be a multiple of it
+PACKED = {"int8": 1, "int4": 2, "int2": 4}
+
+_INT2_LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)  # codes 0..3, times the block's RMS
+_INT2_THRESHOLD = (_INT2_LEVELS[2] + _INT2_LEVELS[3]) / 2  # 0.9816: between the inner and outer levels
+_INT2_SCALE_MAX = torch.finfo(torch.float32).max / 2  # so that the outer level times a scale is finite
+# per blocked codec, the largest code's size, which its decode multiplies by the block's scale first (int8
+# divides by 127 after): a form decodes finite where this times its largest scale is finite
+TOP_LEVEL = {"int8": 127.0, "int4": 1.0, "int2": _INT2_LEVELS[3]}
+_INT2_DECODE = torch.tensor(
+    [[_INT2_LEVELS[(b >> (2 * k)) & 3] for k in range(4)] for b in range(256)], dtype=torch.float32
+)  # each byte's four values, the lowest two bits first
 
 
 def _int4_code_table() -> torch.Tensor:
@@ -165,6 +187,18 @@ def _wire_blocks(e: Encoded, values_per_q: int) -> tuple[int, int, int, torch.Te
     return n, (-(-n // block) if n else 0), block, q, s
 
 
+def _rms_scales(xb: torch.Tensor, work: torch.Tensor, s: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """Each row's RMS into ``s``, computed on the row divided by its max |x| so that no square overflows, at
+    most ``_INT2_SCALE_MAX``: 0 for a row of zeros, NaN for one holding a NaN or an inf (its scale then tells
+    a receiver the tensor is not finite). ``work`` is scratch of xb's shape. Returns the divisor of each row
+    as a column: ``s``, or ``one`` where that is 0 or NaN."""
+    a = _piece_scales(xb, work, s, one).clone()  # max |x|, 1 where 0 or NaN
+    torch.div(xb, a, out=work).square_()
+    torch.mean(work, dim=1, out=s)
+    s.sqrt_().mul_(a.squeeze(1)).clamp_(max=_INT2_SCALE_MAX)
+    return torch.where(s > 0, s, one).unsqueeze(1)
+
+
 class Fp32:
     name = "fp32"
 
@@ -271,6 +305,56 @@ class Int4:
         return torch.maximum(rel, floor) * (1 + 1e-6)
 
 
+class Int2:
+    name = "int2"
+
+    def encode(self, x: torch.Tensor, block: int) -> Encoded:
+        if block % 4:
+            raise ValueError(f"int2 needs a block size that is a multiple of 4, got {block}")
+        blocks = math.ceil(x.numel() / block)
+        q = torch.empty(blocks * block // 4, dtype=torch.uint8, device=x.device)
+        s = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        work = codes = None
+        one = torch.ones((), device=x.device)
+        for b0, xb in _in_pieces(x, block):
+            b1 = b0 + xb.shape[0]
+            work, w = _scratch(work, xb.shape, torch.float32, x.device)
+            codes, c = _scratch(codes, xb.shape, torch.uint8, x.device)
+            sc = _rms_scales(xb, w, s[b0:b1], one)
+            y = torch.div(xb, sc, out=w)
+            # the code is how many of the three thresholds y lies above (a tie goes to the lower level)
+            torch.gt(y, -_INT2_THRESHOLD, out=c)
+            c.add_(y > 0).add_(y > _INT2_THRESHOLD)
+            four = c.view(-1, 4)
+            packed = q[b0 * block // 4 : b1 * block // 4]
+            packed.copy_(four[:, 0]).bitwise_or_(four[:, 1] << 2).bitwise_or_(four[:, 2] << 4)
+            packed.bitwise_or_(four[:, 3] << 6)
+        return Encoded(self.name, tuple(x.shape), {"q": q, "s": s})
+
+    def decode(self, e: Encoded) -> torch.Tensor:
+        if e.parts["q"].dtype != torch.uint8:
+            raise ProtocolError(RejectCode.WRONG_SHAPE, f"int2 codes must be uint8, got {e.parts['q'].dtype}")
+        n, blocks, block, q, s = _wire_blocks(e, 4)
+        table = _INT2_DECODE.to(q.device)
+        out = torch.empty(blocks * block, dtype=torch.float32, device=q.device)  # whole blocks, as q
+        for b0, o in _out_pieces(out, blocks, block):
+            b1 = b0 + o.shape[0]
+            codes = q[b0 * block // 4 : b1 * block // 4].to(torch.int64)
+            torch.index_select(table, 0, codes, out=o.view(-1, 4))
+            o.mul_(s[b0:b1].unsqueeze(1))
+        return out[:n].view(e.shape)
+
+    def error_bound(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        b, _ = _blocks(x, block)
+        a = _scales(b)
+        rms = ((b / a).square().mean(dim=1, keepdim=True).sqrt() * a).clamp(max=_INT2_SCALE_MAX)
+        s = torch.where(rms > 0, rms, torch.ones_like(rms)).expand_as(b).reshape(-1)[: x.numel()]
+        s = s.reshape(x.shape)
+        inner = (_INT2_LEVELS[3] - _INT2_LEVELS[2]) / 2 * s
+        clipped = x.detach().abs().to(torch.float32) - _INT2_LEVELS[3] * s
+        return torch.maximum(inner, clipped) * (1 + 1e-5) + 1e-30
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -278,7 +362,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-CODECS = {c.name: c for c in (Fp32(), Bf16(), Int8(), Int4())}
+CODECS = {c.name: c for c in (Fp32(), Bf16(), Int8(), Int4(), Int2())}
 
 
 def get_codec(name: str):
@@ -309,21 +393,21 @@ def wire_bytes(encoded: dict[str, Encoded]) -> int:
 
 def encoded_nbytes(numel: int, codec: str, block: int) -> int:
     """Wire bytes of one tensor of ``numel`` values once encoded (``Encoded.nbytes``), without encoding it:
-    fp32 4 and bf16 2 bytes a value; int8 and int4 1 and 1/2 a value over whole blocks, plus one fp32 scale
-    a block."""
+    fp32 4 and bf16 2 bytes a value; int8, int4 and int2 1, 1/2 and 1/4 a value over whole blocks, plus one
+    fp32 scale a block."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(sorted(CODECS))}")
     if codec in ("fp32", "bf16"):
         return (4 if codec == "fp32" else 2) * numel
     blocks = math.ceil(numel / block)
-    return blocks * block // (2 if codec == "int4" else 1) + 4 * blocks
+    return blocks * block // PACKED[codec] + 4 * blocks
 
 
 def wire_block(e: Encoded) -> int:
     """The values one scale of ``e`` covers (1 for fp32 and bf16): where a range of it may start."""
     if e.codec in ("fp32", "bf16"):
         return 1
-    return max(1, _wire_blocks(e, 2 if e.codec == "int4" else 1)[2])
+    return max(1, _wire_blocks(e, PACKED[e.codec])[2])
 
 
 def decode_range(e: Encoded, start: int, stop: int) -> torch.Tensor:
@@ -331,7 +415,7 @@ def decode_range(e: Encoded, start: int, stop: int) -> torch.Tensor:
     decoding the rest (``start`` on a block boundary). For fp32 a view of the wire tensor: read it only."""
     if e.codec in ("fp32", "bf16"):
         return e.parts["v"].reshape(-1)[start:stop].to(torch.float32)
-    per = 2 if e.codec == "int4" else 1
+    per = PACKED[e.codec]
     _, _, block, q, s = _wire_blocks(e, per)
     if start % block or not 0 <= start <= stop <= _numel(e.shape):
         raise ValueError(f"range [{start}, {stop}) of {list(e.shape)} is not on a block of {block}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from protocol.errors import ConfigError
 
 MERGE_METHODS = ("rda", "mean")
+FEEDBACK = ("auto", "on", "off")
 
 
 DEFAULT_FRAGMENTS = 24
@@ -60,12 +61,22 @@ class ProtocolConfig:
         },
     )
     merge: str = field(default="rda", metadata={"help": "merge for non-embedding fragments: rda | mean"})
-    codec: str = field(default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4"})
+    codec: str = field(
+        default="int4", metadata={"help": "outer gradients on the wire: fp32|bf16|int8|int4|int2"}
+    )
+    feedback: str = field(
+        default="auto",
+        metadata={
+            "help": "error feedback: a learner adds what its last contribution of a fragment lost to the codec "
+            "to its next one (a residual of the fragment's fp32 size) | auto: on for int2, off otherwise | "
+            "on | off"
+        },
+    )
     codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})
     record_codec: str = field(
         default="int4",
         metadata={
-            "help": "merged outer gradient in merge records: fp32|bf16|int8|int4 (every replica, the "
+            "help": "merged outer gradient in merge records: fp32|bf16|int8|int4|int2 (every replica, the "
             "synchroniser's included, steps with the decoded values)"
         },
     )
@@ -131,6 +142,11 @@ class ProtocolConfig:
         },
     )
 
+    @property
+    def error_feedback(self) -> bool:
+        """Whether learners keep the residual of their contributions' codec (``feedback``)."""
+        return self.feedback == "on" or (self.feedback == "auto" and self.codec == "int2")
+
     def __post_init__(self) -> None:
         from protocol.codecs import CODECS  # local: codecs imports torch, config should stay light
 
@@ -173,8 +189,15 @@ class ProtocolConfig:
             raise bad(
                 "record_codec", self.record_codec, f"unknown codec; choose one of {', '.join(sorted(CODECS))}"
             )
-        if self.codec_block < 1 or (self.codec_block % 2 and "int4" in (self.codec, self.record_codec)):
-            raise bad("codec_block", self.codec_block, "must be >= 1, and even for int4")
+        from protocol.codecs import PACKED
+
+        packed = max(PACKED.get(self.codec, 1), PACKED.get(self.record_codec, 1))
+        if self.codec_block < 1 or self.codec_block % packed:
+            raise bad(
+                "codec_block", self.codec_block, "must be >= 1, even for int4, a multiple of 4 for int2"
+            )
+        if self.feedback not in FEEDBACK:
+            raise bad("feedback", self.feedback, f"choose one of {', '.join(FEEDBACK)}")
         if self.clip_factor < 0 or self.refuse_factor < 0 or self.max_rms < 0:
             raise bad("clip_factor/refuse_factor", (self.clip_factor, self.refuse_factor), "must be >= 0")
         if not self.work_factor >= 0:  # NaN fails too

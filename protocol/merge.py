@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from protocol.codecs import Encoded, fresh, range_align, ranges, read_range
+from protocol.codecs import PACKED, Encoded, fresh, range_align, ranges, read_range
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -201,7 +201,7 @@ def mean_step(
     wire form, or fp32 tensor with no codec; new theta, None without ``step``); ``stepped_momentum`` makes the
     new momentum."""
     ws = _normalised(weights)
-    blocked = codec is not None and codec.name in ("int8", "int4")  # its ranges must hold whole blocks
+    blocked = codec is not None and codec.name in PACKED  # its ranges must hold whole blocks
     align = math.lcm(range_align(*(src for src, _, _ in parts)), block if blocked else 1)
     new_theta = torch.empty_like(theta, dtype=torch.float32) if step else None
     th, mo = theta.reshape(-1), momentum.reshape(-1)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from protocol.codecs import CODECS, Encoded, get_codec, range_align, ranges, read_range
+from protocol.codecs import CODECS, PACKED, TOP_LEVEL, Encoded, get_codec, range_align, ranges, read_range
 from protocol.errors import ProtocolError, RejectCode
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -27,6 +27,7 @@ _PART_DTYPES = {
     "bf16": {"v": torch.bfloat16},
     "int8": {"q": torch.int8, "s": torch.float32},
     "int4": {"q": torch.uint8, "s": torch.float32},
+    "int2": {"q": torch.uint8, "s": torch.float32},
 }
 
 
@@ -95,7 +96,7 @@ def _part_sizes(codec: str, numel: int, block: int) -> dict[str, int]:
     if codec in ("fp32", "bf16"):
         return {"v": numel}
     blocks = math.ceil(numel / block)
-    return {"q": blocks * block // (2 if codec == "int4" else 1), "s": blocks}
+    return {"q": blocks * block // PACKED[codec], "s": blocks}
 
 
 def _metadata(raw: bytes) -> dict:
@@ -170,7 +171,7 @@ def _check_counters(h: ContributionHeader) -> None:
 def _check_codec(codec: object, block: object) -> None:
     if not isinstance(codec, str) or codec not in CODECS:
         raise ProtocolError(RejectCode.UNKNOWN_CODEC, f"unknown codec {_short(codec)}")
-    if type(block) is not int or not 1 <= block <= 1 << 20 or (codec == "int4" and block % 2):
+    if type(block) is not int or not 1 <= block <= 1 << 20 or block % PACKED.get(codec, 1):
         raise ProtocolError(RejectCode.MALFORMED, f"block={_short(block)} is not valid for {codec}")
 
 
@@ -189,19 +190,15 @@ def decode_parts(
     return out
 
 
-# the largest scale whose int8 codes (|code| <= 127, multiplied before the division by 127) decode finite
-_INT8_SCALE_MAX = torch.finfo(torch.float32).max / 127.0
-
-
 def all_finite(e: Encoded) -> bool:
-    """Whether every value of ``e`` decodes finite. An int4 value is a code of at most 1 in size times its
-    block's scale, an int8 one a code of at most 127 times its scale over 127: their scales tell, without a
+    """Whether every value of ``e`` decodes finite. An int8, int4 or int2 value is a code of bounded size
+    times its block's scale (``TOP_LEVEL``), as the decode multiplies them: the scales tell, without a
     decode. Other forms are decoded a range at a time."""
-    if e.codec in ("int4", "int8"):
-        s = e.parts["s"]
+    if e.codec in TOP_LEVEL:
+        s = e.parts["s"].to(torch.float32)
         if not bool(torch.isfinite(s).all()):
             return False
-        return e.codec == "int4" or s.numel() == 0 or float(s.abs().max()) <= _INT8_SCALE_MAX
+        return s.numel() == 0 or bool(torch.isfinite(s.abs().max() * TOP_LEVEL[e.codec]))
     return all(
         bool(torch.isfinite(read_range(e, a, b)).all()) for a, b in ranges(math.prod(e.shape), range_align(e))
     )

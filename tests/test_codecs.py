@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from protocol.codecs import CODECS, Encoded, decode_tensors, encode_tensors, get_codec, wire_bytes
+from protocol.codecs import CODECS, PACKED, Encoded, decode_tensors, encode_tensors, get_codec, wire_bytes
 from protocol.errors import ProtocolError
 
 
@@ -20,6 +20,7 @@ from protocol.errors import ProtocolError
     block=st.sampled_from([2, 32, 64, 128]),
 )
 def test_round_trip_within_bound(name, n, scale, seed, block):
+    assume(block % PACKED.get(name, 1) == 0)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * scale
     x[::7] = 0.0  # zeros must stay exact-ish and never divide by zero
@@ -57,7 +58,7 @@ def test_unknown_codec_is_a_clear_error():
 def test_encoded_nbytes_is_what_encoding_makes():
     from protocol.codecs import encode_tensors, encoded_nbytes, wire_bytes
 
-    for codec in ("fp32", "bf16", "int8", "int4"):
+    for codec in ("fp32", "bf16", "int8", "int4", "int2"):
         for numel, block in ((1000, 64), (37504, 64), (7, 64), (130, 32)):
             enc = encode_tensors({"x": torch.randn(numel)}, codec, block)
             assert encoded_nbytes(numel, codec, block) == wire_bytes(enc), (codec, numel, block)
@@ -188,6 +189,8 @@ def test_int8_codes_are_the_nearest_step_except_at_ties(chunking, seed, n, block
 @pytest.mark.parametrize("seed,n,block", [c for c in _CASES if c[2] % 2 == 0])
 @pytest.mark.slow
 def test_awkward_values_round_trip_within_bound(chunking, name, seed, n, block):
+    if block % PACKED.get(name, 1):
+        pytest.skip(f"{name} takes blocks of a multiple of {PACKED[name]} values")
     x = _awkward(seed, n, block).reshape(-1, 1) if n % 2 else _awkward(seed, n, block).reshape(2, -1)
     c = get_codec(name)
     y = c.decode(c.encode(x, block))
@@ -269,7 +272,7 @@ def test_encoding_copies_the_tensor(name):
     assert all(torch.equal(e.parts[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_parts_that_do_not_fit_the_shape_are_refused(name):
     c = get_codec(name)
     e = c.encode(torch.randn(100), 20)
@@ -291,7 +294,7 @@ def test_parts_that_do_not_fit_the_shape_are_refused(name):
 def test_all_finite_says_what_a_decode_would(name, poison):
     """``all_finite`` reads an int4 or int8 form's scales instead of decoding it; it must agree with a
     decode on every form a peer could send, a scale that decodes to inf included."""
-    from protocol.messages import _INT8_SCALE_MAX, all_finite
+    from protocol.messages import all_finite
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     if poison in ("nan-value", "inf-value"):
@@ -303,9 +306,81 @@ def test_all_finite_says_what_a_decode_would(name, poison):
             "inf-scale": math.inf,
             "nan-scale": math.nan,
             "huge-scale": 3e38,  # finite, yet an int8 code of 127 times it is not
-            "largest-safe-scale": _INT8_SCALE_MAX,
+            "largest-safe-scale": torch.finfo(torch.float32).max / 127.0,  # int8's
         }[poison]
         e = Encoded(e.codec, e.shape, {**e.parts, "s": s})
     assert all_finite(e) == bool(torch.isfinite(get_codec(name).decode(e)).all())
     if poison == "none":
         assert all_finite(e)
+
+
+# --- int2: the four levels of a unit Gaussian's Lloyd-Max quantiser times each block's RMS ------------
+
+_INT2 = torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104])
+
+
+def _ref_int2(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes 0..3 one a value: the nearest level of x / rms, a tie to the lower; the blocks' RMS)."""
+    flat = x.detach().reshape(-1).to(torch.float64)
+    b = torch.cat([flat, flat.new_zeros((-flat.numel()) % block)]).view(-1, block)
+    rms = b.square().mean(dim=1, keepdim=True).sqrt()
+    y = (b / torch.where(rms > 0, rms, torch.ones_like(rms))).reshape(-1, 1)
+    dist = (y - _INT2.to(torch.float64)).abs()
+    return dist.argmin(dim=1), rms.reshape(-1)
+
+
+@pytest.mark.parametrize("seed,n,block", [c for c in _CASES if c[2] % 4 == 0])
+def test_int2_codes_are_the_nearest_level_of_the_block_rms(chunking, seed, n, block):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    e = get_codec("int2").encode(x, block)
+    want, rms = _ref_int2(x, block)
+    assert e.parts["q"].dtype == torch.uint8 and e.parts["q"].numel() == want.numel() // 4
+    assert torch.allclose(e.parts["s"].double(), rms, rtol=1e-5)
+    got = torch.stack([(e.parts["q"] >> (2 * k)) & 3 for k in range(4)], dim=1).reshape(-1).long()
+    near = got == want  # a value within float rounding of a threshold may take either neighbour
+    flat = torch.cat([x, x.new_zeros((-n) % block)]).double()
+    s = e.parts["s"].double().repeat_interleave(block)
+    y = flat / torch.where(s > 0, s, torch.ones_like(s))
+    edge = torch.stack([(y - t).abs() < 1e-5 for t in (-0.9816, 0.0, 0.9816)]).any(dim=0)
+    assert (near | edge).all(), (got[~near][:8], want[~near][:8])
+
+
+def test_int2_is_a_quarter_byte_a_value_and_keeps_zero_blocks_at_zero():
+    x = torch.randn(1024, 64)
+    x[3] = 0.0
+    enc = encode_tensors({"w": x}, "int2", 64)
+    assert wire_bytes(enc) == x.numel() // 4 + (x.numel() // 64) * 4
+    y = get_codec("int2").decode(enc["w"])
+    assert (y[3] == 0).all()
+    levels = y[0].abs().div(enc["w"].parts["s"][0])
+    assert (
+        torch.isclose(levels, torch.tensor(0.4528))
+        .logical_or(torch.isclose(levels, torch.tensor(1.5104)))
+        .all()
+    )
+    # a Gaussian tensor loses about 12% of its energy (Lloyd-Max: 11.75%)
+    assert 0.10 < float((x - y).square().mean() / x.square().mean()) < 0.13
+
+
+def test_int2_of_a_nan_or_inf_is_refused_as_not_finite_not_decoded_to_junk():
+    from protocol.messages import all_finite
+
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(256)
+        x[70] = bad
+        e = get_codec("int2").encode(x, 64)
+        assert not all_finite(e) and not torch.isfinite(get_codec("int2").decode(e)).all()
+        assert torch.isfinite(get_codec("int2").decode(e)[:64]).all()  # the other blocks are untouched
+
+
+def test_int2_block_must_be_a_multiple_of_four():
+    from protocol.config import ProtocolConfig
+    from protocol.errors import ConfigError
+
+    with pytest.raises(ValueError, match="multiple of 4"):
+        get_codec("int2").encode(torch.randn(12), 6)
+    with pytest.raises(ConfigError, match="codec_block"):
+        ProtocolConfig(codec="int2", codec_block=66)
+    with pytest.raises(ConfigError, match="feedback"):
+        ProtocolConfig(feedback="sometimes")

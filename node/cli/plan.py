@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument(
         "--mtbf-h", type=float, default=math.inf, help="mean hours between failures of one site ('inf': none)"
     )
-    sp.add_argument("--codec", default="int4", help="outer gradients on the wire: fp32|bf16|int8|int4")
+    sp.add_argument("--codec", default="int4", help="outer gradients on the wire: fp32|bf16|int8|int4|int2")
     sp.add_argument("--target-util", type=float, default=0.5, help="share of the link the schedule may take")
     sp.add_argument("--overlap", type=int, default=2, help="tau: steps a round's transfers may take")
     sp.add_argument("--sync-every", type=int, help="H: fix it rather than choose it")

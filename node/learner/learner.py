@@ -18,7 +18,7 @@ from node.learner.learner_state import learner_state, load_learner_state
 from node.learner.model import flush_lookup, lean_lookup
 from node.learner.snapshot import Snapshots
 from node.learner.task import Task
-from protocol.codecs import Encoded, encode_tensors
+from protocol.codecs import Encoded, get_codec
 from protocol.config import ProtocolConfig
 from protocol.fragments import FragmentPlan, plan_fragments
 from protocol.learner_book import LearnerBook
@@ -106,6 +106,9 @@ class Learner:
         self.sent: dict[int, list[tuple[tuple[int, int], int, int, dict[str, torch.Tensor]]]] = {}
         self.overwrites = [0] * len(self.plan.fragments)  # per fragment: adoptions that did not keep
         self.kept = False  # the last adoption kept the learner's unmerged progress (carry)
+        # Error feedback (``ProtocolConfig.feedback``): per fragment, what its contributions' codec dropped
+        # and the next contribution of it has not sent yet, fp32 on the host.
+        self.residual: dict[int, dict[str, torch.Tensor]] = {}
         self.last_loss = float("nan")
 
     def attach_unit(self, unit) -> None:
@@ -203,7 +206,23 @@ class Learner:
         delta = self.outer_gradient(p)
         c = self.book.counters[p]
         self._remember(p, delta, c.c_steps, c.c_tokens)
-        return encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)
+        return self._encode(p, delta)
+
+    def _encode(self, p: int, delta: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+        """Fragment p's outer gradient in the wire codec; with error feedback, the gradient plus what the codec
+        dropped of p's earlier contributions, and what it drops now is kept for the next one (``residual``).
+        ``delta`` itself is left as it is (carry keeps it)."""
+        codec, block = get_codec(self.pcfg.codec), self.pcfg.codec_block
+        if not self.pcfg.error_feedback:
+            return {n: codec.encode(d, block) for n, d in delta.items()}
+        kept = self.residual.setdefault(p, {})
+        out = {}
+        for n, d in delta.items():
+            r = kept.get(n)
+            x = d + r if r is not None else d.clone()
+            out[n] = codec.encode(x, block)
+            kept[n] = x.sub_(codec.decode(out[n]))
+        return out
 
     def fragment_params(self, p: int) -> dict[str, torch.Tensor]:
         """Fragment p's whole parameters on the learner's device: the live parameters themselves, or, when
@@ -233,7 +252,7 @@ class Learner:
             }
             if overwrites == self.overwrites[s.fragment]:  # else what it measured is gone already
                 self._remember(s.fragment, delta, c_steps, c_tokens)
-            out.append((tag, s.fragment, encode_tensors(delta, self.pcfg.codec, self.pcfg.codec_block)))
+            out.append((tag, s.fragment, self._encode(s.fragment, delta)))
         return out
 
     def _remember(self, p: int, delta: dict[str, torch.Tensor], c_steps: int, c_tokens: int) -> None:
@@ -320,6 +339,7 @@ class Learner:
         self._whole("join the swarm")
         self.book = LearnerBook(self.plan, step=schedule_step)
         self.sent.clear()
+        self.residual.clear()  # owed to a model this learner no longer holds
         self.overwrites = [n + 1 for n in self.overwrites]
         self.snaps.fence()
         with torch.no_grad():
