@@ -25,6 +25,7 @@ Two things no API fixes, and how they are handled:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -105,6 +106,7 @@ PARENT_HASH, NEW_HASH, HASH_1 = tensors_hash(THETA_BEFORE), tensors_hash(THETA),
 CID = contribution_id(LEARNER.peer_id, 0, 8, T0 + 12.5)
 CID_LATER = contribution_id(LEARNER.peer_id, 0, 9, T0 + 13.0)  # receipted, and left out of the record
 HEADER = ContributionHeader(LEARNER.peer_id, 0, 2, 8, 2048, 0.25, "int4", BLOCK, CID)
+HEADER_INT2 = dataclasses.replace(HEADER, codec="int2")
 DEAD = [PEER.peer_id]
 
 
@@ -132,6 +134,12 @@ def canonical(raw: bytes) -> bytes:
 def contribution() -> bytes:
     """protocol.messages.encode_contribution: the learner's message, int4, one fragment's tensors."""
     return canonical(encode_contribution(HEADER, encode_tensors(DELTA, "int4", BLOCK)))
+
+
+def contribution_int2() -> bytes:
+    """The same message in int2 (what a learner sends with ``--codec int2``): four codes a byte, the blocks'
+    RMS as scales."""
+    return canonical(encode_contribution(HEADER_INT2, encode_tensors(DELTA, "int2", BLOCK)))
 
 
 @functools.cache
@@ -377,6 +385,7 @@ FORMATS = {
     "synchroniser.key": SYNC.libp2p_private_bytes,
     "authority.key": AUTHORITY.libp2p_private_bytes,
     "contribution.bin": contribution,
+    "contribution_int2.bin": contribution_int2,
     "contribute.bin": contribute,
     "record.bin": record,
     "snapshot.bin": snapshot,
@@ -472,6 +481,16 @@ def test_contribution_message():
     """protocol.messages: the contribution message decodes to its header and its tensors, exactly."""
     h, tensors = decode_contribution(stored("contribution.bin"), SPEC[0])
     assert h == HEADER and equal_tensors(tensors, DELTA)
+
+
+def test_int2_contribution_message():
+    """The int2 message decodes to each block's RMS times one of the four levels, the nearest to each value:
+    [1, -0.5, 0.25, -0.125] has RMS 0.5863, and 1 takes the outer level, the rest the inner ones."""
+    h, tensors = decode_contribution(stored("contribution_int2.bin"), SPEC[0])
+    assert h == HEADER_INT2
+    rms = (torch.tensor([1.0, 0.25, 0.0625, 0.015625]).sum() / 4).sqrt()
+    want = rms * torch.tensor([1.5104, -0.4528, 0.4528, -0.4528])
+    torch.testing.assert_close(tensors["w"].reshape(-1)[:4], want)
 
 
 def test_contribute_request():

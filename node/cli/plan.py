@@ -43,7 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument(
         "--mtbf-h", type=float, default=math.inf, help="mean hours between failures of one site ('inf': none)"
     )
-    sp.add_argument("--codec", default="int4", help="outer gradients on the wire: fp32|bf16|int8|int4|int2")
+    sp.add_argument(
+        "--codec", default="int4", help="contributions' outer gradients on the wire: fp32|bf16|int8|int4|int2"
+    )
+    sp.add_argument(
+        "--record-codec",
+        help="the merged outer gradient in merge records, as the node's --record-codec (default: --codec's, "
+        "int4 where that is int2: a node's records stay int4 unless told)",
+    )
     sp.add_argument("--target-util", type=float, default=0.5, help="share of the link the schedule may take")
     sp.add_argument("--overlap", type=int, default=2, help="tau: steps a round's transfers may take")
     sp.add_argument("--sync-every", type=int, help="H: fix it rather than choose it")
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         rtt_s=args.rtt_ms / 1e3,
         mtbf_s=args.mtbf_h * HOUR_S,
         codec=args.codec,
-        record_codec=args.codec,
+        record_codec=args.record_codec or ("int4" if args.codec == "int2" else args.codec),
         target_util=args.target_util,
         overlap=args.overlap,
         sync_every=args.sync_every,

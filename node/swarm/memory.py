@@ -14,6 +14,7 @@ The parts, in the order they are counted:
 - ``history``: what re-anchors an old contribution and serves catch-up (the record log);
 - ``snapshots``: contributions on their way from the learner to the host;
 - ``carry``: contributions a carrying learner keeps until they merge;
+- ``feedback``: what the contributions' codec dropped, owed to the next contribution (error feedback);
 - ``eval``: the evaluation model's own tensors.
 
 Whatever the process holds beyond these (the interpreter, torch's libraries, activations, the allocator's
@@ -41,6 +42,7 @@ PARTS = (
     "history",
     "snapshots",
     "carry",
+    "feedback",
     "eval",
 )
 
@@ -134,6 +136,7 @@ def tally(node: Any) -> Tally:
         t.add("history", _retry(lambda r=r: list(r.history_tensors())))
     t.size("snapshots", _retry(lambda: [x for s in list(lrn.snaps.pending) for x in _tensors(s.host)]))
     t.size("carry", _retry(lambda: list(_tensors(list(lrn.sent.values())))))
+    t.size("feedback", _retry(lambda: list(_tensors(list(getattr(lrn, "residual", {}).values())))))
     ll = getattr(node, "learner_loop", None)
     if ll is not None:
         t.add("eval", _tensors(ll.eval_tensors()))
