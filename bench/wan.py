@@ -15,6 +15,9 @@ per node on a bridge, every node's link capped by ``tc tbf`` in both directions,
   dp-fp32  ``bench/wan_dp.py``: N DDP workers in one gloo process group across the namespaces (DDP's
            gradient buckets all-reduced during the backward pass, fp32 gradients: DDP's default)
   dp-bf16  the same with gradients all-reduced in bf16, as DDP's ``bf16_compress_hook`` does (half the bytes)
+  sync-ar  synchronous DiLoCo as its authors run it (``bench/wan_dp.py --mode diloco``): N workers in one
+           gloo process group, H inner steps each, then an all-reduce of the fp32 outer gradients and the
+           same outer step everywhere (the same H, outer lr and momentum as ours)
 
 all with the embedded default task and model (same initial weights), the same per-learner batch and lr
 schedule, one torch thread per process. Nodes start together (each paused once up, all resumed when the
@@ -64,8 +67,14 @@ from protocol.errors import DDiLoCoError
 
 
 # ------------------------------------------------------------------------------------------ data-parallel
-def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable[[str], None]) -> dict:
-    say(f"starting {cfg.nodes} DDP workers (gloo, {grads} gradients)")
+def run_dp(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callable[[str], None]) -> dict:
+    """A gloo system: ``dp-fp32``, ``dp-bf16`` (DDP), or ``sync-ar`` (synchronous DiLoCo, all-reduce)."""
+    if system == "sync-ar":
+        grads, extra = "fp32", ["--mode", "diloco", "--sync-every", str(cfg.sync_every)]
+        say(f"starting {cfg.nodes} synchronous DiLoCo workers (gloo all-reduce of fp32 outer gradients)")
+    else:
+        grads, extra = system.split("-")[1], []
+        say(f"starting {cfg.nodes} DDP workers (gloo, {grads} gradients)")
     procs = wan_dp.start_workers(
         lab,
         run_dir,
@@ -76,6 +85,7 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
         cfg.gloo_timeout_s,
         cfg.steps,
         cfg.seed,
+        extra,
     )
     ev_path = run_dir / "events.jsonl"
 
@@ -112,7 +122,7 @@ def run_dp(cfg: WanConfig, lab: NetLab, grads: str, run_dir: Path, say: Callable
         "steps": [(r["t0"], r["t1"], r["tokens"]) for r in ev if r["kind"] == "step"],
         "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
         "eval_steps": [(r["step"], r["loss"]) for r in ev if r["kind"] == "eval"],
-        "merges": 0,
+        "merges": (json.loads(final.read_text()).get("rounds") or 0) if final.exists() else 0,
         "final": json.loads(final.read_text()) if final.exists() else {},
     }
     tokens_per_step = learner["steps"][0][2] if learner["steps"] else 0
@@ -156,7 +166,7 @@ def run_all(cfg: WanConfig) -> dict:
                 if system in NODE_SYSTEM:
                     raw = run_nodes(cfg, lab, system, run_dir, say)
                 else:
-                    raw = run_dp(cfg, lab, system.split("-")[1], run_dir, say)
+                    raw = run_dp(cfg, lab, system, run_dir, say)
                 res = analyze(raw, cfg.nodes)
                 if system.startswith("dp-"):
                     res["raw"] = {"learners": raw["learners"], "tokens_per_step": raw["tokens_per_step"]}

@@ -10,7 +10,7 @@ from pathlib import Path
 from node.swarm.settings import NodeSettings
 from protocol.errors import ConfigError
 
-SYSTEMS = ("ours", "ours-q", "sync", "dp-fp32", "dp-bf16")
+SYSTEMS = ("ours", "ours-q", "sync", "sync-ar", "dp-fp32", "dp-bf16")
 NODE_SYSTEM = {"ours": "decoupled", "ours-q": "decoupled", "sync": "sync-diloco"}
 
 
@@ -73,9 +73,10 @@ class WanConfig:
         for c in self.caps:
             if c != "none":
                 rate_bits(c)
-        if self.rtt_ms and any(s.startswith("dp-") for s in self.systems):
+        if self.rtt_ms and any(s not in NODE_SYSTEM for s in self.systems):
             raise ConfigError(
-                "rtt_ms applies to node systems only: DP's gloo group dials the namespaces directly"
+                "rtt_ms applies to node systems only: the gloo systems (DP, sync-ar) dial the namespaces "
+                "directly"
             )
         if self.idle_s < 0:
             raise ConfigError(f"idle_s={self.idle_s:g} is invalid: seconds, 0 for none")

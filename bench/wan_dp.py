@@ -1,5 +1,6 @@
-"""The data-parallel baseline of ``bench/wan.py``: one worker process per network namespace, a real gloo
-process group across them, DDP over the node's default learner.
+"""The baselines of ``bench/wan.py`` that run in one gloo process group: one worker process per network
+namespace, a real gloo process group across them, over the node's default learner. Data-parallel (DDP), and
+synchronous DiLoCo as its authors run it (``--mode diloco``: an all-reduce of fp32 outer gradients).
 
 Each worker is a ``node.learner.learner.Learner`` (the embedded task's model, AdamW, lr schedule, gradient clipping,
 the same per-worker batch as a node) whose forward model is wrapped in ``DistributedDataParallel``, as a
@@ -7,6 +8,13 @@ multi-process learner unit's is (``node.learner.unit``): DDP's gradient buckets 
 backward pass runs, so every step's gradients cross the capped links. ``--grads bf16`` registers the
 equivalent of DDP's ``bf16_compress_hook`` (gradients travel as bf16, half the bytes); ``fp32`` is DDP's
 default.
+
+``--mode diloco``: synchronous DiLoCo as the DiLoCo papers and OpenDiLoCo run it. Each worker takes
+``--sync-every`` H inner steps alone (its own AdamW, kept across rounds), then the group all-reduces the outer
+gradient (the global model less the worker's, fp32, one flat buffer: a ring of 2 (N-1)/N of the model's
+bytes each way on every link), averages it, and every worker takes the same outer step (SGD, lr 0.7,
+Nesterov momentum 0.9, no clipping) and starts again from the new global model. Workers wait for each
+other only in that all-reduce. The model it evaluates is the global one, right after a round.
 
 Rank 0 leads: it evaluates the model every ``--eval-every-s`` (the others wait in the next all-reduce, as
 they would in any DP job), every ``--eval-every-steps`` and after each of ``--eval-at-steps``, and writes
@@ -39,6 +47,7 @@ from pathlib import Path
 from node.common.events import read_events
 
 GRADS = ("fp32", "bf16")
+MODES = ("dp", "diloco")
 REFERENCE_POINTS = 30  # evaluations on the reference run's step grid
 DP_PORT = 29500  # rank 0's rendezvous, on node 0's address inside the lab
 
@@ -58,6 +67,44 @@ def bf16_allreduce_hook(state, bucket):
         return buf
 
     return fut.then(unpack)
+
+
+class OuterSync:
+    """DiLoCo's round over the process group: the outer gradient (global less local), all-reduced in fp32 as
+    one flat buffer and averaged; the outer SGD step with Nesterov momentum on the global model (torch's
+    ``SGD(nesterov=True)``, as OpenDiLoCo takes it); the model set to the new global."""
+
+    def __init__(self, model, lr: float, momentum: float, world: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.params = [p for p in model.parameters()]
+        with torch.no_grad():
+            for p in self.params:  # rank 0's initial model, as DDP broadcasts it
+                dist.broadcast(p.data, src=0)
+        self.glob = [p.detach().clone() for p in self.params]
+        for g in self.glob:
+            g.grad = torch.zeros_like(g)
+        self.opt = torch.optim.SGD(self.glob, lr=lr, momentum=momentum, nesterov=True)
+        self.world = world
+        self.rounds = 0
+
+    def round(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            flat = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(self.glob, self.params)])
+            dist.all_reduce(flat)  # the sum of the workers' outer gradients
+            flat.div_(self.world)
+            at = 0
+            for g in self.glob:
+                g.grad.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
+            self.opt.step()
+            for g, p in zip(self.glob, self.params):
+                p.copy_(g)
+        self.rounds += 1
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -89,10 +136,14 @@ def worker(a: argparse.Namespace) -> int:
         seed=a.seed * 1000 + a.rank + 1,
         device=torch.device("cpu"),
     )
-    ddp = DDP(lrn.model)  # broadcasts rank 0's parameters (all start from the task's one init anyway)
-    if a.grads == "bf16":
-        ddp.register_comm_hook(None, bf16_allreduce_hook)
-    lrn.forward_model = ddp
+    if a.mode == "dp":
+        ddp = DDP(lrn.model)  # broadcasts rank 0's parameters (all start from the task's one init anyway)
+        if a.grads == "bf16":
+            ddp.register_comm_hook(None, bf16_allreduce_hook)
+        lrn.forward_model = ddp
+        outer = None
+    else:
+        outer = OuterSync(lrn.model, a.outer_lr, a.outer_momentum, a.world)
     lrn.tokens_per_step = task.tokens_per_batch * a.world
     lead = a.rank == 0
     ev = open(run_dir / "events.jsonl", "a", encoding="utf-8") if lead else None
@@ -116,6 +167,11 @@ def worker(a: argparse.Namespace) -> int:
     while True:
         t0 = time.time()
         res = lrn.train_step()
+        if outer is not None and lrn.steps % a.sync_every:
+            emit("step", t0=t0, t1=time.time(), step=lrn.steps, tokens=res.tokens, loss=res.loss)
+            continue  # DiLoCo: the group meets once every H steps, in the round's all-reduce
+        if outer is not None:
+            outer.round()  # the step's record spans the round: the time this worker waited for it
         t1 = time.time()
         emit("step", t0=t0, t1=t1, step=lrn.steps, tokens=res.tokens, loss=res.loss)
         if lead:
@@ -128,7 +184,7 @@ def worker(a: argparse.Namespace) -> int:
         dist.broadcast(ctrl, src=0)  # one 8-byte message: every rank leaves after the same step
         if ctrl.item():
             break
-    params = {k: v.detach() for k, v in lrn.model.named_parameters()}
+    params = {k: v.detach() for k, v in lrn.model.named_parameters()}  # after a round: the global model
     doc = {
         "rank": a.rank,
         "steps": lrn.steps,
@@ -136,6 +192,8 @@ def worker(a: argparse.Namespace) -> int:
         "eval_loss": do_eval() if lead else None,
         "model_hash": tensors_hash(params),  # every rank's: DDP keeps them identical
         "grads": a.grads,
+        "mode": a.mode,
+        "rounds": outer.rounds if outer is not None else None,
         "world": a.world,
     }
     (run_dir / f"final-{a.rank}.json").write_text(json.dumps(doc, indent=1))
@@ -253,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0's rendezvous")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--grads", choices=GRADS, default="fp32", help="gradients on the wire")
+    ap.add_argument("--grads", choices=GRADS, default="fp32", help="gradients on the wire (dp)")
+    ap.add_argument("--mode", choices=MODES, default="dp", help="data-parallel, or synchronous DiLoCo")
+    ap.add_argument("--sync-every", type=int, default=24, help="H: inner steps between rounds (diloco)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate (diloco)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (diloco)")
     ap.add_argument("--eval-every-s", type=float, default=10.0)
     ap.add_argument("--eval-every-steps", type=int, default=0, help="also evaluate every N steps (0: off)")
     ap.add_argument("--eval-at-steps", default="", help="also evaluate after these steps (comma-separated)")

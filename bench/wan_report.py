@@ -8,10 +8,12 @@ import bisect
 
 TARGET_DP = 10.0  # ours / data-parallel tokens/s
 TARGET_SYNC = 2.0  # ours / synchronous DiLoCo tokens/s
+SYNCS = ("sync", "sync-ar")  # synchronous DiLoCo: on our nodes (a star through one synchroniser), and gloo's
 LABEL = {
     "ours": "ours (decoupled)",
     "ours-q": "ours, K=M-1",
     "sync": "sync DiLoCo",
+    "sync-ar": "sync DiLoCo, all-reduce",
     "dp-fp32": "DP fp32 grads",
     "dp-bf16": "DP bf16 grads",
 }
@@ -287,7 +289,8 @@ def render(res: dict) -> str:
                 f"{ref['compared_evals']} evaluations of the capped runs at the same steps, {gap}"]  # fmt: skip
     out += ["", "== tokens/s against the cap"]
     rows = [["cap", *[LABEL[s] for s in systems]]]
-    rows[0] += [h for m in mine for h in (f"{m}/sync", f"{m}/best DP")]
+    syncs = [s for s in SYNCS if s in systems]
+    rows[0] += [h for m in mine for h in (*(f"{m}/{s}" for s in syncs), f"{m}/best DP")]
     for cap, row in results.items():
         good = ok(row)
         cells = [
@@ -297,7 +300,8 @@ def render(res: dict) -> str:
         dp = best_dp(good)
         for m in mine:
             ok_m = m in good
-            cells.append(f"{compare(good, 'sync', m)['ratio']:.2f}x" if ok_m and "sync" in good else "-")
+            for sy in syncs:
+                cells.append(f"{compare(good, sy, m)['ratio']:.2f}x" if ok_m and sy in good else "-")
             cells.append(f"{compare(good, dp, m)['ratio']:.2f}x ({LABEL[dp][3:7]})" if dp and ok_m else "-")
         rows.append(cells)
     out.append(_cols(rows))
@@ -307,7 +311,9 @@ def render(res: dict) -> str:
     for cap, row in results.items():
         good = ok(row)
         pairs = [
-            (m, o, t) for m in ours_keys(good) for o, t in (("sync", TARGET_SYNC), (best_dp(good), TARGET_DP))
+            (m, o, t)
+            for m in ours_keys(good)
+            for o, t in (*((sy, TARGET_SYNC) for sy in SYNCS), (best_dp(good), TARGET_DP))
         ]
         for ours, other, target in pairs:
             if other not in good:

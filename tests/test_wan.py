@@ -1,5 +1,6 @@
 """The WAN comparison's parts (``bench/wan.py``): its token and eval-loss accounting on hand-built records,
-and (root only) the data-parallel baseline's gloo group across two capped network namespaces."""
+and (root only) the gloo baselines' groups (data-parallel, synchronous DiLoCo) across two capped network
+namespaces."""
 
 from __future__ import annotations
 
@@ -111,6 +112,72 @@ def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
 
     params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
     assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
+
+
+def test_sync_diloco_workers_meet_every_h_steps_in_an_all_reduce_across_two_capped_namespaces(tmp_path):
+    """Optional (root and iproute2): ``--mode diloco`` with H = 3 in two namespaces. Both ranks end on one
+    model after rounds on different data; the link carried each round's fp32 outer gradient, and H times
+    fewer bytes than DP's all-reduce of every step's gradients would have."""
+    from tests.netns_util import open_lab
+
+    wan_dp = _load("wan_dp")
+    lab = open_lab(2, "100mbit", "s")
+    procs = []
+    extra = ["--mode", "diloco", "--sync-every", "3"]
+    try:
+        procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100, 0, extra)
+        deadline = time.monotonic() + 120
+        ev = tmp_path / "events.jsonl"
+        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= 7):
+            assert all(p.poll() is None for p in procs), (tmp_path / "worker-1.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the DiLoCo group did not take 7 steps within 120 s"
+            time.sleep(0.5)
+        wan_dp.stop_workers(procs, tmp_path, timeout_s=60)
+        sent, received = lab.link_bytes(1)
+    finally:
+        wan_dp.kill_workers(procs)
+        lab.close()
+    assert [p.returncode for p in procs] == [0, 0]
+    finals = [json.loads((tmp_path / f"final-{r}.json").read_text()) for r in range(2)]
+    assert finals[0]["steps"] == finals[1]["steps"] == 3 * finals[0]["rounds"] and finals[0]["rounds"] >= 3
+    assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one global model
+    from node.learner.task import TaskConfig, load_task
+
+    params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
+    rounds = finals[1]["rounds"]
+    assert rounds * params * 4 * 0.95 <= min(sent, received)
+    assert max(sent, received) < finals[1]["steps"] * params * 4 * 0.5
+
+
+def test_the_outer_step_of_sync_diloco_is_nesterov_sgd_on_the_averaged_outer_gradient(tmp_path):
+    """``OuterSync.round`` in a group of one: the global model moves by lr (g + mu g) on its first round
+    (Nesterov, momentum from zero) with g = global - local, and the model is set to it; the second round
+    carries the momentum."""
+    import torch
+    import torch.distributed as dist
+
+    wan_dp = _load("wan_dp")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        start = [p.detach().clone() for p in model.parameters()]
+        sync = wan_dp.OuterSync(model, lr=0.7, momentum=0.9, world=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1)  # H inner steps moved every parameter by -0.1: g = +0.1
+        sync.round()
+        for p, p0 in zip(model.parameters(), start):
+            torch.testing.assert_close(p.detach(), p0 - 0.7 * (0.1 + 0.9 * 0.1))
+        after = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1)
+        sync.round()  # momentum 0.9 * 0.1 + 0.1 = 0.19; Nesterov: g + mu * m = 0.1 + 0.171
+        for p, p1 in zip(model.parameters(), after):
+            torch.testing.assert_close(p.detach(), p1 - 0.7 * (0.1 + 0.9 * 0.19))
+        assert sync.rounds == 2
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_cpu_quota_holds_each_node_and_every_process_it_starts():
