@@ -219,12 +219,13 @@ def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undon
     """3 honest nodes and one running ``bench/hostile_node.py sync-flip`` in a public swarm: when elected it signs
     records that merge the negated contributions (parent, new hash and counters all consistent; only an audit
     can tell). Every honest node bans it, every record of it an honest node applied is convicted, at most 3 of
-    its rounds per fragment get in, and the honest nodes end on one hash."""
+    its rounds per fragment get in, and the honest nodes end on one hash. The learners send int2 with error
+    feedback (``--codec int2``): the auditors recompute merges from the same int2 contributions."""
     from bench.attacks import start_hostile
     from node.local.launcher import wait_ready
     from tests.swarm_util import TINY, Swarm, wait_until
 
-    swarm = Swarm(tmp_path, TINY)
+    swarm = Swarm(tmp_path, TINY + ["--codec", "int2"])
     try:
         swarm.start_many(3)
         # a fresh process, not forked: forked (it joins seconds sooner) one suite run found a record of
@@ -260,6 +261,9 @@ def test_a_synchroniser_that_signs_negated_merges_is_banned_everywhere_and_undon
         )
         per_fragment = [sum(1 for f, _ in applied if f == p) for p in range(4)]
         assert max(per_fragment) <= 3, per_fragment
+        # every honest learner keeps its residual: at most one fp32 copy of the weights, once each fragment
+        mem = [s["memory"] for s in swarm.status().values()]
+        assert all(0 < m["host"]["feedback"] <= m["weights_bytes"] for m in mem), mem
         for i in range(
             3
         ):  # what each applied of it was undone (or never stayed: a later snapshot replaced it)
