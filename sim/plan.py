@@ -25,8 +25,8 @@ message's small packets, the acknowledgements). Catch-up is left out (nothing at
 
 The baselines, as their authors run them: data-parallel training all-reduces the gradients every step (a ring:
 each worker sends 2 (M - 1) / M of them, in bf16 or fp32, and waits 2 (M - 1) round trips); synchronous
-DiLoCo sends the whole model in fp32 to one synchroniser every H steps and waits for it to come back (M - 1
-models into one site, and M - 1 out). What they block is that time, against the step.
+DiLoCo all-reduces its fp32 outer gradients the same way every H steps, and waits for it. What they block is
+that time, against the step.
 
 What is chosen, and why:
 
@@ -200,11 +200,10 @@ def baselines(site: Site, sync_every: int) -> list[Baseline]:
         sent = 2 * (m - 1) / m * n * width if m > 1 else 0.0
         wait = sent / rate + (2 * (m - 1) * site.rtt_s if m > 1 else 0.0)
         out.append(Baseline(name, sent, wait, wait / (wait + site.step_s), sent * 8 / site.step_s / 1e9))
-    # synchronous DiLoCo: every H steps each learner sends its fp32 model to one synchroniser, which takes
-    # M - 1 of them in over its link and sends the merged model back out to M - 1
+    # synchronous DiLoCo: every H steps a ring all-reduce of the fp32 outer gradients (bench/wan.py sync-ar)
     model = 4 * n
-    sent = model * (1 + (m - 1)) / m / sync_every if m > 1 else 0.0  # averaged over nodes and steps
-    wait = (2 * (m - 1) * model / rate + 2 * site.rtt_s) / sync_every if m > 1 else 0.0
+    sent = 2 * (m - 1) / m * model / sync_every if m > 1 else 0.0  # averaged over steps
+    wait = (2 * (m - 1) / m * model / rate + 2 * (m - 1) * site.rtt_s) / sync_every if m > 1 else 0.0
     out.append(Baseline("sync-diloco", sent, wait, wait / (wait + site.step_s), sent * 8 / site.step_s / 1e9))
     return out
 
