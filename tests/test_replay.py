@@ -194,7 +194,7 @@ def test_the_command_prints_the_real_run_beside_its_replays(tmp_path, capsys):
     [
         ("quorum=2,speed=3", "'speed' is unknown"),
         ("quorum=two", "quorum='two' is invalid"),
-        ("codec=int2", "codec='int2' is invalid"),
+        ("codec=int3", "codec='int3' is invalid"),
         ("grace=maybe", "grace='maybe' is invalid"),
         ("learners=-1", "learners='-1' is invalid"),
         ("quorum", "'quorum' is invalid: write KEY=VALUE"),
