@@ -86,6 +86,13 @@ def node_flags(system: str, nodes: int) -> list[str]:
     return []
 
 
+def protocol_flags(system: str, args) -> list[str]:
+    """``--codec`` and ``--sync-every`` of the decoupled systems: given to the nodes and the runner alike."""
+    if not system.startswith("decoupled"):
+        return []
+    return ["--codec", args.codec] + (["--sync-every", str(args.sync_every)] if args.sync_every else [])
+
+
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -111,6 +118,7 @@ def real_run(system: str, scenario: str, seed: int, args, run_dir: Path) -> dict
         seed=seed,
         model=FailureModel(mtbf_s=0.0),
         node_flags=node_flags(system, args.nodes)
+        + protocol_flags(system, args)
         + task_flags(args)
         + ["--eval-every-s", str(args.eval_every_s)]
         + args.node_flags.split(),
@@ -282,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TaskConfig.batch_size,
         help="sequences per inner step (as ddiloco node)",
     )
+    ap.add_argument(
+        "--codec",
+        default="int4",
+        help="the decoupled systems' contributions (nodes and runner): int4 | int2 | ...",
+    )
+    ap.add_argument("--sync-every", type=int, default=0, help="H of the decoupled systems (0: the default)")
     ap.add_argument("--node-flags", default="", help="more flags for every node (not the runner)")
     ap.add_argument("--run-dir", default="", help="where the runs' node dirs go (default: a new temp dir)")
     ap.add_argument(

@@ -5,6 +5,7 @@ scored as the nodes are (learners per merge, goodput from the moment every learn
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from bench.parity_curves import eval_at, merged_curve
 from node.common.events import EventLog
@@ -81,6 +82,9 @@ def runner_run(system: str, scenario: str, seed: int, tokens: int, real: dict, a
     swarm ended on after its quiet period."""
     step_s, join_s = real["step_s"], real.get("join_s", ())
     name, pcfg = runner_setup(system, args.nodes)
+    if system.startswith("decoupled"):  # the protocol flags both drivers take (bench/parity.py)
+        codec, h = getattr(args, "codec", pcfg.codec), getattr(args, "sync_every", 0)  # (older saved runs)
+        pcfg = replace(pcfg, codec=codec, sync_every=h or pcfg.sync_every)
     starts = list(join_s) + [0.0] * (args.nodes - len(join_s))
     pace = real.get("pace") or []
     firsts = real.get("first_steps") or [[]] * args.nodes
