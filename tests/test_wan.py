@@ -81,56 +81,22 @@ def test_against_dp_the_loss_is_read_on_the_reference_curve_past_the_capped_run(
 
 
 # ------------------------------------------------------------------------------------------ namespaces
-@pytest.mark.slow
-def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
-    """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
-    different data both ranks hold the same model, and the gradients' bytes crossed the link."""
-    from tests.netns_util import open_lab
-
-    wan_dp = _load("wan_dp")
-    lab = open_lab(2, "100mbit", "d")
-    procs = []
-    try:
-        procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100)
-        deadline = time.monotonic() + 120
-        ev = tmp_path / "events.jsonl"
-        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= 3):
-            assert all(p.poll() is None for p in procs), (tmp_path / "worker-1.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the DP group did not take 3 steps within 120 s"
-            time.sleep(0.5)
-        wan_dp.stop_workers(procs, tmp_path, timeout_s=60)
-        sent, received = lab.link_bytes(1)
-    finally:
-        wan_dp.kill_workers(procs)
-        lab.close()
-    assert [p.returncode for p in procs] == [0, 0]
-    finals = [json.loads((tmp_path / f"final-{r}.json").read_text()) for r in range(2)]
-    assert finals[0]["steps"] == finals[1]["steps"] >= 3
-    assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one model: averaged
-    # every step all-reduces the fp32 gradients: with 2 ranks each sends and receives the whole model
+def _gloo_group(tmp_path, tag: str, steps: int, extra: list[str]) -> tuple[list[dict], int, int, int]:
+    """Two ``bench/wan_dp.py`` workers in two namespaces on 100mbit links, until rank 0 recorded ``steps``
+    steps, then stopped: (each rank's final document, bytes node 1 sent and received, the model's values)."""
     from node.learner.task import TaskConfig, load_task
-
-    params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
-    assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
-
-
-def test_sync_diloco_workers_meet_every_h_steps_in_an_all_reduce_across_two_capped_namespaces(tmp_path):
-    """Optional (root and iproute2): ``--mode diloco`` with H = 3 in two namespaces. Both ranks end on one
-    model after rounds on different data; the link carried each round's fp32 outer gradient, and H times
-    fewer bytes than DP's all-reduce of every step's gradients would have."""
     from tests.netns_util import open_lab
 
     wan_dp = _load("wan_dp")
-    lab = open_lab(2, "100mbit", "s")
+    lab = open_lab(2, "100mbit", tag)
     procs = []
-    extra = ["--mode", "diloco", "--sync-every", "3"]
     try:
         procs = wan_dp.start_workers(lab, tmp_path, 29500, "fp32", 60.0, 4, 120.0, 100, 0, extra)
         deadline = time.monotonic() + 120
         ev = tmp_path / "events.jsonl"
-        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= 7):
+        while not (ev.exists() and ev.read_text().count('"kind": "step"') >= steps):
             assert all(p.poll() is None for p in procs), (tmp_path / "worker-1.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the DiLoCo group did not take 7 steps within 120 s"
+            assert time.monotonic() < deadline, f"the group did not take {steps} steps within 120 s"
             time.sleep(0.5)
         wan_dp.stop_workers(procs, tmp_path, timeout_s=60)
         sent, received = lab.link_bytes(1)
@@ -139,11 +105,29 @@ def test_sync_diloco_workers_meet_every_h_steps_in_an_all_reduce_across_two_capp
         lab.close()
     assert [p.returncode for p in procs] == [0, 0]
     finals = [json.loads((tmp_path / f"final-{r}.json").read_text()) for r in range(2)]
+    params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
+    return finals, sent, received, params
+
+
+@pytest.mark.slow
+def test_dp_workers_average_gradients_across_two_capped_namespaces(tmp_path):
+    """Optional (root and iproute2): two DDP workers in two namespaces, 100mbit links; after a few steps on
+    different data both ranks hold the same model, and the gradients' bytes crossed the link."""
+    finals, sent, received, params = _gloo_group(tmp_path, "d", 3, [])
+    assert finals[0]["steps"] == finals[1]["steps"] >= 3
+    assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one model: averaged
+    # every step all-reduces the fp32 gradients: with 2 ranks each sends and receives the whole model
+    assert min(sent, received) >= finals[1]["steps"] * params * 4 * 0.95
+
+
+@pytest.mark.slow
+def test_sync_diloco_workers_meet_every_h_steps_in_an_all_reduce_across_two_capped_namespaces(tmp_path):
+    """Optional (root and iproute2): ``--mode diloco`` with H = 3 in two namespaces. Both ranks end on one
+    model after rounds on different data; the link carried each round's fp32 outer gradient, and H times
+    fewer bytes than DP's all-reduce of every step's gradients would have."""
+    finals, sent, received, params = _gloo_group(tmp_path, "s", 7, ["--mode", "diloco", "--sync-every", "3"])
     assert finals[0]["steps"] == finals[1]["steps"] == 3 * finals[0]["rounds"] and finals[0]["rounds"] >= 3
     assert finals[0]["model_hash"] == finals[1]["model_hash"]  # different batches, one global model
-    from node.learner.task import TaskConfig, load_task
-
-    params = sum(p.numel() for p in load_task(None, TaskConfig()).new_model().parameters())
     rounds = finals[1]["rounds"]
     assert rounds * params * 4 * 0.95 <= min(sent, received)
     assert max(sent, received) < finals[1]["steps"] * params * 4 * 0.5
