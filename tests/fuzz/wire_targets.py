@@ -68,7 +68,8 @@ def contribution_seeds() -> list[bytes]:
     g = torch.Generator().manual_seed(0)
     x = {n: torch.randn(*s, generator=g) for n, s in SPEC.items()}
     return [
-        encode_contribution(_header(c), encode_tensors(x, c, 16)) for c in ("fp32", "bf16", "int8", "int4")
+        encode_contribution(_header(c), encode_tensors(x, c, 16))
+        for c in ("fp32", "bf16", "int8", "int4", "int2")
     ]
 
 
@@ -106,7 +107,7 @@ PEEK = Target(
 @functools.cache
 def parts_seeds() -> list[tuple[dict[str, torch.Tensor], str, int]]:
     out = []
-    for raw, codec in zip(contribution_seeds(), ("fp32", "bf16", "int8", "int4")):
+    for raw, codec in zip(contribution_seeds(), ("fp32", "bf16", "int8", "int4", "int2")):
         out.append((dict(st_load(raw)), codec, 16))
     return out
 
@@ -116,7 +117,7 @@ def _mutate_parts(rng: random.Random, value: tuple) -> tuple:
     tensors = dict(tensors)
     op = rng.randrange(4)
     if op == 0:
-        codec = rng.choice(["fp32", "bf16", "int8", "int4", "int3", "", "FP32"])
+        codec = rng.choice(["fp32", "bf16", "int8", "int4", "int2", "int3", "", "FP32"])
     elif op == 1:
         block = rng.choice([0, -1, 1, 3, 15, 16, 17, 1 << 20, (1 << 20) + 1, 1 << 62])
     elif op == 2 and tensors:
