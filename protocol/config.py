@@ -68,8 +68,8 @@ class ProtocolConfig:
         default="auto",
         metadata={
             "help": "error feedback: a learner adds what its last contribution of a fragment lost to the codec "
-            "to its next one (a residual of the fragment's fp32 size) | auto: on for int2, off otherwise | "
-            "on | off"
+            "to its next one (a residual kept in int8, a quarter of the weights' fp32 bytes) | auto: on for "
+            "int2, off otherwise | on | off"
         },
     )
     codec_block: int = field(default=64, metadata={"help": "elements per quantisation scale"})

@@ -136,7 +136,11 @@ def tally(node: Any) -> Tally:
         t.add("history", _retry(lambda r=r: list(r.history_tensors())))
     t.size("snapshots", _retry(lambda: [x for s in list(lrn.snaps.pending) for x in _tensors(s.host)]))
     t.size("carry", _retry(lambda: list(_tensors(list(lrn.sent.values())))))
-    t.size("feedback", _retry(lambda: list(_tensors(list(getattr(lrn, "residual", {}).values())))))
+    held = getattr(lrn, "residual", {})  # per fragment, per tensor: its int8 wire form
+    t.size(
+        "feedback",
+        _retry(lambda: [x for d in list(held.values()) for e in d.values() for x in e.parts.values()]),
+    )
     ll = getattr(node, "learner_loop", None)
     if ll is not None:
         t.add("eval", _tensors(ll.eval_tensors()))
