@@ -117,13 +117,14 @@ def run_dp(cfg: WanConfig, lab: NetLab, system: str, run_dir: Path, say: Callabl
     finally:
         wan_dp.kill_workers(procs)
     ev = read_events(ev_path)
-    final = run_dir / "final-0.json"
+    final_path = run_dir / "final-0.json"
+    final = json.loads(final_path.read_text()) if final_path.exists() else {}
     learner = {
         "steps": [(r["t0"], r["t1"], r["tokens"]) for r in ev if r["kind"] == "step"],
         "evals": [(r["t"], r["loss"]) for r in ev if r["kind"] == "eval"],
         "eval_steps": [(r["step"], r["loss"]) for r in ev if r["kind"] == "eval"],
-        "merges": (json.loads(final.read_text()).get("rounds") or 0) if final.exists() else 0,
-        "final": json.loads(final.read_text()) if final.exists() else {},
+        "merges": final.get("rounds") or 0,  # sync-ar's rounds; DP merges nothing
+        "final": final,
     }
     tokens_per_step = learner["steps"][0][2] if learner["steps"] else 0
     # one record stream for the whole group: its steps are every worker's steps at once

@@ -87,6 +87,7 @@ _INT4_DECODE = torch.stack([_INT4_SIGNED.repeat(16), _INT4_SIGNED.repeat_interle
 _INT4_DECODE = _INT4_DECODE.contiguous().view(torch.int64).reshape(256)
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_INT2_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _int4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +186,14 @@ def _wire_blocks(e: Encoded, values_per_q: int) -> tuple[int, int, int, torch.Te
             f"shape {list(e.shape)}",
         )
     return n, (-(-n // block) if n else 0), block, q, s
+
+
+def _int2_table(device: torch.device) -> torch.Tensor:
+    """``_INT2_DECODE`` on ``device``, copied there once (as ``_int4_tables``)."""
+    table = _INT2_TABLES.get(device)
+    if table is None:
+        table = _INT2_TABLES[device] = _INT2_DECODE.to(device)
+    return table
 
 
 def _rms_scales(xb: torch.Tensor, work: torch.Tensor, s: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
@@ -335,7 +344,7 @@ class Int2:
         if e.parts["q"].dtype != torch.uint8:
             raise ProtocolError(RejectCode.WRONG_SHAPE, f"int2 codes must be uint8, got {e.parts['q'].dtype}")
         n, blocks, block, q, s = _wire_blocks(e, 4)
-        table = _INT2_DECODE.to(q.device)
+        table = _int2_table(q.device)
         out = torch.empty(blocks * block, dtype=torch.float32, device=q.device)  # whole blocks, as q
         for b0, o in _out_pieces(out, blocks, block):
             b1 = b0 + o.shape[0]
