@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rtt-ms",
         type=float,
         default=d.rtt_ms,
-        help="a round trip added between every two nodes, by a relay holding each byte half of it each way "
-        "(node systems only; default: none)",
+        help="a round trip added between every two nodes, every system: a delay line in the hub holds each "
+        "packet half of it (default: none)",
     )
     ap.add_argument(
         "--seed", type=int, default=d.seed, help="data seed: node and DP rank i read with seed*1000+i+1"

@@ -236,7 +236,7 @@ def render(res: dict) -> str:
             else ", shared by all nodes (no quota)"
         )
         + (
-            f"; {cfg['rtt_ms']:g} ms round trip between every two nodes (a relay in user space)"
+            f"; {cfg['rtt_ms']:g} ms round trip between every two nodes (a delay line for packets, in user space)"
             if cfg.get("rtt_ms")
             else ""
         ),

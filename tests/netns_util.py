@@ -8,14 +8,15 @@ import shutil
 import pytest
 
 
-def open_lab(nodes: int, rate: str, tag: str):
+def open_lab(nodes: int, rate: str, tag: str, rtt_ms: float = 0.0):
     """A ``node.chaos.netns.NetLab`` of ``nodes`` namespaces with links capped at ``rate``, opened; the test is
-    skipped where namespaces cannot be made (not root, no iproute2, or the kernel refuses)."""
+    skipped where namespaces cannot be made (not root, no iproute2, or the kernel refuses). ``rtt_ms``: a
+    round trip added between every two nodes (a delay line in the hub; it needs ``/dev/net/tun``)."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("network namespaces need root and iproute2")
     from node.chaos.netns import NetLab, NetnsError
 
-    lab = NetLab(nodes, rate=rate, tag=f"{tag}{os.getpid() % 100000}")
+    lab = NetLab(nodes, rate=rate, tag=f"{tag}{os.getpid() % 100000}", rtt_ms=rtt_ms)
     try:
         lab.open()
     except NetnsError as e:

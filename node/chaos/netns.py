@@ -8,8 +8,13 @@
 Every link and address lives in namespaces made here (names ``ddc<tag>-...``); the host's own interfaces,
 routes and firewall are never touched, and nothing a node sends can leave them. A node's link may be capped
 with a token bucket (``tc tbf``, both directions: egress of eth0 is its upload, egress of its hub port its
-download; ``netem`` is not available, so there is no added delay). A partition moves some nodes' hub ports
-onto the second bridge; healing moves them back. The harness reaches a node's status endpoint (loopback
+download). A partition moves some nodes' hub ports onto the second bridge; healing moves them back.
+
+``netem`` is not available, so a round trip (``rtt_ms``) is added in user space, at the IP layer: the hub
+routes instead of bridging (a /32 route and proxy ARP per port, the hub at ``10.201.0.254``), a policy rule
+sends every packet that comes in on a hub port into a TUN device, and a delay line holding that device
+(``node.chaos.delay``) writes each packet back half the round trip later, to be routed on to its destination.
+Every protocol crosses it alike (libp2p, the DHT, gloo), and nodes keep their own addresses. The harness reaches a node's status endpoint (loopback
 inside the node's namespace) from a short-lived thread that enters that namespace (``setns``), so no link
 joins the host either. ``close()`` deletes the namespaces (after their processes are gone); it runs on exit
 and on Ctrl+C. Needs root and iproute2.
@@ -41,7 +46,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.201.0"
-RELAY_PORT = 41000  # with a round trip (``rtt_ms``): node i listens on RELAY_PORT + i, as does its relay
+HUB_ADDR = f"{SUBNET}.254"  # the hub's own address when it routes (``rtt_ms``)
+DELAY_TABLE = "100"  # the routing table that sends what comes in on a hub port into the delay line
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (``cpu.cfs_quota_us``)
 
 
@@ -79,20 +85,19 @@ class NetLab:
         """``burst``: the token bucket's depth. 32kbit holds rates up to ~100mbit here; a faster cap needs
         about 1 ms of its rate (a 4 KB bucket lets 1000mbit through at ~400 Mbit/s on this machine).
         ``cpu``: CPU cores each node may use (0: no quota). ``rtt_ms``: a round trip added between every two
-        nodes, by a relay in the hub that holds each byte half of it each way (``node.chaos.delay``; nodes
-        started by ``start`` listen behind it and announce its address)."""
+        nodes, by a delay line in the hub that holds each packet half of it (``node.chaos.delay``)."""
         if os.geteuid() != 0:
             raise ConfigError("--netns needs root (it creates network namespaces); run without it otherwise")
         if not 1 <= nodes <= 250:
             raise ConfigError(f"nodes={nodes} is invalid for --netns: 1 to 250")
-        if not 0 <= rtt_ms <= 10_000 or (rtt_ms and nodes > 150):
-            raise ConfigError(f"rtt_ms={rtt_ms:g} is invalid: 0 to 10000 ms, for at most 150 nodes")
+        if not 0 <= rtt_ms <= 10_000:
+            raise ConfigError(f"rtt_ms={rtt_ms:g} is invalid: 0 to 10000 ms")
         if cpu < 0 or cpu > (os.cpu_count() or 1):
             raise ConfigError(f"cpu={cpu:g} is invalid: cores per node, 0 (no quota) to {os.cpu_count()}")
         if cpu and not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
             raise ConfigError(f"a CPU quota per node needs cgroup v1's cpu controller at {CPU_CGROUPS}")
         self.nodes, self.rate, self.burst, self.cpu, self.rtt_ms = nodes, rate, burst, cpu, rtt_ms
-        self.relay: subprocess.Popen | None = None
+        self.delay_line: subprocess.Popen | None = None
         self.groups: list[Path] = []
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"ddc{self.tag}-hub"
@@ -106,10 +111,6 @@ class NetLab:
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
-    def relay_addr(self, i: int) -> str:
-        """Where peers reach node ``i`` with a round trip set: its relay's address, in the hub."""
-        return f"{SUBNET}.{i + 101}"
-
     def open(self) -> NetLab:
         try:
             self._make()
@@ -121,6 +122,8 @@ class NetLab:
     def _make(self) -> None:
         _ip("netns", "add", self.hub)
         self.made.append(self.hub)
+        if self.rtt_ms:
+            self._route_in_hub()
         for br in ("br0", "br1"):
             _ip("-n", self.hub, "link", "add", br, "type", "bridge")
             _ip("-n", self.hub, "link", "set", br, "up")
@@ -134,7 +137,10 @@ class NetLab:
             _ip("-n", ns, "link", "set", tmp, "name", "eth0")
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
+            if self.rtt_ms:
+                self._route_port(i)
+            else:
+                _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br0")
             _ip("-n", self.hub, "link", "set", f"h{i}", "up")
             if self.rate:
                 for where, dev in ((ns, "eth0"), (self.hub, f"h{i}")):
@@ -147,36 +153,56 @@ class NetLab:
                 period = int((group / "cpu.cfs_period_us").read_text())
                 (group / "cpu.cfs_quota_us").write_text(str(int(self.cpu * period)))
         if self.rtt_ms:
-            self._start_relay()
+            self._start_delay()
 
-    def _start_relay(self) -> None:
-        routes = []
-        for i in range(self.nodes):
-            _ip("-n", self.hub, "addr", "add", f"{self.relay_addr(i)}/24", "dev", "br0")
-            port = RELAY_PORT + i
-            routes.append(f"{self.relay_addr(i)}:{port}={self.addr(i)}:{port}")
+    def _sysctl(self, *settings: str) -> None:
+        """Kernel settings of the hub namespace (``net.*`` is per namespace)."""
+        cmd = ["ip", "netns", "exec", self.hub, "sysctl", "-qw", *settings]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        if out.returncode != 0:
+            raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+
+    def _route_in_hub(self) -> None:
+        _ip("-n", self.hub, "link", "set", "lo", "up")
+        _ip("-n", self.hub, "addr", "add", f"{HUB_ADDR}/32", "dev", "lo")
+        self._sysctl(
+            "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"
+        )
+
+    def _route_port(self, i: int) -> None:
+        """Node ``i``'s hub port as a routed link: the hub answers its ARP for the other nodes (at once, not
+        after proxy ARP's default random wait), reaches it by a /32, and sends what it sends to the delay."""
+        port = f"h{i}"
+        self._sysctl(f"net.ipv4.conf.{port}.proxy_arp=1", f"net.ipv4.neigh.{port}.proxy_delay=0",
+                     f"net.ipv4.conf.{port}.rp_filter=0")  # fmt: skip
+        _ip("-n", self.hub, "link", "set", port, "up")
+        _ip("-n", self.hub, "route", "add", f"{self.addr(i)}/32", "dev", port, "src", HUB_ADDR)
+        _ip("-n", self.hub, "rule", "add", "iif", port, "lookup", DELAY_TABLE)
+
+    def _start_delay(self) -> None:
         cmd = ["ip", "netns", "exec", self.hub, sys.executable, "-m", "node.chaos.delay"]
-        cmd += ["--one-way-ms", f"{self.rtt_ms / 2:g}", *routes]
+        cmd += ["--one-way-ms", f"{self.rtt_ms / 2:g}", "--dev", "tun0"]
         # only its first line is read: its output past that goes nowhere, so that no pipe fills
-        self.relay = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.delay_line = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.relay.stdout.readline()), daemon=True)
+        reader = threading.Thread(target=lambda: box.append(self.delay_line.stdout.readline()), daemon=True)
         reader.start()
         reader.join(30)
-        if not box or "relaying" not in box[0]:
-            raise NetnsError(
-                f"the delaying relay did not start within 30 s: {box[0] if box else '(no output)'}"
-            )
+        if not box or "delaying" not in box[0]:
+            raise NetnsError(f"the delay line did not start within 30 s: {box[0] if box else '(no output)'}")
+        self._sysctl("net.ipv4.conf.tun0.rp_filter=0")
+        _ip("-n", self.hub, "link", "set", "tun0", "up")
+        _ip("-n", self.hub, "route", "add", "default", "dev", "tun0", "table", DELAY_TABLE)
 
     def close(self) -> None:
-        if self.relay is not None:
-            self.relay.terminate()
+        if self.delay_line is not None:
+            self.delay_line.terminate()
             try:
-                self.relay.wait(timeout=10)
+                self.delay_line.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.relay.kill()
-                self.relay.wait(timeout=10)
-            self.relay = None
+                self.delay_line.kill()
+                self.delay_line.wait(timeout=10)
+            self.delay_line = None
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         self.made.clear()
@@ -204,15 +230,7 @@ class NetLab:
 
     # ------------------------------------------------------------------ nodes
     def node_flags(self, i: int) -> list[str]:
-        if not self.rtt_ms:
-            return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
-        port = RELAY_PORT + i  # peers dial the relay, which holds each byte half the round trip each way
-        return [
-            "--host-maddrs",
-            f"/ip4/{self.addr(i)}/tcp/{port}",
-            "--announce-maddrs",
-            f"/ip4/{self.relay_addr(i)}/tcp/{port}",
-        ]
+        return ["--host-maddrs", f"/ip4/{self.addr(i)}/tcp/0"]
 
     def start(self, index: int, run_dir: Path, flags: list[str], peers: list[str]) -> Child:
         """``node.local.launcher.start_node`` inside node ``index``'s namespace (``ip netns exec`` execs, so the
@@ -316,7 +334,7 @@ class NetLab:
     # ------------------------------------------------------------------ faults
     def partition(self, side: set[int]) -> None:
         """Move ``side``'s hub ports to the second bridge: they reach each other, not the rest."""
-        if self.rtt_ms:  # the relays live on the first bridge: the moved side would reach no one
+        if self.rtt_ms:  # the hub routes then: there is no bridge to move a port to
             raise ConfigError("a partition with a round trip set (rtt_ms) is not supported")
         for i in side:
             _ip("-n", self.hub, "link", "set", f"h{i}", "master", "br1")
