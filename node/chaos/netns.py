@@ -14,9 +14,10 @@ download). A partition moves some nodes' hub ports onto the second bridge; heali
 routes instead of bridging (a /32 route and proxy ARP per port, the hub at ``10.201.0.254``), a policy rule
 sends every packet that comes in on a hub port into a TUN device, and a delay line holding that device
 (``node.chaos.delay``) writes each packet back half the round trip later, to be routed on to its destination.
-Every protocol crosses it alike (libp2p, the DHT, gloo), and nodes keep their own addresses. The harness reaches a node's status endpoint (loopback
-inside the node's namespace) from a short-lived thread that enters that namespace (``setns``), so no link
-joins the host either. ``close()`` deletes the namespaces (after their processes are gone); it runs on exit
+Every protocol crosses it alike (libp2p, the DHT, gloo), and nodes keep their own addresses.
+
+The harness reaches a node's status endpoint (loopback inside the node's namespace) from a short-lived
+thread that enters that namespace (``setns``), so no link joins the host either. ``close()`` deletes the namespaces (after their processes are gone); it runs on exit
 and on Ctrl+C. Needs root and iproute2.
 
 With ``cpu`` > 0 each node also gets a CPU quota of its own (a cgroup-v1 ``cpu`` group ``ddc<tag>-n<i>``,
@@ -55,21 +56,22 @@ class NetnsError(DDiLoCoError):
     """A namespace, link or qdisc could not be made; the message has the command and its error."""
 
 
-def _ip(*args: str) -> None:
-    cmd = ["ip", *args]
+def _run(cmd: list[str], hint: str = "") -> None:
+    """``cmd``, or NetnsError with the command, its error and ``hint``."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NetnsError(f"{' '.join(cmd)}: {e}") from e
     if out.returncode != 0:
-        raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()} (needs root and iproute2)")
+        raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}{hint}")
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args], " (needs root and iproute2)")
 
 
 def _tc(ns: str, *args: str) -> None:
-    cmd = ["tc", "-n", ns, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-    if out.returncode != 0:
-        raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+    _run(["tc", "-n", ns, *args])
 
 
 class NetLab:
@@ -124,7 +126,7 @@ class NetLab:
         self.made.append(self.hub)
         if self.rtt_ms:
             self._route_in_hub()
-        for br in ("br0", "br1"):
+        for br in () if self.rtt_ms else ("br0", "br1"):  # a routing hub bridges nothing
             _ip("-n", self.hub, "link", "add", br, "type", "bridge")
             _ip("-n", self.hub, "link", "set", br, "up")
         for i in range(self.nodes):
@@ -157,10 +159,7 @@ class NetLab:
 
     def _sysctl(self, *settings: str) -> None:
         """Kernel settings of the hub namespace (``net.*`` is per namespace)."""
-        cmd = ["ip", "netns", "exec", self.hub, "sysctl", "-qw", *settings]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-        if out.returncode != 0:
-            raise NetnsError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+        _run(["ip", "netns", "exec", self.hub, "sysctl", "-qw", *settings])
 
     def _route_in_hub(self) -> None:
         _ip("-n", self.hub, "link", "set", "lo", "up")
